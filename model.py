@@ -1,0 +1,291 @@
+"""A Llama-family transformer with a static KV cache, written to be compiled and CUDA-graphed.
+
+Read top to bottom: ModelArgs (the config), Transformer (embedding, layers, head, caches,
+checkpoint loading), TransformerBlock, Attention, KVCache, FeedForward, RMSNorm, RoPE helpers.
+
+Shapes: B batch, S new tokens this call, L cache length (max_seq_length), H query heads,
+Hkv key/value heads, D head_dim. Q and K weight rows use the Hugging Face "rotate-half" layout,
+so Hugging Face checkpoints need no permutation (GGUF files do: see convert_gguf.py).
+"""
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    intermediate_size: int
+    n_kv_heads: int | None = None  # None: multi-head attention (= n_heads)
+    head_dim: int | None = None  # None: dim // n_heads (Qwen3 and some Mistrals set it apart)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3.1 style: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: dict | None = None
+    max_seq_len: int = 4096  # the model's context length
+    tie_embeddings: bool = False  # output head shares the token embedding (SmolLM2, Llama 3.2 1B/3B)
+    attention_bias: bool = False  # bias on q, k, v (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE (Qwen3)
+
+    def __post_init__(self):
+        # Derived fields are filled only when the checkpoint left them unset.
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) is not a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.rope_scaling is not None:
+            missing = {"factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"} - set(self.rope_scaling)
+            if missing:
+                raise ValueError(f"rope_scaling lacks {sorted(missing)}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_batch_size = -1
+        self.max_seq_length = -1
+        self._register_load_state_dict_pre_hook(self._load_hook)
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
+        """Allocate the KV cache, RoPE table and key positions once; a call with a smaller or
+        equal size keeps (and reuses) what is there."""
+        if max_batch_size <= self.max_batch_size and max_seq_length <= self.max_seq_length:
+            return
+        if max_seq_length > self.args.max_seq_len:
+            raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's context "
+                             f"of {self.args.max_seq_len} tokens")
+        max_batch_size = max(max_batch_size, self.max_batch_size)
+        max_seq_length = max(max_seq_length, self.max_seq_length)
+        weight = self.tok_embeddings.weight
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, self.args.n_kv_heads, max_seq_length,
+                                               self.args.head_dim, weight.dtype, weight.device)
+        cos, sin = rope_table(self.args, max_seq_length, weight.device)
+        self.register_buffer("rope_cos", cos.to(weight.dtype), persistent=False)  # [L, D]
+        self.register_buffer("rope_sin", sin.to(weight.dtype), persistent=False)
+        self.register_buffer("kv_pos", torch.arange(max_seq_length, device=weight.device), persistent=False)
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """idx [B, S] token ids at positions input_pos [S] -> logits [B, S, vocab].
+
+        Writes the new keys and values into the cache at input_pos and attends to every cached
+        position <= the query's. (input_pos of shape [B, S], per-sequence positions, flows through
+        the same indexing; the cache update is the one place that needs a scatter for it.)"""
+        if self.max_seq_length < 0:
+            raise RuntimeError("call setup_caches() before forward()")
+        x = self.tok_embeddings(idx)
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [S, D]
+        mask = self.kv_pos <= input_pos.unsqueeze(-1)  # [S, L]: True where a query may look
+        for layer in self.layers:
+            x = layer(x, input_pos, cos, sin, mask)
+        return self.output(self.norm(x))
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(cls, path, device="cpu", dtype=torch.bfloat16) -> "Transformer":
+        """Load a checkpoint directory written by convert_hf_checkpoint.py (or quantize.py).
+
+        The model is built on the meta device (no memory, no random init), the weights are
+        memory-mapped and each is cast and moved once, then assigned in place of the meta ones."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = read_config(path)
+        if config.get("quantization"):
+            raise ValueError(f"{path}: quantized checkpoints ({config['quantization']}) are not supported yet")
+        weights = path / "model.safetensors"
+        if not weights.is_file():
+            raise FileNotFoundError(f"{path}: no model.safetensors")
+        with torch.device("meta"):
+            model = cls(config["args"])
+        try:
+            state = load_file(weights)  # memory-mapped: nothing is read until used
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{weights}: not a readable safetensors file ({e})") from None
+        state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+                 for k, v in state.items()}
+        try:
+            model.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ValueError(f"{weights}: weights do not match config.json: {str(e).splitlines()[1:3]}") from None
+        if model.args.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared one
+        return model.eval()
+
+    def _load_hook(self, state, prefix, *args):
+        """Checkpoints hold q, k, v and gate, up separately (as every source does); fuse them
+        here into one matrix each, so decode launches fewer, larger matmuls."""
+        if self.args.tie_embeddings:
+            state.pop(prefix + "output.weight", None)
+            state[prefix + "output.weight"] = state[prefix + "tok_embeddings.weight"]
+        for i in range(self.args.n_layers):
+            p = f"{prefix}layers.{i}."
+            for suffix in ("weight", "bias"):
+                names = [f"{p}attention.{w}.{suffix}" for w in ("wq", "wk", "wv")]
+                if all(n in state for n in names):
+                    state[f"{p}attention.wqkv.{suffix}"] = torch.cat([state.pop(n) for n in names])
+            names = [f"{p}feed_forward.{w}.weight" for w in ("w1", "w3")]
+            if all(n in state for n in names):
+                state[f"{p}feed_forward.w13.weight"] = torch.cat([state.pop(n) for n in names])
+
+
+def read_config(path: Path) -> dict:
+    """config.json of a checkpoint directory, with "args" parsed into ModelArgs."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json)")
+    try:
+        config = json.loads(file.read_text())
+        config["args"] = ModelArgs.from_dict(config["model"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{file}: invalid checkpoint config ({e})") from None
+    return config
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, input_pos, cos, sin, mask):
+        h = x + self.attention(self.attention_norm(x), input_pos, cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.split = [q_size, kv_size, kv_size]
+        self.wqkv = nn.Linear(args.dim, q_size + 2 * kv_size, bias=args.attention_bias)
+        self.wo = nn.Linear(q_size, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x, input_pos, cos, sin, mask):
+        B, S, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H or Hkv, S, D]
+        k, v = self.kv_cache.update(input_pos, k, v)  # [B, Hkv, L, D]: the whole cache
+        # Grouped-query attention without repeating K and V in memory (enable_gqa).
+        y = F.scaled_dot_product_attention(q, k[:B], v[:B], attn_mask=mask.unsqueeze(-3), enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+
+
+class KVCache(nn.Module):
+    """Static cache [max_batch, Hkv, max_seq, D], allocated once and written in place."""
+
+    def __init__(self, max_batch_size, n_kv_heads, max_seq_length, head_dim, dtype, device):
+        super().__init__()
+        shape = (max_batch_size, n_kv_heads, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos, k, v):
+        # input_pos [S], k and v [B, Hkv, S, D]: rows B.. of a larger cache are left alone.
+        B = k.shape[0]
+        self.k_cache[:B].index_copy_(2, input_pos, k)
+        self.v_cache[:B].index_copy_(2, input_pos, v)
+        return self.k_cache, self.v_cache
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(x w1) * x w3), with w1 (gate) and w3 (up) fused into one matrix."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in float32 (as the reference does), scale in the model's dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies [D/2], with Llama-3.1 scaling when the config has it: long
+    wavelengths are divided by `factor`, short ones kept, and the band between interpolated."""
+    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim)
+    if args.rope_scaling is None:
+        return inv_freq.float()
+    s = args.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
+    # smooth = 0 beyond old_len / low (scaled by 1/factor), 1 below old_len / high (unchanged).
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return scaled.float()
+
+
+def rope_table(args: ModelArgs, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, D] for rotate-half RoPE: each frequency appears in both halves."""
+    inv_freq = rope_frequencies(args).to(device)
+    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, S, heads, D]; cos, sin [S, D]. Rotates the pairs (x[i], x[i + D/2]).
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin

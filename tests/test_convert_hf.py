@@ -1,0 +1,260 @@
+"""Logits parity with transformers' own model classes, for tiny random checkpoints of every
+supported family written by save_pretrained and converted by our converter."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import convert_hf_checkpoint as conv
+from model import ModelArgs, Transformer, read_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 40  # longer than the rope-scaled configs' original context, so scaling matters
+
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5)
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+
+FAMILIES = {
+    "llama2_mha": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4)),
+    "llama31_gqa_scaled": ("LlamaConfig", "LlamaForCausalLM",
+                           dict(num_key_value_heads=2, hidden_size=128, rope_parameters=LLAMA31_ROPE)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None)),
+    "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, rope_theta=1e6)),
+    "qwen3_qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=24)),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def make_hf_model(family: str, seed: int = 0):
+    config_cls, model_cls, extra = FAMILIES[family]
+    kwargs = {**BASE, **extra}
+    if "rope_theta" in kwargs:  # transformers 5 takes theta inside rope_parameters
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    # Random values everywhere: default init leaves biases at 0 and norms at 1, which would hide
+    # a bias or norm that is dropped or misplaced.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.08)
+    return model
+
+
+def save(model, path: Path, **kwargs) -> Path:
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def load_converted(src: Path, out: Path) -> Transformer:
+    conv.convert(str(src), out, dtype="fp32")
+    model = Transformer.from_checkpoint(out, device="cpu", dtype=torch.float32)
+    model.setup_caches(max_batch_size=2, max_seq_length=64)
+    return model
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor):
+    scale = ref.abs().max().item()
+    err = (ours.float() - ref.float()).abs().max().item()
+    assert err <= 1e-4 * scale, f"max abs diff {err:.3g} > 1e-4 x logit scale {scale:.3g}"
+
+
+def check_parity(hf_model, ours: Transformer):
+    torch.manual_seed(1)
+    idx = torch.randint(0, BASE["vocab_size"], (2, SEQ))
+    with torch.no_grad():
+        ref = hf_model(idx).logits
+        full = ours(idx, torch.arange(SEQ))
+        assert_close(full, ref)
+        # prefill then one-token cached decode
+        pre = ours(idx[:, :-1], torch.arange(SEQ - 1))
+        last = ours(idx[:, -1:], torch.tensor([SEQ - 1]))
+    assert_close(pre, ref[:, :-1])
+    assert_close(last, ref[:, -1:])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_parity(family, tmp_path):
+    hf = make_hf_model(family)
+    ours = load_converted(save(hf, tmp_path / "hf"), tmp_path / "ours")
+    check_parity(hf, ours)
+
+
+def test_llama31_hub_config_style(tmp_path):
+    """The hub's Llama-3.1 config.json has rope_theta + rope_scaling, not rope_parameters."""
+    hf = make_hf_model("llama31_gqa_scaled")
+    src = save(hf, tmp_path / "hf")
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = rope
+    (src / "config.json").write_text(json.dumps(cfg))
+    ours = load_converted(src, tmp_path / "ours")
+    assert ours.args.rope_scaling["factor"] == 8.0 and ours.args.rope_theta == 500000.0
+    check_parity(hf, ours)
+
+
+def test_sharded_safetensors(tmp_path):
+    hf = make_hf_model("llama31_gqa_scaled", seed=3)
+    src = save(hf, tmp_path / "hf", max_shard_size="100KB")
+    assert (src / "model.safetensors.index.json").is_file() and len(list(src.glob("*.safetensors"))) > 2
+    check_parity(hf, load_converted(src, tmp_path / "ours"))
+
+
+def test_pytorch_bin(tmp_path):
+    hf = make_hf_model("qwen2_bias", seed=4)
+    src = tmp_path / "hf"
+    hf.config.save_pretrained(src)
+    torch.save(hf.state_dict(), src / "pytorch_model.bin")  # the pre-safetensors format
+    check_parity(hf, load_converted(src, tmp_path / "ours"))
+
+
+def test_checkpoint_layout(tmp_path):
+    """DESIGN.md's checkpoint directory: unfused weights in our names, the config, bf16 default."""
+    hf = make_hf_model("llama_tied")
+    out = tmp_path / "ours"
+    conv.convert(str(save(hf, tmp_path / "hf")), out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] is None and "hugging face" in config["source"]
+    args = ModelArgs.from_dict(config["model"])
+    assert (args.n_kv_heads, args.head_dim, args.tie_embeddings) == (2, 16, True)
+    state = load_file(out / "model.safetensors")
+    assert "output.weight" not in state  # tied: stored once
+    assert state["layers.0.attention.wq.weight"].dtype == torch.bfloat16
+    assert {"layers.1.feed_forward.w1.weight", "layers.1.feed_forward.w3.weight"} <= set(state)
+    model = Transformer.from_checkpoint(out, dtype=torch.float32)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.layers[0].attention.wqkv.weight.shape == (64 + 2 * 32, 64)
+
+
+def test_weight_map_round_trip():
+    hf = make_hf_model("qwen3_qknorm")
+    for name in hf.state_dict():
+        ours = conv.rename(name, conv.WEIGHT_MAP)
+        assert ours is not None, name
+        assert conv.rename(ours, conv.INVERSE_WEIGHT_MAP) == name
+
+
+def test_unknown_config_key_is_an_error():
+    with pytest.raises(ValueError, match="unknown model config keys"):
+        ModelArgs.from_dict({"dim": 8, "n_layers": 1, "n_heads": 2, "vocab_size": 4,
+                             "intermediate_size": 8, "sliding_window": 4})
+
+
+def test_derived_fields_kept_when_given():
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=8, intermediate_size=8, head_dim=24)
+    assert (args.head_dim, args.n_kv_heads) == (24, 4)
+
+
+def test_setup_caches_reuses_allocation(tmp_path):
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=8, intermediate_size=16, max_seq_len=64)
+    model = Transformer(args)
+    model.setup_caches(2, 32)
+    cache = model.layers[0].attention.kv_cache.k_cache
+    assert cache.shape == (2, 2, 32, 16)  # [B, Hkv, L, D]: KV heads not repeated
+    model.setup_caches(1, 16)
+    assert model.layers[0].attention.kv_cache.k_cache is cache
+    model.setup_caches(2, 48)
+    assert model.layers[0].attention.kv_cache.k_cache.shape == (2, 2, 48, 16)
+    with pytest.raises(ValueError, match="context"):
+        model.setup_caches(1, 65)
+
+
+# -- the command line: bad input gives one line and a non-zero exit, and leaves nothing behind --
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "convert_hf_checkpoint.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def assert_one_line_error(result, out: Path, needle: str):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()  # progress lines may come before the error
+    errors = [line for line in lines if line.startswith("error:")]
+    assert errors == [lines[-1]] and needle in lines[-1], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary left behind"
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> Path:
+    return save(make_hf_model("llama2_mha"), tmp_path_factory.mktemp("tiny") / "hf")
+
+
+def test_cli_bad_inputs(tiny_hf, tmp_path):
+    import shutil
+
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli(tmp_path / "nope", "--out", out), out, "no such file")
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_hf, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_one_line_error(run_cli(truncated, "--out", out), out, "model.safetensors")
+
+    garbage = tmp_path / "garbage"
+    shutil.copytree(tiny_hf, garbage)
+    (garbage / "model.safetensors").write_bytes(b"\x00\x01not a safetensors file" * 100)
+    assert_one_line_error(run_cli(garbage, "--out", out), out, "model.safetensors")
+
+    other = tmp_path / "gpt2"
+    shutil.copytree(tiny_hf, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(run_cli(other, "--out", out), out, "unsupported architecture 'gpt2'")
+
+    bad_gguf = tmp_path / "bad.gguf"
+    bad_gguf.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 20)
+    assert_one_line_error(run_cli(bad_gguf, "--out", out), out, "bad.gguf")
+
+
+def test_cli_converts_refuses_existing_and_warns_without_tokenizer(tiny_hf, tmp_path):
+    out = tmp_path / "out"
+    first = run_cli(tiny_hf, "--out", out, "--dtype", "fp16")
+    assert first.returncode == 0, first.stderr
+    assert "no tokenizer files" in first.stderr
+    assert read_config(out)["args"].n_layers == 2
+    assert load_file(out / "model.safetensors")["norm.weight"].dtype == torch.float16
+    again = run_cli(tiny_hf, "--out", out)
+    assert again.returncode != 0 and "already exists" in again.stderr and "--force" in again.stderr
+    forced = run_cli(tiny_hf, "--out", out, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert load_file(out / "model.safetensors")["norm.weight"].dtype == torch.bfloat16
+
+
+def test_hub_repo_id_argument_handling(monkeypatch, tmp_path):
+    """A SOURCE that is not a path but looks like owner/name goes to the hub (unreachable here:
+    the download is replaced by one that records the call; the network client is not tested)."""
+    seen = []
+
+    def fake_download(repo_id):
+        seen.append(repo_id)
+        raise conv.ConversionError(f"could not download {repo_id} from the hub: offline")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(conv, "download_from_hub", fake_download)
+    with pytest.raises(conv.ConversionError, match="could not download org/model"):
+        conv.read_source("org/model")
+    assert seen == ["org/model"]
+    with pytest.raises(conv.ConversionError, match="no such file"):
+        conv.read_source("not/a/repo/id")
+    assert conv.default_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "SmolLM2-135M-Instruct"
+
+
+def test_hub_download_reports_unreachable_hub_in_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(conv.ConversionError, match="could not download org/model from the hub"):
+        conv.download_from_hub("org/model")
