@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import codecs
 import json
 import re
 import warnings
@@ -121,37 +120,40 @@ LLAMA2_TEMPLATE = (
 class StreamDecoder:
     """Incremental detokenizer: push(id) returns the newly completed text.
 
-    It decodes a small window ids[prefix:] and emits what it adds to ids[prefix:read] (the
-    already-emitted tail), so context-dependent rendering is identical in both decodes: the
-    SentencePiece "▁" prefix space that decode() drops on a sequence's first piece is dropped from
-    both, and the text of later pieces keeps its leading space. While the window's text ends in
-    U+FFFD, an incomplete UTF-8 character (e.g. the first bytes of an emoji spread over byte
-    tokens) is being held back and nothing is emitted. Only the emitted part is forgotten, so the
-    window is a couple of tokens, growing only while a character is incomplete.
+    It keeps a short window of ids: some already-emitted context followed by not-yet-emitted
+    tokens, and emits decode(window) minus decode(context). Rendering that depends on position is
+    then the same in both decodes: SentencePiece drops the "▁" prefix space of a sequence's first
+    piece (and of following pieces while the text is still empty), which is dropped from both,
+    while later pieces keep their leading space. The context is the last emission's tokens,
+    extended while they show no visible character: a context decoding to "" would make
+    SentencePiece strip the next piece's space too. While the window's text ends in U+FFFD, an
+    incomplete UTF-8 character (e.g. an emoji split over byte tokens) is held back. Each push
+    decodes a few tokens; the window grows only while a character is incomplete or the output is
+    whitespace-only.
     """
 
     def __init__(self, tokenizer: "Tokenizer"):
         self._tok = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0  # window start: context tokens, already emitted
-        self._read = 0  # ids[:read] have been emitted
+        self._ids: list[int] = []  # context + pending tokens
+        self._read = 0  # ids[:read] is the context (already emitted)
 
     def push(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        text = self._tok.decode(self._ids[self._prefix:])
+        before = self._tok.decode(self._ids[:self._read])
+        text = self._tok.decode(self._ids)
         if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        # Keep one emitted token as context for the next window, drop the rest.
-        self._ids = self._ids[self._read:]
-        self._prefix, self._read = 0, len(self._ids)
-        return text[len(before):]
+        out = text[len(before):]
+        if out.strip():  # the new tokens alone are a safe context; forget the old one
+            self._ids = self._ids[self._read:]
+        self._read = len(self._ids)
+        return out
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character decodes to U+FFFD) and reset."""
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        text = self._tok.decode(self._ids[self._prefix:])
-        self._ids, self._prefix, self._read = [], 0, 0
+        before = self._tok.decode(self._ids[:self._read])
+        text = self._tok.decode(self._ids)
+        self._ids, self._read = [], 0
         return text[len(before):]
 
 
@@ -200,8 +202,8 @@ class Tokenizer(ABC):
         return found if found is not None else self._added_tokens.get(token)
 
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
-        """Token ids of text; bos=None prepends BOS iff self.add_bos. BOS is never doubled: text
-        that already starts with the BOS token's text gets no second one."""
+        """Token ids of text; bos=None prepends BOS iff self.add_bos. BOS is never doubled: when
+        the text's own ids already start with BOS (its special-token text), none is added."""
         ids = self._encode_text(text)
         return self._with_bos(ids) if (self.add_bos if bos is None else bos) else ids
 
@@ -210,9 +212,10 @@ class Tokenizer(ABC):
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the checkpoint's Jinja template (or the built-in for its format)."""
-        if self._compiled_template is None:
-            self._compiled_template = _jinja_env().from_string(self.chat_template or self._fallback_template())
-        return self._compiled_template.render(
+        source = self.chat_template or self._fallback_template()
+        if self._compiled_template is None or self._compiled_template[0] != source:
+            self._compiled_template = (source, _jinja_env().from_string(source))
+        return self._compiled_template[1].render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
@@ -253,8 +256,8 @@ class Tokenizer(ABC):
 
         bos_text, eos_text = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
         self.bos_id = self._resolve(bos_text, "bos_token")
-        if self.bos_id is None:
-            self.bos_id = gen.get("bos_token_id")
+        if self.bos_id is None and isinstance(gen.get("bos_token_id"), int):
+            self.bos_id = gen["bos_token_id"]
         if self.bos_id is None:
             self.bos_id = self._default_bos_id
 
@@ -263,7 +266,7 @@ class Tokenizer(ABC):
         if config_eos is not None:
             self.eos_ids.add(config_eos)
         gen_eos = gen.get("eos_token_id")
-        self.eos_ids.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+        self.eos_ids.update(i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) if isinstance(i, int))
 
         add_bos = config.get("add_bos_token")
         self.add_bos = add_bos if isinstance(add_bos, bool) else self._default_add_bos
@@ -308,7 +311,7 @@ class HFTokenizer(Tokenizer):
         # We always encode with add_special_tokens=False and add BOS ourselves, so it is never doubled.
         plain = self._tok.encode("a", add_special_tokens=False).ids
         full = self._tok.encode("a", add_special_tokens=True).ids
-        if len(full) == len(plain) + 1 and full[1:] == plain:
+        if len(full) > len(plain) and full[1:len(plain) + 1] == plain:  # "<s> $A" or "<s> $A </s>"
             self._default_bos_id, self._default_add_bos = full[0], True
         specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self._default_stop_tokens = {specials[t] for t in KNOWN_STOP_TOKENS if t in specials}
@@ -321,7 +324,7 @@ class HFTokenizer(Tokenizer):
         return self._encode_text(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def _vocab_lookup(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -426,7 +429,7 @@ class TiktokenTokenizer(Tokenizer):
         return self._encode_text(text)
 
     def decode(self, ids: list[int]) -> str:
-        return self._enc.decode(list(ids))  # errors="replace": partial UTF-8 shows as U+FFFD
+        return self._enc.decode([int(i) for i in ids])  # errors="replace": partial UTF-8 is U+FFFD
 
     def _vocab_lookup(self, token: str) -> int | None:
         found = self._special.get(token)
