@@ -233,23 +233,23 @@ REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja"]
+BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 
 
 def download_from_hub(repo_id: str) -> Path:
     """Download only what conversion needs (with huggingface_hub's progress bars); .bin
     weights only when the repo has no safetensors."""
-    from huggingface_hub import list_repo_files, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub import snapshot_download
 
+    print(f"downloading {repo_id} from the Hugging Face hub...", file=sys.stderr)
     try:
-        files = list_repo_files(repo_id)
-        patterns = HUB_PATTERNS if any(f.endswith(".safetensors") for f in files) else \
-            HUB_PATTERNS + ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
-        print(f"downloading {repo_id} from the Hugging Face hub...", file=sys.stderr)
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+        if not list(path.glob("*.safetensors")):
+            path = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS + BIN_PATTERNS))
+    except Exception as e:  # network, auth and not-found errors come from several libraries
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConversionError(f"could not download {repo_id} from the hub: {first}") from None
+    return path
 
 
 # -- writing ----------------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ class Transformer(nn.Module):
             raise ValueError(f"{weights}: weights do not match config.json: {str(e).splitlines()[1:3]}") from None
         if model.args.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared one
-        return model.eval()
+        return model.eval().requires_grad_(False)
 
     def _load_hook(self, state, prefix, *args):
         """Checkpoints hold q, k, v and gate, up separately (as every source does); fuse them

@@ -1,0 +1,392 @@
+"""Generate text with a Llama-family model: prefill eagerly, then decode one token per step
+through a compiled (on CUDA: CUDA-graphed) step that never waits for the host.
+
+    python generate.py --prompt "Tell me about CUDA graphs" [--checkpoint DIR] [--chat]
+
+The decode path, in reading order:
+  Sampling / sample()        graph-safe greedy, temperature, top-k and top-p
+  prefill()                  the prompt in one forward (dynamic shape: eager or compiled dynamic)
+  decode_one_token()         one step on static buffers: the unit that is compiled and graphed
+  Generator.generate()       the host loop: runs steps, reads tokens back every K steps, stops
+"""
+import argparse
+import contextlib
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model import Transformer, read_config
+from tokenizer import load_tokenizer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 1."""
+
+
+# -- sampling: fixed-shape ops only, no host sync ---------------------------------------------
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.8  # 0: greedy
+    top_k: int | None = 200
+    top_p: float | None = None
+
+    def check(self, vocab_size: int) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise UsageError(f"--temperature must be >= 0 (got {self.temperature})")
+        if self.top_k is not None and not 1 <= self.top_k:
+            raise UsageError(f"--top-k must be >= 1 (got {self.top_k})")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1] (got {self.top_p})")
+
+
+def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [B, V] -> sampling distribution [B, V] in float32."""
+    logits = logits.float() / s.temperature
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if s.top_p is not None and s.top_p < 1:
+        # Keep the smallest prefix of the sorted distribution whose mass reaches top_p: a token is
+        # dropped when the mass before it already does. Full-vocabulary sort: a fixed shape.
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= s.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]. argmax(p / E) with E ~ Exponential(1) draws from p (the
+    exponential race) without torch.multinomial, which syncs with the host."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits, s)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
+# -- the two phases ------------------------------------------------------------------------------
+
+def prefill(model: Transformer, idx: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """idx [B, S] prompt -> first generated token [B]. Shapes vary with the prompt, so this runs
+    eagerly or compiled with dynamic=True, never as one graph per length."""
+    input_pos = torch.arange(idx.shape[1], device=idx.device)
+    logits = model(idx, input_pos)
+    return sample(logits[:, -1], s)
+
+
+def decode_one_token(model: Transformer, token: torch.Tensor, pos: torch.Tensor,
+                     tokens: torch.Tensor, s: Sampling) -> None:
+    """One decode step, entirely on the device and in place on static buffers:
+    token [B, 1] the last token, pos [1] its position, tokens [B, L] the sequence so far.
+    Writes the next token into `token` and `tokens[:, pos + 1]` and advances `pos`. Returns
+    nothing, so no graph output needs cloning; the host reads `tokens` every K steps."""
+    logits = model(token, pos)  # [B, 1, V]
+    nxt = sample(logits[:, -1], s).unsqueeze(-1)  # [B, 1]
+    pos.add_(1)
+    token.copy_(nxt)
+    tokens.index_copy_(1, pos, nxt)
+
+
+class Generator:
+    """Holds the model, its static decode buffers and the compiled step."""
+
+    def __init__(self, model: Transformer, sampling: Sampling, compile_decode: bool,
+                 compile_prefill: bool = False, stop_check_interval: int = 8):
+        self.model, self.sampling = model, sampling
+        self.device = model.tok_embeddings.weight.device
+        self.stop_check_interval = stop_check_interval
+        self.compiled = compile_decode
+        self.step = decode_one_token
+        if compile_decode:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs
+            self.step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
+        self.prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
+        self.buffers = None
+        self.warm = False
+        self.compile_s = 0.0
+
+    def _setup(self, batch: int, length: int):
+        """Static buffers, allocated once at the largest size seen. Their addresses never change,
+        which is what lets a captured graph read and write them on every replay."""
+        self.model.setup_caches(batch, length)
+        B, L = self.model.max_batch_size, self.model.max_seq_length
+        if self.buffers is None or self.buffers[2].shape != (B, L):
+            token = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+            pos = torch.zeros(1, dtype=torch.long, device=self.device)
+            tokens = torch.zeros(B, L, dtype=torch.long, device=self.device)
+            for t in (token, pos, tokens):
+                torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
+            self.buffers = (token, pos, tokens)
+            self.warm = False
+        return self.buffers
+
+    @torch.no_grad()
+    def generate(self, prompt: list[list[int]], max_new_tokens: int, stop_ids: set[int] = frozenset()):
+        """Yield lists of new tokens per row, as they are read back from the device (every
+        stop_check_interval steps). Output equals a per-token stop check: tokens after a row's
+        stop token are dropped, and generation ends when every row has stopped."""
+        B, S = len(prompt), len(prompt[0])
+        token, pos, tokens = self._setup(B, S + max_new_tokens)
+        idx = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        first = self.prefill(self.model, idx, self.sampling)  # [B]
+        token[:B, 0] = first
+        tokens[:B, S] = first
+        pos.fill_(S)
+        stopped = [False] * B
+        done = S  # tokens[:, S:done] are the new tokens the host has already seen
+        steps = max_new_tokens - 1  # decode steps; the first token came from prefill
+        i = 0
+        while True:
+            new = tokens[:B, done:S + 1 + i].tolist()  # the one host sync every K steps
+            done = S + 1 + i
+            out = []
+            for b, row in enumerate(new):
+                if stopped[b]:
+                    row = []
+                for j, t in enumerate(row):
+                    if t in stop_ids:
+                        row, stopped[b] = row[: j + 1], True
+                        break
+                out.append(row)
+            yield out
+            if all(stopped) or i >= steps:
+                return
+            for _ in range(min(self.stop_check_interval, steps - i)):
+                self._decode_step(token, pos, tokens)
+                i += 1
+
+    def _decode_step(self, token, pos, tokens):
+        if self.warm or not self.compiled:
+            self.step(self.model, token, pos, tokens, self.sampling)
+            return
+        # First calls compile (and on CUDA record the graph); time them apart from generation.
+        start = time.perf_counter()
+        self.step(self.model, token, pos, tokens, self.sampling)
+        synchronize(self.device)
+        self.compile_s += time.perf_counter() - start
+        self._warm_calls = getattr(self, "_warm_calls", 0) + 1
+        self.warm = self._warm_calls >= 3  # compile, CUDA-graph warm-up run, record
+
+    @contextlib.contextmanager
+    def no_recompiles(self):
+        """After warm-up a recompile is an error naming the guard that failed, never a silent
+        slowdown (dynamo raises with the failed guard in its message)."""
+        if not self.compiled:
+            yield
+            return
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            try:
+                yield
+            except torch._dynamo.exc.RecompileError as e:
+                raise RuntimeError(f"decode recompiled after warm-up: {str(e).strip().splitlines()[-1]}") from e
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Generate text with a Llama-family model.")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: the default model, prepared on first use)")
+    p.add_argument("--prompt", default="Hello, my name is", help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin until EOF")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="default: bf16 on CUDA, fp32 on the CPU (see README)")
+    p.add_argument("--compile", dest="compile", action="store_true", default=None,
+                   help="compile decode (default on CUDA: CUDA graphs; see README for the CPU)")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--compile-prefill", action="store_true", help="compile prefill with dynamic shapes")
+    p.add_argument("--stop-check-interval", type=int, default=8, metavar="K",
+                   help="read tokens back and check stop tokens every K decode steps")
+    p.add_argument("--profile", type=Path, help="write a torch.profiler trace of a few decode steps")
+    p.add_argument("--draft-checkpoint", type=Path, help="draft model for speculative decoding")
+    p.add_argument("--speculate-k", type=int, default=None)
+    return p
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype: torch.dtype, device) -> None:
+    """Refuse, before loading anything, a KV cache that would not fit next to the weights."""
+    a = config["args"]
+    kv = 2 * a.n_layers * batch * a.n_kv_heads * length * a.head_dim * dtype.itemsize
+    weights = (checkpoint / "model.safetensors").stat().st_size * dtype.itemsize // 2  # stored in bf16
+    free = available_memory(device)
+    if kv + weights > free:
+        raise UsageError(f"the KV cache ({kv / 2**30:.1f} GiB for batch {batch} x {length} tokens) and weights "
+                         f"({weights / 2**30:.1f} GiB) do not fit in the {free / 2**30:.1f} GiB free on {device}; "
+                         f"lower --max-new-tokens or --num-samples")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except (UsageError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def run(args) -> None:
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    sampling.check(vocab_size=0)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1 (got {args.num_samples})")
+    if args.stop_check_interval < 1:
+        raise UsageError("--stop-check-interval must be >= 1")
+    if args.draft_checkpoint or args.speculate_k:
+        raise UsageError("speculative decoding (--draft-checkpoint) is not implemented yet")
+    if not args.interactive and not args.prompt:
+        raise UsageError("the prompt is empty")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    compile_decode = args.compile if args.compile is not None else device.type == "cuda"
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from convert_hf_checkpoint import ConversionError, prepare_default_model
+
+        try:
+            checkpoint = prepare_default_model()
+        except ConversionError as e:
+            raise UsageError(f"could not prepare the default model: {e}") from None
+    config = read_config(checkpoint)
+    context = config["args"].max_seq_len
+
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(checkpoint)
+    stop_ids = set() if args.ignore_eos else set(tokenizer.eos_ids)
+
+    def encode(messages_or_text) -> list[int]:
+        ids = tokenizer.encode_chat(messages_or_text) if args.chat or args.interactive else \
+            tokenizer.encode(messages_or_text)
+        if not ids:
+            raise UsageError("the prompt is empty")
+        if len(ids) + args.max_new_tokens > context:
+            raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens ({args.max_new_tokens}) "
+                             f"exceeds the model's context of {context} tokens")
+        return ids
+
+    first_prompt = None if args.interactive else encode(
+        [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
+    length = min(context, (len(first_prompt) if first_prompt else context // 2) + args.max_new_tokens)
+    check_memory(config, checkpoint, 1, length, dtype, device)
+    model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
+    synchronize(device)
+    log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s")
+    gen = Generator(model, sampling, compile_decode, args.compile_prefill, args.stop_check_interval)
+
+    if args.interactive:
+        history = []
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            history.append({"role": "user", "content": line})
+            reply = stream(gen, tokenizer, encode(history), args.max_new_tokens, stop_ids)
+            history.append({"role": "assistant", "content": reply})
+        return
+    for i in range(args.num_samples):
+        stream(gen, tokenizer, first_prompt, args.max_new_tokens, stop_ids)
+    if args.profile:
+        profile(gen, first_prompt, args.profile)
+
+
+def stream(gen: Generator, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> str:
+    """Generate for one prompt, printing text as it arrives; stats to stderr. Returns the text."""
+    decoder = tokenizer.stream_decoder()
+    pieces, n_new, compile_before = [], 0, gen.compile_s
+    device = gen.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    start = time.perf_counter()
+    first_at = None
+    with gen.no_recompiles() if gen.warm else contextlib.nullcontext():
+        for chunk in gen.generate([prompt], max_new_tokens, stop_ids):
+            if first_at is None:
+                first_at = time.perf_counter()
+            ids = [t for t in chunk[0] if t not in stop_ids]
+            n_new += len(chunk[0])
+            text = "".join(decoder.push(t) for t in ids)
+            pieces.append(text)
+            print(text, end="", flush=True)
+    tail = decoder.flush()
+    pieces.append(tail)
+    print(tail, flush=True)
+    total = time.perf_counter() - start
+    report_stats(gen, n_new, total, gen.compile_s - compile_before, first_at - start)
+    return "".join(pieces)
+
+
+def report_stats(gen: Generator, n_new: int, total: float, compile_s: float, first_token_s: float):
+    gen_s = max(total - compile_s, 1e-9)
+    tok_s = n_new / gen_s
+    weight_bytes = sum(p.numel() * p.element_size() for p in gen.model.parameters())
+    if gen.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(gen.device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    log(f"{n_new} tokens in {gen_s:.2f} s: {tok_s:.1f} tok/s, {weight_bytes * tok_s / 1e9:.1f} GB/s of weights"
+        + (f", compile {compile_s:.1f} s" if compile_s else "")
+        + f", time to first token {first_token_s:.3f} s, peak memory {peak / 2**30:.2f} GiB")
+
+
+def profile(gen: Generator, prompt: list[int], path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gen.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in gen.generate([prompt], 2 * gen.stop_check_interval + 1):
+            pass
+    prof.export_chrome_trace(str(path))
+    log(f"wrote profiler trace {path}")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
