@@ -25,3 +25,11 @@ def default_gguf() -> Path:
     from convert_hf_checkpoint import fetch_default_gguf
 
     return fetch_default_gguf()
+
+
+@pytest.fixture(scope="session")
+def default_ckpt(default_gguf, tmp_path_factory) -> Path:
+    """The default model converted from its GGUF, in float32, in a temporary directory."""
+    from convert_hf_checkpoint import convert
+
+    return convert(str(default_gguf), tmp_path_factory.mktemp("default") / "SmolLM2-135M-Instruct", dtype="fp32")

@@ -4,7 +4,6 @@ import pytest
 import torch
 import transformers
 
-import convert_hf_checkpoint as conv
 from generate import Generator, Sampling
 from model import Transformer
 from tokenizer import load_tokenizer
@@ -30,8 +29,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def ckpt(default_gguf, tmp_path_factory):
-    return conv.convert(str(default_gguf), tmp_path_factory.mktemp("default") / "smollm2", dtype="fp32")
+def ckpt(default_ckpt):
+    return default_ckpt
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,140 @@
+"""Sampling, stop checks and the command line of generate.py."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from generate import Generator, Sampling, sample
+from model import ModelArgs, Transformer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
+                     max_seq_len=512)
+    model = Transformer(args).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.normal_(0, 0.3)  # peaky distributions, so greedy is not a coin toss
+    return model
+
+
+def run_gen(model, sampling, prompt=(1, 2, 3), n=40, seed=None, stop=frozenset(), k=8, compiled=False):
+    if seed is not None:
+        torch.manual_seed(seed)
+    gen = Generator(model, sampling, compile_decode=compiled, stop_check_interval=k)
+    return [t for chunk in gen.generate([list(prompt)], n, set(stop)) for t in chunk[0]]
+
+
+def test_greedy_is_deterministic_and_top_k_1_equals_greedy(tiny):
+    greedy = run_gen(tiny, Sampling(temperature=0))
+    assert len(greedy) == 40
+    assert run_gen(tiny, Sampling(temperature=0)) == greedy
+    assert run_gen(tiny, Sampling(temperature=1.0, top_k=1), seed=5) == greedy
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    s = Sampling(temperature=1.0, top_k=None, top_p=0.95)
+    a, b = run_gen(tiny, s, seed=123), run_gen(tiny, s, seed=123)
+    assert a == b
+    assert run_gen(tiny, s, seed=124) != a  # 40 draws from a 64-token vocabulary
+
+
+def test_top_p_samples_only_inside_the_nucleus():
+    probs = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.08, 0.07])
+    logits = probs.log().expand(20000, -1).clone()
+    torch.manual_seed(0)
+    got = sample(logits, Sampling(temperature=1.0, top_k=None, top_p=0.7))
+    # cumulative: .35 .60 .75 -> the nucleus for 0.7 is {0, 1, 2}
+    assert set(got.tolist()) == {0, 1, 2}
+    freq = torch.bincount(got, minlength=6)[:3].float() / len(got)
+    expected = probs[:3] / probs[:3].sum()
+    assert torch.allclose(freq, expected, atol=0.015), (freq, expected)  # > 5 sigma at n=20000
+
+
+def test_top_k_and_temperature_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log().expand(20000, -1).clone()
+    torch.manual_seed(1)
+    got = sample(logits, Sampling(temperature=1.0, top_k=2))
+    assert set(got.tolist()) == {0, 1}
+    assert abs((got == 0).float().mean().item() - 0.5 / 0.8) < 0.015
+    hot = sample(logits, Sampling(temperature=0.5, top_k=None))  # p^2, renormalised
+    assert abs((hot == 0).float().mean().item() - 0.25 / 0.38) < 0.015
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=1.0, top_k=None)],
+                         ids=["greedy", "sampled"])
+def test_stop_check_interval_does_not_change_output(tiny, sampling):
+    full = run_gen(tiny, sampling, n=60, seed=7, k=1)
+    stop = full[20]  # a token that occurs: output must end at its first occurrence
+    first = full.index(stop)
+    outs = {k: run_gen(tiny, sampling, n=60, seed=7, stop={stop}, k=k) for k in (1, 8, 32)}
+    for k, out in outs.items():
+        assert out == full[: first + 1], f"K={k}"
+
+
+def test_batch_rows_stop_independently(tiny):
+    gen = Generator(tiny, Sampling(temperature=0), compile_decode=False, stop_check_interval=4)
+    rows = [[1, 2, 3], [4, 5, 6]]
+    alone = [[t for c in gen.generate([r], 30) for t in c[0]] for r in rows]
+    stop = alone[0][5]
+    chunks = list(gen.generate(rows, 30, {stop}))
+    got = [[t for c in chunks for t in c[b]] for b in range(2)]
+    for b in range(2):
+        want = alone[b][: alone[b].index(stop) + 1] if stop in alone[b] else alone[b]
+        assert got[b] == want
+
+
+def test_compiled_decode_equals_eager(tiny):
+    assert run_gen(tiny, Sampling(temperature=0), compiled=True) == run_gen(tiny, Sampling(temperature=0))
+
+
+# -- the command line -------------------------------------------------------------------------
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+def assert_one_line_error(r, needle):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], r.stderr
+
+
+def test_cli_generates_greedy_text(default_ckpt):
+    r = cli("--checkpoint", default_ckpt, "--prompt", "The capital of France is", "--temperature", "0",
+            "--max-new-tokens", "16", "--ignore-eos", "--no-compile")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "16 tokens" in r.stderr and "tok/s" in r.stderr and "time to first token" in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--prompt", ""], "prompt is empty"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--top-k", "0"], "--top-k"),
+    (["--prompt", "hello " * 9000], "exceeds the model's context of 8192"),
+    (["--max-new-tokens", "9000"], "exceeds the model's context"),
+])
+def test_cli_bad_input(default_ckpt, args, needle):
+    assert_one_line_error(cli("--checkpoint", default_ckpt, *args), needle)
+
+
+def test_cli_missing_and_corrupt_checkpoint(default_ckpt, tmp_path):
+    assert_one_line_error(cli("--checkpoint", tmp_path / "nope"), "no config.json")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in default_ckpt.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes()[:1000] if f.name == "model.safetensors" else f.read_bytes())
+    assert_one_line_error(cli("--checkpoint", broken), "model.safetensors")
+    (broken / "config.json").write_text("{not json")
+    assert_one_line_error(cli("--checkpoint", broken), "config.json")
