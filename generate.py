@@ -101,20 +101,34 @@ def decode_one_token(model: Transformer, token: torch.Tensor, pos: torch.Tensor,
 class Generator:
     """Holds the model, its static decode buffers and the compiled step."""
 
-    def __init__(self, model: Transformer, sampling: Sampling, compile_decode: bool,
+    # How decode_one_token runs, and how many first calls are warm-up (compile, record).
+    MODES = {"eager": 0, "compile": 1, "graphs": 3}
+
+    def __init__(self, model: Transformer, sampling: Sampling, mode: str = "eager",
                  compile_prefill: bool = False, stop_check_interval: int = 8):
         self.model, self.sampling = model, sampling
         self.device = model.tok_embeddings.weight.device
         self.stop_check_interval = stop_check_interval
-        self.compiled = compile_decode
-        self.step = decode_one_token
-        if compile_decode:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs
-            self.step = torch.compile(decode_one_token, mode=mode, fullgraph=True)
+        self.mode = mode
+        if mode == "eager":
+            self.step = decode_one_token
+        elif mode == "compile":  # Inductor kernels, launched one by one
+            self.step = torch.compile(decode_one_token, fullgraph=True)
+        elif mode == "graphs":  # Inductor kernels in CUDA graphs (CUDAGraph Trees)
+            if self.device.type != "cuda":
+                raise ValueError("mode 'graphs' needs a CUDA device")
+            self.step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+        else:
+            raise ValueError(f"unknown decode mode {mode!r}")
+        self.warmup_calls = self.MODES[mode]
         self.prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
         self.buffers = None
-        self.warm = False
+        self.calls = 0
         self.compile_s = 0.0
+
+    @property
+    def warm(self) -> bool:
+        return self.calls >= self.warmup_calls
 
     def _setup(self, batch: int, length: int):
         """Static buffers, allocated once at the largest size seen. Their addresses never change,
@@ -128,7 +142,6 @@ class Generator:
             for t in (token, pos, tokens):
                 torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
             self.buffers = (token, pos, tokens)
-            self.warm = False
         return self.buffers
 
     @torch.no_grad()
@@ -167,7 +180,7 @@ class Generator:
                 i += 1
 
     def _decode_step(self, token, pos, tokens):
-        if self.warm or not self.compiled:
+        if self.warm:
             self.step(self.model, token, pos, tokens, self.sampling)
             return
         # First calls compile (and on CUDA record the graph); time them apart from generation.
@@ -175,14 +188,13 @@ class Generator:
         self.step(self.model, token, pos, tokens, self.sampling)
         synchronize(self.device)
         self.compile_s += time.perf_counter() - start
-        self._warm_calls = getattr(self, "_warm_calls", 0) + 1
-        self.warm = self._warm_calls >= 3  # compile, CUDA-graph warm-up run, record
+        self.calls += 1
 
     @contextlib.contextmanager
     def no_recompiles(self):
         """After warm-up a recompile is an error naming the guard that failed, never a silent
         slowdown (dynamo raises with the failed guard in its message)."""
-        if not self.compiled:
+        if self.mode == "eager":
             yield
             return
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -279,6 +291,7 @@ def run(args) -> None:
         raise UsageError("--device cuda: no CUDA device is available")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     compile_decode = args.compile if args.compile is not None else device.type == "cuda"
+    mode = ("graphs" if device.type == "cuda" else "compile") if compile_decode else "eager"
     if args.seed is not None:
         torch.manual_seed(args.seed)
 
@@ -314,7 +327,7 @@ def run(args) -> None:
     model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
     synchronize(device)
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s")
-    gen = Generator(model, sampling, compile_decode, args.compile_prefill, args.stop_check_interval)
+    gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)
 
     if args.interactive:
         history = []

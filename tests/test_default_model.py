@@ -62,7 +62,7 @@ def test_logits_match_transformers_gguf_loader(ckpt, ours, hf_model):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_greedy_generation_matches_transformers(ckpt, ours, hf_model, compiled):
     tok = load_tokenizer(ckpt)
-    gen = Generator(ours, Sampling(temperature=0), compile_decode=compiled)
+    gen = Generator(ours, Sampling(temperature=0), "compile" if compiled else "eager")
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         with torch.no_grad():

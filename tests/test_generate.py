@@ -26,7 +26,7 @@ def tiny():
 def run_gen(model, sampling, prompt=(1, 2, 3), n=40, seed=None, stop=frozenset(), k=8, compiled=False):
     if seed is not None:
         torch.manual_seed(seed)
-    gen = Generator(model, sampling, compile_decode=compiled, stop_check_interval=k)
+    gen = Generator(model, sampling, "compile" if compiled else "eager", stop_check_interval=k)
     return [t for chunk in gen.generate([list(prompt)], n, set(stop)) for t in chunk[0]]
 
 
@@ -79,7 +79,7 @@ def test_stop_check_interval_does_not_change_output(tiny, sampling):
 
 
 def test_batch_rows_stop_independently(tiny):
-    gen = Generator(tiny, Sampling(temperature=0), compile_decode=False, stop_check_interval=4)
+    gen = Generator(tiny, Sampling(temperature=0), "eager", stop_check_interval=4)
     rows = [[1, 2, 3], [4, 5, 6]]
     alone = [[t for c in gen.generate([r], 30) for t in c[0]] for r in rows]
     stop = alone[0][5]

@@ -1,0 +1,293 @@
+"""Measure decode speed on your own hardware: eager vs compiled vs graphed, against the memory
+bandwidth measured in the same run.
+
+    python bench.py                                   # Llama-2-7B shape, all modes, batch 1 and 8
+    python bench.py --model llama-3.1-8b --modes graphs --batch-sizes 1 --json out.json
+    python bench.py --checkpoint checkpoints/SmolLM2-135M-Instruct --device cpu
+
+Modes (the three levels of CUDA-graph use, plus the baseline):
+  eager    PyTorch ops launched one by one from Python
+  compile  torch.compile's Inductor kernels, still launched one by one (no graphs)
+  graphs   torch.compile(mode="reduce-overhead"): Inductor kernels replayed as a CUDA graph
+           (CUDAGraph Trees) -- what generate.py runs
+  manual   the eager step captured by hand into one torch.cuda.CUDAGraph and replayed
+
+Random weights of real shapes: decode speed does not depend on weight values.
+"""
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from generate import Generator, Sampling, decode_one_token, prefill, synchronize
+from model import ModelArgs, Transformer
+
+PRESETS = {
+    "smollm2-135m": ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152,
+                              intermediate_size=1536, rope_theta=1e5, max_seq_len=8192, tie_embeddings=True),
+    "llama-3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                              intermediate_size=8192, rope_theta=5e5, max_seq_len=131072, tie_embeddings=True,
+                              rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192}),
+    "llama-2-7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, intermediate_size=11008,
+                            max_seq_len=4096),
+    "llama-3.1-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                              intermediate_size=14336, rope_theta=5e5, max_seq_len=131072,
+                              rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192}),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def random_model(args: ModelArgs, device, dtype) -> Transformer:
+    """A model of the preset's shape with random weights, made directly on the device."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(dtype)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0, 0.02)
+    return model.eval().requires_grad_(False)
+
+
+def copy_bandwidth(device, gib: float = 2.0) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written: the ceiling
+    for a decode step that must read every weight once."""
+    if device.type != "cuda":
+        n = int(gib * 2**30) // 8
+        src, dst = torch.randn(n // 4), torch.empty(n // 4)  # smaller on the CPU
+        dst.copy_(src)
+        start = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src)
+        return 2 * src.numel() * 4 * 5 / (time.perf_counter() - start) / 1e9
+    n = int(gib * 2**30) // 2
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 * 20 / seconds / 1e9
+
+
+class ManualGraph:
+    """decode_one_token captured by hand in one torch.cuda.CUDAGraph: the teaching version of
+    what reduce-overhead automates. The step already reads and writes only static buffers
+    (token, pos, tokens, the KV cache), so 'copy-in' is what prefill writes into them; each
+    replay then runs every kernel of the step with no Python and no launch gaps."""
+
+    def __init__(self):
+        self.graph = None
+
+    def __call__(self, model, token, pos, tokens, s):
+        if self.graph is None:
+            self.capture(model, token, pos, tokens, s)
+        self.graph.replay()
+
+    def capture(self, model, token, pos, tokens, s):
+        saved = [t.clone() for t in (token, pos, tokens)]
+        # Warm up on a side stream (lazy inits, cuBLAS workspaces) so none of it is captured.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                decode_one_token(model, token, pos, tokens, s)
+        torch.cuda.current_stream().wait_stream(stream)
+        for t, v in zip((token, pos, tokens), saved):
+            t.copy_(v)  # undo the warm-up steps (the KV cache rows they wrote are rewritten)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            decode_one_token(model, token, pos, tokens, s)  # recorded, not run
+        self.graph.replay()  # the step the caller asked for
+
+
+def make_generator(model, mode: str) -> Generator:
+    if mode == "manual":
+        gen = Generator(model, Sampling(temperature=0), "eager")
+        gen.step, gen.mode, gen.warmup_calls = ManualGraph(), "manual", 1
+        return gen
+    return Generator(model, Sampling(temperature=0), mode)
+
+
+def count_launches(gen: Generator, steps: int) -> dict:
+    """Profile `steps` decode steps; per step, count CUDA graph launches and kernels launched
+    outside any graph (a graph break, a skipped graph or an eager fallback shows up here)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    token, pos, tokens = gen.buffers
+    synchronize(gen.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            gen._decode_step(token, pos, tokens)
+        synchronize(gen.device)
+    names = [e.name for e in prof.events()]
+    graphs = sum(n.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for n in names)
+    kernels = sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel"))
+                  for n in names)
+    return {"graph_launches_per_step": graphs / steps, "kernels_outside_graphs_per_step": kernels / steps}
+
+
+def check_graphs(gen: Generator, steps: int = 8) -> dict:
+    counts = count_launches(gen, steps)
+    if counts["graph_launches_per_step"] != 1 or counts["kernels_outside_graphs_per_step"] != 0:
+        raise RuntimeError(f"decode is not one graph replay per token: {counts['graph_launches_per_step']:g} "
+                           f"graph launches and {counts['kernels_outside_graphs_per_step']:g} kernels outside "
+                           f"graphs per step (a graph break, skipped graph or eager fallback)")
+    return counts
+
+
+def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False) -> dict:
+    device = model.tok_embeddings.weight.device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        reserved_before = torch.cuda.memory_reserved(device)
+    gen = make_generator(model, mode)
+    token, pos, tokens = gen._setup(batch, prompt_tokens + new_tokens + 16)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.args.vocab_size, (1, prompt_tokens), device=device).expand(batch, -1)
+    with torch.no_grad():
+        first = prefill(model, prompt, gen.sampling)
+        token[:batch, 0] = first
+        pos.fill_(prompt_tokens)
+        while not gen.warm:  # compile / capture, timed apart
+            gen._decode_step(token, pos, tokens)
+        counts = count_launches(gen, 4) if device.type == "cuda" and mode != "eager" else {}
+        if check:
+            check_graphs(gen)
+        pos.fill_(prompt_tokens)
+        times = []
+        ctx = gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad()
+        with ctx:
+            if device.type == "cuda":
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(new_tokens + 1)]
+                events[0].record()
+                for i in range(new_tokens):
+                    gen._decode_step(token, pos, tokens)
+                    events[i + 1].record()
+                events[-1].synchronize()
+                times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(new_tokens)]
+            else:
+                for _ in range(new_tokens):
+                    t = time.perf_counter()
+                    gen._decode_step(token, pos, tokens)
+                    times.append(time.perf_counter() - t)
+    total = sum(times)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    a = model.args
+    mean_len = prompt_tokens + new_tokens / 2
+    kv_bytes = 2 * a.n_layers * batch * a.n_kv_heads * mean_len * a.head_dim * model.tok_embeddings.weight.element_size()
+    gb_s = (weight_bytes + kv_bytes) * new_tokens / total / 1e9  # bytes a step must read, once
+    ms = sorted(t * 1e3 for t in times)
+    record = {
+        "mode": mode, "batch_size": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+        "tok_s": batch * new_tokens / total, "step_ms_median": statistics.median(ms),
+        "step_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "gb_s": gb_s,
+        "ceiling_gb_s": ceiling, "pct_of_ceiling": 100 * gb_s / ceiling, "compile_s": gen.compile_s,
+        **counts,
+    }
+    if device.type == "cuda":
+        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        record["warmup_reserved_gb"] = (torch.cuda.memory_reserved(device) - reserved_before) / 1e9
+    else:
+        import resource
+        record["peak_mem_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    return record
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b", help="preset shape, random weights")
+    p.add_argument("--checkpoint", type=Path, help="a checkpoint directory instead of a preset")
+    p.add_argument("--modes", default=None, help="comma-separated: eager,compile,graphs,manual "
+                   "(default: all on CUDA, eager,compile on the CPU)")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--prompt-tokens", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--check-graphs", action="store_true", help="fail unless decode is one graph replay per token")
+    p.add_argument("--json", type=Path, help="append the records to this JSON list")
+    p.add_argument("--plot", type=Path, help="write a PNG bar chart (needs matplotlib)")
+    a = p.parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    modes = (a.modes or ("eager,compile,graphs,manual" if device.type == "cuda" else "eager,compile")).split(",")
+    bad = [m for m in modes if m not in ("eager", "compile", "graphs", "manual")]
+    if bad or (device.type != "cuda" and {"graphs", "manual"} & set(modes)):
+        print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
+        return 1
+    batches = [int(b) for b in a.batch_sizes.split(",")]
+    torch.manual_seed(0)
+    if a.checkpoint:
+        model, name = Transformer.from_checkpoint(a.checkpoint, device=device, dtype=dtype), a.checkpoint.name
+    else:
+        model, name = random_model(PRESETS[a.model], device, dtype), a.model
+    ceiling = copy_bandwidth(device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name} on {gpu}, {dtype}, torch {torch.__version__}; copy ceiling {ceiling:.0f} GB/s", file=sys.stderr)
+    records = []
+    for mode in modes:
+        for batch in batches:
+            r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling, a.check_graphs and mode != "eager")
+            r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
+                     date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
+            records.append(r)
+            print(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
+                  f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
+                  f"first call {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
+            if device.type == "cuda":
+                torch._dynamo.reset()  # a fresh compile per configuration, as a user would see
+    print_table(records)
+    if a.json:
+        old = json.loads(a.json.read_text()) if a.json.exists() else []
+        a.json.write_text(json.dumps(old + records, indent=1) + "\n")
+    if a.plot:
+        plot(records, a.plot)
+    return 0
+
+
+def print_table(records):
+    cols = ["model", "mode", "batch_size", "tok_s", "step_ms_median", "step_ms_p99", "gb_s", "pct_of_ceiling",
+            "compile_s", "peak_mem_gb", "graph_launches_per_step", "kernels_outside_graphs_per_step"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in records:
+        cells = [f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
+        print("| " + " | ".join(cells) + " |")
+
+
+def plot(records, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return
+    labels = [f"{r['mode']}\nB={r['batch_size']}" for r in records]
+    fig, ax = plt.subplots(figsize=(1.2 * len(records) + 2, 4))
+    ax.bar(labels, [r["pct_of_ceiling"] for r in records])
+    ax.set_ylabel("% of copy bandwidth")
+    ax.set_title(f"{records[0]['model']} decode on {records[0]['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
