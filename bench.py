@@ -163,7 +163,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
     prompt = torch.randint(0, model.args.vocab_size, (1, prompt_tokens), device=device).expand(batch, -1)
     with torch.no_grad():
         first = prefill(model, prompt, gen.sampling)
-        token[:batch, 0] = first
+        token[:, 0] = first
         pos.fill_(prompt_tokens)
         while not gen.warm:  # compile / capture, timed apart
             gen._decode_step(token, pos, tokens)
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     records = []
     for mode in modes:
         for batch in batches:
-            r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling, a.check_graphs and mode != "eager")
+            r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling, a.check_graphs and mode in ("graphs", "manual"))
             r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
                      date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
             records.append(r)

@@ -131,14 +131,15 @@ class Generator:
         return self.calls >= self.warmup_calls
 
     def _setup(self, batch: int, length: int):
-        """Static buffers, allocated once at the largest size seen. Their addresses never change,
-        which is what lets a captured graph read and write them on every replay."""
+        """Static buffers for `batch` rows, allocated once per batch size at the longest length
+        the cache holds. Their addresses never change, which is what lets a captured graph read
+        and write them on every replay. (The KV cache may hold more rows than `batch`.)"""
         self.model.setup_caches(batch, length)
-        B, L = self.model.max_batch_size, self.model.max_seq_length
-        if self.buffers is None or self.buffers[2].shape != (B, L):
-            token = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        L = self.model.max_seq_length
+        if self.buffers is None or self.buffers[2].shape != (batch, L):
+            token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
             pos = torch.zeros(1, dtype=torch.long, device=self.device)
-            tokens = torch.zeros(B, L, dtype=torch.long, device=self.device)
+            tokens = torch.zeros(batch, L, dtype=torch.long, device=self.device)
             for t in (token, pos, tokens):
                 torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
             self.buffers = (token, pos, tokens)
@@ -153,15 +154,15 @@ class Generator:
         token, pos, tokens = self._setup(B, S + max_new_tokens)
         idx = torch.tensor(prompt, dtype=torch.long, device=self.device)
         first = self.prefill(self.model, idx, self.sampling)  # [B]
-        token[:B, 0] = first
-        tokens[:B, S] = first
+        token[:, 0] = first
+        tokens[:, S] = first
         pos.fill_(S)
         stopped = [False] * B
         done = S  # tokens[:, S:done] are the new tokens the host has already seen
         steps = max_new_tokens - 1  # decode steps; the first token came from prefill
         i = 0
         while True:
-            new = tokens[:B, done:S + 1 + i].tolist()  # the one host sync every K steps
+            new = tokens[:, done:S + 1 + i].tolist()  # the one host sync every K steps
             done = S + 1 + i
             out = []
             for b, row in enumerate(new):
