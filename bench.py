@@ -112,8 +112,7 @@ class ManualGraph:
             t.copy_(v)  # undo the warm-up steps (the KV cache rows they wrote are rewritten)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            decode_one_token(model, token, pos, tokens, s)  # recorded, not run
-        self.graph.replay()  # the step the caller asked for
+            decode_one_token(model, token, pos, tokens, s)  # recorded, not run: __call__ replays it
 
 
 def make_generator(model, mode: str) -> Generator:
@@ -151,7 +150,19 @@ def check_graphs(gen: Generator, steps: int = 8) -> dict:
     return counts
 
 
-def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False) -> dict:
+def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
+    """The GPU kernels of `steps` decode steps, costliest first (graph replays included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    token, pos, tokens = gen.buffers
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            gen._decode_step(token, pos, tokens)
+        synchronize(gen.device)
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
+
+
+def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False, kernels=False) -> dict:
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -170,6 +181,8 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         counts = count_launches(gen, 4) if device.type == "cuda" and mode != "eager" else {}
         if check:
             check_graphs(gen)
+        if kernels:
+            print(f"-- {mode} B={batch}: kernels of 4 decode steps\n{kernel_table(gen)}", file=sys.stderr)
         pos.fill_(prompt_tokens)
         times = []
         ctx = gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad()
@@ -222,7 +235,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--check-graphs", action="store_true", help="fail unless decode is one graph replay per token")
-    p.add_argument("--json", type=Path, help="append the records to this JSON list")
+    p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels of a few decode steps")
+    p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                   help="set a torch._inductor.config option for this run (repeatable), e.g. "
+                        "coordinate_descent_tuning=True")
+    p.add_argument("--json", type=Path, help="append each record to this JSON list as it is measured")
     p.add_argument("--plot", type=Path, help="write a PNG bar chart (needs matplotlib)")
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -233,6 +250,14 @@ def main(argv=None) -> int:
         print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
         return 1
     batches = [int(b) for b in a.batch_sizes.split(",")]
+    for option in a.inductor:
+        key, value = option.split("=", 1)
+        obj = torch._inductor.config
+        *path, leaf = key.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, leaf, json.loads(value.lower()) if value.lower() in ("true", "false") else
+                (int(value) if value.isdigit() else value))
     torch.manual_seed(0)
     if a.checkpoint:
         model, name = Transformer.from_checkpoint(a.checkpoint, device=device, dtype=dtype), a.checkpoint.name
@@ -244,7 +269,12 @@ def main(argv=None) -> int:
     records = []
     for mode in modes:
         for batch in batches:
-            r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling, a.check_graphs and mode in ("graphs", "manual"))
+            r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
+                          a.check_graphs and mode in ("graphs", "manual"), a.kernels)
+            r["inductor_options"] = a.inductor
+            if a.json:  # one record at a time, so a run cut short keeps what it measured
+                old = json.loads(a.json.read_text()) if a.json.exists() else []
+                a.json.write_text(json.dumps(old + [r], indent=1) + "\n")
             r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
                      date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
             records.append(r)
@@ -254,9 +284,6 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch._dynamo.reset()  # a fresh compile per configuration, as a user would see
     print_table(records)
-    if a.json:
-        old = json.loads(a.json.read_text()) if a.json.exists() else []
-        a.json.write_text(json.dumps(old + records, indent=1) + "\n")
     if a.plot:
         plot(records, a.plot)
     return 0

@@ -211,9 +211,30 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H or Hkv, S, D]
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, Hkv, L, D]: the whole cache
-        # Grouped-query attention without repeating K and V in memory (enable_gqa).
-        y = F.scaled_dot_product_attention(q, k[:B], v[:B], attn_mask=mask.unsqueeze(-3), enable_gqa=True)
+        k, v, mask = k[:B], v[:B], mask.unsqueeze(-3)  # mask [1 or B, S, L]
+        if S == 1:
+            y = decode_attention(q, k, v, mask)
+        else:  # prefill: grouped-query attention without repeating K and V (enable_gqa)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+
+
+def decode_attention(q, k, v, mask):
+    """Attention of one new token per sequence, q [B, H, 1, D], over the cache k, v [B, Hkv, L, D].
+
+    Written as broadcast products and sums rather than SDPA: a fused attention kernel has only
+    B*H rows of work for a single query and leaves most of the GPU idle, while Inductor turns
+    these two reductions into kernels spread over the whole cache length (split reductions),
+    and groups of query heads share their K/V head without copying it."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    q = q.view(B, Hkv, H // Hkv, 1, D)  # query heads grouped under their KV head
+    # float32 products and sums, as a fused attention kernel accumulates (Inductor fuses the casts)
+    scores = (q.float() * k.unsqueeze(2).float()).sum(-1) / math.sqrt(D)  # [B, Hkv, G, L]
+    scores = scores.masked_fill(~mask.unsqueeze(1), -float("inf"))
+    p = torch.softmax(scores, dim=-1)
+    y = (p.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)  # [B, Hkv, G, D]
+    return y.to(q.dtype).view(B, H, 1, D)
 
 
 class KVCache(nn.Module):

@@ -15,12 +15,18 @@ PROMPT = [[5, 17, 300, 42, 7, 99, 1, 250]]
 
 @pytest.fixture(scope="module")
 def model():
+    """bf16, as decode runs by default."""
     torch.manual_seed(0)
-    m = random_model(ARGS, torch.device("cuda"), torch.bfloat16)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(8)  # peaky distributions: greedy is not decided by bf16 rounding
-    return m
+    return random_model(ARGS, torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def model32():
+    """float32 (TF32 off) for token-for-token equality: Inductor's fused kernels round bf16
+    differently from eager ops, and over 200 greedy steps of a random model one near-tie flips."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    return random_model(ARGS, torch.device("cuda"), torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +38,13 @@ def tokens_of(gen, n, prompt=PROMPT):
     return [t for chunk in gen.generate(prompt, n) for t in chunk[0]]
 
 
-def test_graphed_and_manual_decode_equal_eager(model, graphed):
-    eager = tokens_of(make_generator(model, "eager"), 200)
-    assert len(eager) == 200
-    assert tokens_of(graphed, 200) == eager
-    assert tokens_of(make_generator(model, "manual"), 200) == eager
+def test_graphed_and_manual_decode_equal_eager(model, model32):
+    eager = tokens_of(make_generator(model32, "eager"), 200)
+    assert len(eager) == 200 and len(set(eager)) > 5
+    assert tokens_of(make_generator(model32, "graphs"), 200) == eager
+    assert tokens_of(make_generator(model32, "manual"), 200) == eager
+    # In bf16 the hand-captured graph replays the very kernels eager runs: identical tokens.
+    assert tokens_of(make_generator(model, "manual"), 200) == tokens_of(make_generator(model, "eager"), 200)
 
 
 def test_compiled_logits_within_bf16_tolerance(model):
