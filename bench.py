@@ -169,7 +169,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         torch.cuda.reset_peak_memory_stats(device)
         reserved_before = torch.cuda.memory_reserved(device)
     gen = make_generator(model, mode)
-    token, pos, tokens = gen._setup(batch, prompt_tokens + new_tokens + 16)
+    token, pos, tokens = gen.reserve(batch, prompt_tokens + new_tokens + 16)
     torch.manual_seed(0)
     prompt = torch.randint(0, model.args.vocab_size, (1, prompt_tokens), device=device).expand(batch, -1)
     with torch.no_grad():

@@ -130,7 +130,7 @@ class Generator:
     def warm(self) -> bool:
         return self.calls >= self.warmup_calls
 
-    def _setup(self, batch: int, length: int):
+    def reserve(self, batch: int, length: int):
         """Static buffers for `batch` rows, allocated once per batch size at the longest length
         the cache holds. Their addresses never change, which is what lets a captured graph read
         and write them on every replay. (The KV cache may hold more rows than `batch`.)"""
@@ -151,7 +151,7 @@ class Generator:
         stop_check_interval steps). Output equals a per-token stop check: tokens after a row's
         stop token are dropped, and generation ends when every row has stopped."""
         B, S = len(prompt), len(prompt[0])
-        token, pos, tokens = self._setup(B, S + max_new_tokens)
+        token, pos, tokens = self.reserve(B, S + max_new_tokens)
         idx = torch.tensor(prompt, dtype=torch.long, device=self.device)
         first = self.prefill(self.model, idx, self.sampling)  # [B]
         token[:, 0] = first
@@ -180,6 +180,7 @@ class Generator:
                 self._decode_step(token, pos, tokens)
                 i += 1
 
+    @torch.no_grad()  # grad mode is part of what the compiled step is specialised on
     def _decode_step(self, token, pos, tokens):
         if self.warm:
             self.step(self.model, token, pos, tokens, self.sampling)
@@ -323,12 +324,14 @@ def run(args) -> None:
 
     first_prompt = None if args.interactive else encode(
         [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
-    length = min(context, (len(first_prompt) if first_prompt else context // 2) + args.max_new_tokens)
+    # Interactive chats grow: reserve the whole context for them (checked against memory below).
+    length = context if args.interactive else len(first_prompt) + args.max_new_tokens
     check_memory(config, checkpoint, 1, length, dtype, device)
     model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
     synchronize(device)
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s")
     gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)
+    gen.reserve(1, length)  # buffers at their final size up front: a later resize would recompile
 
     if args.interactive:
         history = []

@@ -31,7 +31,9 @@ def model32():
 
 @pytest.fixture(scope="module")
 def graphed(model):
-    return make_generator(model, "graphs")
+    gen = make_generator(model, "graphs")
+    gen.reserve(1, 400)  # every test below fits: no buffer resize, so no recompile
+    return gen
 
 
 def tokens_of(gen, n, prompt=PROMPT):
