@@ -271,13 +271,13 @@ def main(argv=None) -> int:
         for batch in batches:
             r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
                           a.check_graphs and mode in ("graphs", "manual"), a.kernels)
-            r["inductor_options"] = a.inductor
+            r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
+                     date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
+                     inductor_options=a.inductor)
+            records.append(r)
             if a.json:  # one record at a time, so a run cut short keeps what it measured
                 old = json.loads(a.json.read_text()) if a.json.exists() else []
                 a.json.write_text(json.dumps(old + [r], indent=1) + "\n")
-            r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
-                     date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
-            records.append(r)
             print(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
                   f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
                   f"first call {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
