@@ -325,6 +325,9 @@ def convert(source: str, out: Path | None = None, dtype: str = "bf16", force: bo
         raise ConversionError(f"{out} already exists (use --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
     try:
         cast = DTYPES[dtype]
         start = time.time()

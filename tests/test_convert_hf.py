@@ -258,3 +258,50 @@ def test_hub_download_reports_unreachable_hub_in_one_line(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(conv.ConversionError, match="could not download org/model from the hub"):
         conv.download_from_hub("org/model")
+
+
+def test_conversion_streams_within_memory_budget(tmp_path):
+    """Peak RSS stays under output size + largest input shard + 10% (DESIGN: an 8B checkpoint must
+    convert on a 24 GiB machine). ~600 MB synthetic checkpoint in two shards, written by safetensors."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "big"
+    src.mkdir()
+    dim, ffn, layers, vocab = 1024, 4096, 8, 32000
+    cfg = dict(model_type="llama", hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
+               num_attention_heads=8, num_key_value_heads=4, vocab_size=vocab, rms_norm_eps=1e-5)
+    (src / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    shards, weight_map = [{}, {}], {}
+    shards[0]["model.embed_tokens.weight"] = w(vocab, dim)
+    shards[1]["lm_head.weight"] = w(vocab, dim)
+    shards[1]["model.norm.weight"] = w(dim)
+    for i in range(layers):
+        d, p = shards[i * 2 // layers], f"model.layers.{i}."
+        for name, shape in [("self_attn.q_proj", (dim, dim)), ("self_attn.k_proj", (dim // 2, dim)),
+                            ("self_attn.v_proj", (dim // 2, dim)), ("self_attn.o_proj", (dim, dim)),
+                            ("mlp.gate_proj", (ffn, dim)), ("mlp.up_proj", (ffn, dim)), ("mlp.down_proj", (dim, ffn))]:
+            d[p + name + ".weight"] = w(*shape)
+        d[p + "input_layernorm.weight"] = w(dim)
+        d[p + "post_attention_layernorm.weight"] = w(dim)
+    for j, d in enumerate(shards):
+        name = f"model-{j + 1:05d}-of-00002.safetensors"
+        save_file(d, src / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(d, name))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    del shards
+
+    out = tmp_path / "out"
+    code = ("import resource, sys, convert_hf_checkpoint as c; c.convert(sys.argv[1], sys.argv[2], 'fp32'); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    r = subprocess.run([sys.executable, "-c", code, str(src), str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    peak = int(r.stdout.split()[-1])
+    output = (out / "model.safetensors").stat().st_size  # fp32: twice the input
+    largest_shard = max(f.stat().st_size for f in src.glob("*.safetensors"))
+    assert peak < 1.1 * (output + largest_shard), f"peak RSS {peak / 2**20:.0f} MiB"
+    assert Transformer.from_checkpoint(out, dtype=torch.float32).layers[7].feed_forward.w13.weight.shape == (2 * ffn, dim)
