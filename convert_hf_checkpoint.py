@@ -273,7 +273,8 @@ def write_safetensors(path: Path, tensors: Iterator[tuple[str, torch.Tensor]], m
             nbytes = t.numel() * t.element_size()
             header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [offset, offset + nbytes]}
-            data.write(t.view(-1).view(torch.uint8).numpy().tobytes() if nbytes else b"")
+            if nbytes:
+                data.write(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own memory, no copy
             offset += nbytes
     header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
