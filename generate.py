@@ -39,7 +39,7 @@ class Sampling:
     top_k: int | None = 200
     top_p: float | None = None
 
-    def check(self, vocab_size: int) -> None:
+    def check(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise UsageError(f"--temperature must be >= 0 (got {self.temperature})")
         if self.top_k is not None and not 1 <= self.top_k:
@@ -253,14 +253,24 @@ def available_memory(device: torch.device) -> int:
 
 def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype: torch.dtype, device) -> None:
     """Refuse, before loading anything, a KV cache that would not fit next to the weights."""
+    from safetensors import safe_open
+
     a = config["args"]
     kv = 2 * a.n_layers * batch * a.n_kv_heads * length * a.head_dim * dtype.itemsize
-    weights = (checkpoint / "model.safetensors").stat().st_size * dtype.itemsize // 2  # stored in bf16
+    weights = 0
+    try:
+        with safe_open(checkpoint / "model.safetensors", framework="pt") as f:
+            for name in f.keys():
+                s = f.get_slice(name)
+                itemsize = dtype.itemsize if s.get_dtype() in ("BF16", "F16", "F32") else 1
+                weights += math.prod(s.get_shape()) * itemsize
+    except Exception:  # unreadable: from_checkpoint reports it properly
+        return
     free = available_memory(device)
     if kv + weights > free:
         raise UsageError(f"the KV cache ({kv / 2**30:.1f} GiB for batch {batch} x {length} tokens) and weights "
                          f"({weights / 2**30:.1f} GiB) do not fit in the {free / 2**30:.1f} GiB free on {device}; "
-                         f"lower --max-new-tokens or --num-samples")
+                         f"lower --max-new-tokens")
 
 
 def main(argv=None) -> int:
@@ -277,7 +287,7 @@ def main(argv=None) -> int:
 
 def run(args) -> None:
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    sampling.check(vocab_size=0)
+    sampling.check()
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if args.num_samples < 1:
@@ -336,10 +346,11 @@ def run(args) -> None:
     if args.interactive:
         history = []
         while True:
-            try:
-                line = input("> ")
-            except EOFError:
+            print("> ", end="", file=sys.stderr, flush=True)  # stdout carries only generated text
+            line = sys.stdin.readline()
+            if not line:
                 break
+            line = line.rstrip("\n")
             history.append({"role": "user", "content": line})
             reply = stream(gen, tokenizer, encode(history), args.max_new_tokens, stop_ids)
             history.append({"role": "assistant", "content": reply})

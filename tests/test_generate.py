@@ -138,3 +138,28 @@ def test_cli_missing_and_corrupt_checkpoint(default_ckpt, tmp_path):
     assert_one_line_error(cli("--checkpoint", broken), "model.safetensors")
     (broken / "config.json").write_text("{not json")
     assert_one_line_error(cli("--checkpoint", broken), "config.json")
+
+
+def test_cli_refuses_kv_cache_that_does_not_fit(default_ckpt, tmp_path):
+    import json
+
+    big = tmp_path / "long-context"
+    big.mkdir()
+    for f in default_ckpt.iterdir():
+        (big / f.name).symlink_to(f)
+    config = json.loads((default_ckpt / "config.json").read_text())
+    config["model"]["max_seq_len"] = 50_000_000
+    (big / "config.json").unlink()
+    (big / "config.json").write_text(json.dumps(config))
+    # 30 layers x 2 x 3 heads x 64 x 4 bytes = 46 KB per token: 20M tokens need ~860 GiB
+    assert_one_line_error(cli("--checkpoint", big, "--max-new-tokens", "20000000"), "do not fit")
+
+
+def test_cli_interactive_chat_until_eof(default_ckpt):
+    r = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--checkpoint", str(default_ckpt),
+                        "--interactive", "--temperature", "0", "--max-new-tokens", "12", "--no-compile"],
+                       input="What is the capital of France?\nAnd of Italy?\n", capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("tok/s") == 2  # one answer per turn, then EOF ends the chat
+    assert "Paris" in r.stdout
