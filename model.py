@@ -231,7 +231,8 @@ def decode_attention(q, k, v, mask):
     q = q.view(B, Hkv, H // Hkv, 1, D)  # query heads grouped under their KV head
     # float32 products and sums, as a fused attention kernel accumulates (Inductor fuses the casts)
     scores = (q.float() * k.unsqueeze(2).float()).sum(-1) / math.sqrt(D)  # [B, Hkv, G, L]
-    scores = scores.masked_fill(~mask.unsqueeze(1), -float("inf"))
+    keep = mask.reshape(-1, 1, 1, k.shape[2])  # mask [1, 1, L] or [B, 1, 1, L] -> [1 or B, 1, 1, L]
+    scores = scores.masked_fill(~keep, -float("inf"))
     p = torch.softmax(scores, dim=-1)
     y = (p.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)  # [B, Hkv, G, D]
     return y.to(q.dtype).view(B, H, 1, D)

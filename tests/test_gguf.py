@@ -766,3 +766,32 @@ def test_smollm2_tensors(smollm2, default_gguf):
         del t
     assert count == 30 * 9 + 2
     assert "output.weight" not in smollm2.tensor_shapes
+
+
+def test_cli_unsupported_type_and_truncated_file_leave_nothing_behind(tmp_path):
+    """Through the command line: one error line, exit status 1, no output directory left."""
+    import subprocess
+    import sys
+
+    block, size = gguf.GGML_QUANT_SIZES[QT.Q8_1]
+    data = np.random.default_rng(0).integers(0, 256, (len(TINY_TOKENS), BASE_CFG["dim"] // block * size),
+                                             dtype=np.uint8)
+    odd = tmp_path / "odd.gguf"
+    write_tiny_gguf(odd, raw_tensors={"token_embd.weight": (data, QT.Q8_1)})
+    good = tmp_path / "good.gguf"
+    write_tiny_gguf(good)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size * 2 // 3])
+    root = Path(__file__).resolve().parent.parent
+    for src, needle in [(odd, "Q8_1"), (cut, "cut.gguf")]:
+        out = tmp_path / "out"
+        r = subprocess.run([sys.executable, str(root / "convert_hf_checkpoint.py"), str(src), "--out", str(out)],
+                           capture_output=True, text=True)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert lines[-1].startswith("error:") and needle in lines[-1], r.stderr
+        assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+    r = subprocess.run([sys.executable, str(root / "convert_hf_checkpoint.py"), str(good), "--out",
+                        str(tmp_path / "ok"), "--dtype", "fp32"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "ok" / "tokenizer.json").is_file() and (tmp_path / "ok" / "config.json").is_file()
