@@ -150,6 +150,18 @@ def check_graphs(gen: Generator, steps: int = 8) -> dict:
     return counts
 
 
+def weight_bytes_per_step(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: every stored tensor once (quantized weights and
+    their scales included), except the embedding table, of which a step reads one row per
+    sequence (unless it doubles as the output head)."""
+    persistent = model.state_dict().keys()
+    tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
+    tensors.update((n, b) for n, b in model.named_buffers() if n in persistent)  # not the KV cache
+    if not model.args.tie_embeddings:
+        tensors.pop("tok_embeddings.weight")
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
     """The GPU kernels of `steps` decode steps, costliest first (graph replays included)."""
     from torch.profiler import ProfilerActivity, profile
@@ -201,7 +213,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
                     gen._decode_step(token, pos, tokens)
                     times.append(time.perf_counter() - t)
     total = sum(times)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = weight_bytes_per_step(model)
     a = model.args
     mean_len = prompt_tokens + new_tokens / 2
     kv_bytes = 2 * a.n_layers * batch * a.n_kv_heads * mean_len * a.head_dim * model.tok_embeddings.weight.element_size()
@@ -235,6 +247,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--check-graphs", action="store_true", help="fail unless decode is one graph replay per token")
+    p.add_argument("--quantize", choices=["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"],
+                   help="weight-only quantization of the model, in memory (quantize.py)")
     p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels of a few decode steps")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set a torch._inductor.config option for this run (repeatable), e.g. "
@@ -263,6 +277,12 @@ def main(argv=None) -> int:
         model, name = Transformer.from_checkpoint(a.checkpoint, device=device, dtype=dtype), a.checkpoint.name
     else:
         model, name = random_model(PRESETS[a.model], device, dtype), a.model
+    if a.quantize:
+        from quantize import quantize_model
+
+        mode, _, group = a.quantize.partition("-g")
+        model = quantize_model(model, mode, int(group) if group else None)
+        name += f" {a.quantize}"
     ceiling = copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name} on {gpu}, {dtype}, torch {torch.__version__}; copy ceiling {ceiling:.0f} GB/s", file=sys.stderr)
