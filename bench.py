@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from generate import Generator, Sampling, decode_one_token, prefill, synchronize
+from generate import Generator, Sampling, decode_one_token, prefill, synchronize, weight_bytes_per_step
 from model import ModelArgs, Transformer
 
 PRESETS = {
@@ -148,18 +148,6 @@ def check_graphs(gen: Generator, steps: int = 8) -> dict:
                            f"graph launches and {counts['kernels_outside_graphs_per_step']:g} kernels outside "
                            f"graphs per step (a graph break, skipped graph or eager fallback)")
     return counts
-
-
-def weight_bytes_per_step(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: every stored tensor once (quantized weights and
-    their scales included), except the embedding table, of which a step reads one row per
-    sequence (unless it doubles as the output head)."""
-    persistent = model.state_dict().keys()
-    tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
-    tensors.update((n, b) for n, b in model.named_buffers() if n in persistent)  # not the KV cache
-    if not model.args.tie_embeddings:
-        tensors.pop("tok_embeddings.weight")
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:

@@ -206,6 +206,18 @@ class Generator:
                 raise RuntimeError(f"decode recompiled after warm-up: {str(e).strip().splitlines()[-1]}") from e
 
 
+def weight_bytes_per_step(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: every stored tensor once (quantized weights and
+    their scales included), except the embedding table, of which a step reads one row per
+    sequence (unless it doubles as the output head)."""
+    persistent = model.state_dict().keys()
+    tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
+    tensors.update((n, b) for n, b in model.named_buffers() if n in persistent)  # not the KV cache
+    if not model.args.tie_embeddings:
+        tensors.pop("tok_embeddings.weight")
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -391,7 +403,7 @@ def stream(gen: Generator, tokenizer, prompt: list[int], max_new_tokens: int, st
 def report_stats(gen: Generator, n_new: int, total: float, compile_s: float, first_token_s: float):
     gen_s = max(total - compile_s, 1e-9)
     tok_s = n_new / gen_s
-    weight_bytes = sum(p.numel() * p.element_size() for p in gen.model.parameters())
+    weight_bytes = weight_bytes_per_step(gen.model)
     if gen.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(gen.device)
     else:

@@ -123,8 +123,8 @@ class Transformer(nn.Module):
 
         path = Path(path)
         config = read_config(path)
-        if config.get("quantization"):
-            raise ValueError(f"{path}: quantized checkpoints ({config['quantization']}) are not supported yet")
+        if config.get("quantization"):  # int8/int4 layers in place of nn.Linear: see the end of this file
+            cls = quantized_constructor(config["quantization"])
         weights = path / "model.safetensors"
         if not weights.is_file():
             raise FileNotFoundError(f"{path}: no model.safetensors")
@@ -311,3 +311,196 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
+
+
+# -- weight-only quantization ----------------------------------------------------------------------
+#
+# quantize.py writes quantized checkpoints; this section runs them. To load one, from_checkpoint builds
+# the model through quantized_constructor(config["quantization"]), which swaps nn.Linear layers for
+# the modules below before loading, so nothing above knows. The formats, for a layer whose float
+# weight W is [N, K] (every tensor is per output row, N first):
+#
+#   int8           Int8Linear: `weight` int8 [N, K] and `scales` [N]; W = weight * scales[:, None]
+#                  (symmetric, per output channel). Every linear layer.
+#   int4, group G  Int4Linear: `weight` uint8 [N, K/2], two 4-bit values q per byte (column 2j in
+#                  the low nibble), `scales` and `zeros` [N, ceil(K/G)]; W = (q - 8) * scale + zero
+#                  for each group of G columns (asymmetric: `zero` is the middle level's value). The
+#                  blocks' linear layers; the output head is int8 (4-bit there costs ~5% perplexity).
+#   embedding      stays float: a lookup reads one row per token, so quantizing it would save
+#                  memory, not time (and setup_caches takes the cache dtype from it).
+#
+# Scales and zeros are bf16 in the file, the kernels' dtype. A tied embedding becomes two tensors
+# (the float table and the int8 head), so quantized configs say tie_embeddings=false. The file
+# keeps q/k/v and gate/up apart like a float checkpoint; fusing them is a concatenation along dim 0
+# (Transformer._load_hook does `weight`, _fuse_quantized the rest). Int4Linear repacks its weight
+# into the kernel's layout after loading, on the device it runs on.
+#
+# Kernels: PyTorch's weight-only ops, which take bf16 activations (their fp32 paths on the CPU are
+# 5-20x slower), so x is cast to bf16 around the matmul and back. On the CPU, decode (<= 32 rows)
+# uses them; int8 prefill dequantizes and calls F.linear (2x faster there). On CUDA, int8 is
+# gpt-fast's F.linear(x, w.to(x.dtype)) * scales, which Inductor fuses into one kernel when
+# compiled (aten's CUDA _weight_int8pack_mm is a naive one), and int4 is tinygemm
+# (_weight_int4pack_mm). No op here syncs with the host: all of it can be captured in a CUDA graph.
+
+INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
+CPU_KERNEL_MAX_ROWS = 32  # up to this many tokens the CPU int8 kernel beats dequantize + F.linear
+
+
+def check_quantization(quantization) -> tuple[str, int | None]:
+    """(mode, groupsize) of a config's "quantization" entry; ValueError on anything else."""
+    mode = quantization.get("mode") if isinstance(quantization, dict) else None
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {quantization!r} (mode must be int8 or int4)")
+    keys = {"mode", "groupsize"} if mode == "int4" else {"mode"}
+    if set(quantization) != keys:
+        raise ValueError(f"quantization {quantization}: {mode} takes exactly the keys {sorted(keys)}")
+    if mode == "int4" and quantization["groupsize"] not in INT4_GROUPSIZES:
+        raise ValueError(f"quantization {quantization}: groupsize must be one of {INT4_GROUPSIZES}")
+    return mode, quantization.get("groupsize")
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (weight * scales[:, None]).T -> [..., N]."""
+    rows = x.numel() // x.shape[-1]
+    if x.is_cpu and rows <= CPU_KERNEL_MAX_ROWS:  # scales are bf16 here (cast when loading)
+        y = torch._weight_int8pack_mm(x.reshape(rows, -1).to(torch.bfloat16), weight, scales)
+        return y.view(*x.shape[:-1], -1).to(x.dtype)
+    return F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
+
+
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.Tensor,
+                groupsize: int) -> torch.Tensor:
+    """x [..., K] @ W.T with W packed by pack_int4 -> [..., N]."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    if x.is_cpu:
+        y = torch._weight_int4pack_mm_for_cpu(x2, weight, groupsize, scales_and_zeros)
+    else:
+        y = torch._weight_int4pack_mm(x2, weight, groupsize, scales_and_zeros)
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def unpack_int4(weight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] (column 2j in the low nibble) -> int32 [N, K] in 0..15."""
+    return torch.stack([weight & 15, weight >> 4], dim=-1).view(weight.shape[0], -1).int()
+
+
+def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return weight.to(scales.dtype) * scales[:, None]
+
+
+def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, groupsize: int) -> torch.Tensor:
+    q = unpack_int4(weight).to(scales.dtype)
+    group = torch.arange(q.shape[1], device=q.device) // groupsize  # column -> its group
+    return (q - 8) * scales[:, group] + zeros[:, group]
+
+
+def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The file's int4 layout -> (packed weight, scales_and_zeros [K/g, N, 2] bf16, g) for the
+    kernel on weight's device. A group size that does not divide K leaves a shorter last group in
+    the file (576 = 4 x 128 + 64); the kernels want equal groups, so they run with
+    g = gcd(groupsize, K) and each scale repeated groupsize/g times: the same numbers."""
+    N, K = weight.shape[0], 2 * weight.shape[1]
+    g = math.gcd(groupsize, K)
+    group = torch.arange(K // g, device=weight.device) * g // groupsize  # kernel group -> file group
+    scales_and_zeros = torch.stack([scales[:, group], zeros[:, group]], dim=-1)  # [N, K/g, 2]
+    scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+    q = unpack_int4(weight)
+    if weight.is_cpu:
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)  # innerKTiles: unused on the CPU
+    else:  # tinygemm wants uint8 [N, K/2] with column 2j in the high nibble
+        inner_k_tiles = 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2
+        packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), inner_k_tiles)
+    return packed, scales_and_zeros, g
+
+
+def _int_parameter(*shape, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = _int_parameter(out_features, in_features, dtype=torch.int8)
+        self.scales = _int_parameter(out_features, dtype=torch.get_default_dtype())
+        self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
+        self.register_load_state_dict_post_hook(Int8Linear._after_load)
+
+    def forward(self, x):
+        y = int8_linear(x, self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def _after_load(self, incompatible_keys):
+        if self.scales.is_cpu:  # the CPU kernel wants bf16 scales
+            self.scales = nn.Parameter(self.scales.to(torch.bfloat16), requires_grad=False)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
+        super().__init__()
+        if in_features % 32 or out_features % 16:
+            raise ValueError(f"int4 needs an input dim that is a multiple of 32 and an output dim that is a "
+                             f"multiple of 16 (got {in_features} -> {out_features})")
+        self.groupsize = groupsize
+        self.kernel_groupsize = math.gcd(groupsize, in_features)
+        groups = -(-in_features // groupsize)
+        self.weight = _int_parameter(out_features, in_features // 2, dtype=torch.uint8)
+        self.scales = _int_parameter(out_features, groups, dtype=torch.get_default_dtype())
+        self.zeros = _int_parameter(out_features, groups, dtype=torch.get_default_dtype())
+        self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
+        self.register_load_state_dict_post_hook(Int4Linear._after_load)
+
+    def forward(self, x):
+        y = int4_linear(x, self.weight, self.scales_and_zeros, self.kernel_groupsize)
+        return y if self.bias is None else y + self.bias
+
+    def _after_load(self, incompatible_keys):
+        """Repack the loaded file layout for the kernel: `weight` becomes the packed weight, and
+        `scales`, `zeros` become `scales_and_zeros`."""
+        if not hasattr(self, "scales") or any(t.is_meta for t in (self.weight, self.scales, self.zeros)):
+            return  # not (fully) loaded: load_state_dict reports what is missing
+        packed, scales_and_zeros, _ = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
+        del self.scales, self.zeros
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.scales_and_zeros = nn.Parameter(scales_and_zeros, requires_grad=False)
+
+
+def quantized_constructor(quantization: dict):
+    """For from_checkpoint: a function ModelArgs -> Transformer whose linear layers are the
+    quantized modules above (int4 mode: int8 output head), ready to load a quantized state dict."""
+    mode, groupsize = check_quantization(quantization)
+
+    def quantized_linear(linear: nn.Linear, mode: str) -> nn.Module:
+        bias = linear.bias is not None
+        if mode == "int8":
+            return Int8Linear(linear.in_features, linear.out_features, bias)
+        return Int4Linear(linear.in_features, linear.out_features, groupsize, bias)
+
+    def build(args: ModelArgs) -> Transformer:
+        if args.tie_embeddings:
+            raise ValueError("a quantized checkpoint keeps the head apart from the embedding: its config "
+                             "must say tie_embeddings=false")
+        model = Transformer(args)
+        for layer in model.layers:
+            for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
+                                 (layer.feed_forward, "w13"), (layer.feed_forward, "w2")):
+                setattr(parent, name, quantized_linear(getattr(parent, name), mode))
+        model.output = quantized_linear(model.output, "int8")
+        model._register_load_state_dict_pre_hook(_fuse_quantized)  # runs after Transformer._load_hook
+        return model
+
+    return build
+
+
+def _fuse_quantized(state, prefix, *args):
+    """Load pre-hook: fuse the per-row `scales` and `zeros` of q/k/v and gate/up like
+    Transformer._load_hook fuses their weights."""
+    for key in [k for k in state if k.startswith(prefix)]:
+        head, _, suffix = key.rpartition(".")  # "...layers.3.attention.wq", "scales"
+        if suffix not in ("scales", "zeros"):
+            continue
+        for fused, parts in (("wqkv", ("wq", "wk", "wv")), ("w13", ("w1", "w3"))):
+            if head.endswith("." + parts[0]):
+                base = head[:-len(parts[0])]
+                names = [f"{base}{p}.{suffix}" for p in parts]
+                if all(n in state for n in names):
+                    state[f"{base}{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names])

@@ -107,3 +107,27 @@ def test_kept_outputs_not_overwritten_by_replays(graphed):
     assert tokens[0, : 8 + 1 + 16].equal(snapshot)
     assert sum(early, []) == snapshot[8:].tolist()
     assert len(sum(early, []) + sum(rest, [])) == 120
+
+
+@pytest.mark.parametrize("mode, group", [("int8", None), ("int4", 32)])
+def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group):
+    """Weight-only int8/int4 layers are capture-safe: graphed decode is one replay per token, and
+    its logits match eager quantized decode and stay near the float model's."""
+    from quantize import quantize_model
+
+    qmodel = quantize_model(model, mode, group)
+    gen = make_generator(qmodel, "graphs")
+    gen.reserve(1, 128)
+    graphed = tokens_of(gen, 40)
+    check_graphs(gen, steps=4)
+    eager = tokens_of(make_generator(qmodel, "eager"), 40)
+    # bf16 rounding differs between Inductor's fused kernels and eager ops: greedy paths of a
+    # random model part at a near-tie (seen on the H200 after ~20 tokens), so compare a prefix.
+    assert graphed[:8] == eager[:8], (graphed, eager)
+    idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
+    with torch.no_grad():
+        qmodel.setup_caches(1, 64)
+        model.setup_caches(1, 64)
+        q, f = qmodel(idx, pos).float(), model(idx, pos).float()
+    rel = ((q - f).norm() / f.norm()).item()
+    assert rel < (0.05 if mode == "int8" else 0.25), rel

@@ -1,0 +1,85 @@
+"""Perplexity of a checkpoint on a text file: the standard strided sliding-window evaluation.
+
+    python eval.py --checkpoint DIR --text FILE [--window N] [--stride S] [--device cpu|cuda]
+                   [--dtype bf16|fp16|fp32]
+
+The text is tokenized whole (BOS first when the tokenizer adds one). The first window, of N
+tokens, scores its tokens 1..N-1; each next one ends S tokens further, spans the N tokens up to
+there, and scores only its last S tokens. So every token but the first is scored exactly once,
+with up to N - 1 tokens of left context (at least N - S after the first window). Perplexity =
+exp(mean negative log-likelihood). Used to check what quantization (quantize.py) costs.
+"""
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from model import Transformer, read_config
+from tokenizer import load_tokenizer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@torch.no_grad()
+def perplexity(model: Transformer, tokens: list[int], window: int = 512, stride: int = 256) -> float:
+    """exp(mean NLL) of tokens[1:] under the model, scored by windows of `window` tokens whose ends
+    are `stride` tokens apart (1 <= stride < window, so each window has context before what it scores)."""
+    if not 1 <= stride < window:
+        raise ValueError(f"need 1 <= stride < window (got stride {stride}, window {window})")
+    if len(tokens) < 2:
+        raise ValueError("the text has fewer than 2 tokens")
+    device = model.tok_embeddings.weight.device
+    model.setup_caches(max_batch_size=1, max_seq_length=min(window, len(tokens)))
+    ids = torch.tensor(tokens, device=device)
+    nll, scored, end = 0.0, 1, min(window, len(tokens))  # tokens[:scored] are done; token 0 has no context
+    while True:
+        begin = max(0, end - window)
+        logits = model(ids[None, begin:end], torch.arange(end - begin, device=device))[0]  # [L, V]
+        # logits[i] predicts token begin + i + 1: score tokens[scored:end].
+        pred = logits[scored - 1 - begin:end - 1 - begin].float()
+        nll += F.cross_entropy(pred, ids[scored:end], reduction="sum").item()
+        if end == len(tokens):
+            return math.exp(nll / (len(tokens) - 1))
+        scored, end = end, min(end + stride, len(tokens))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory (float or quantized)")
+    p.add_argument("--text", type=Path, required=True, help="UTF-8 text file")
+    p.add_argument("--window", type=int, default=512, help="most tokens in one forward (default 512)")
+    p.add_argument("--stride", type=int, default=None, help="tokens between window ends, < window (default window/2)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    args = p.parse_args(argv)
+    stride = args.stride if args.stride is not None else max(1, args.window // 2)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    try:
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        if not 1 <= stride < args.window:
+            raise ValueError(f"need 1 <= --stride < --window (got {stride} and {args.window})")
+        read_config(args.checkpoint)  # a missing or broken checkpoint says so before anything loads
+        try:
+            text = args.text.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{args.text}: cannot read the text ({e})") from None
+        tokens = load_tokenizer(args.checkpoint).encode(text)
+        model = Transformer.from_checkpoint(args.checkpoint, device=device, dtype=dtype)
+        if args.window > model.args.max_seq_len:
+            raise ValueError(f"--window {args.window} exceeds the model's context of {model.args.max_seq_len}")
+        ppl = perplexity(model, tokens, args.window, stride)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"perplexity {ppl:.4f} ({len(tokens) - 1} tokens scored, window {args.window}, stride {stride}, "
+          f"{args.checkpoint})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Weight-only int8 / int4 quantization: a float checkpoint directory -> a new, quantized one.
+
+    python quantize.py --checkpoint DIR --mode int8|int4 [--groupsize 32|64|128|256] [--out DIR]
+
+int8: every linear layer per output channel, symmetric (scale = max|w| / 127).
+int4: the blocks' linear layers in groups of G input columns, asymmetric: each group gets a scale
+      and a zero (the middle level's value), fitted by least squares over a few clipping ranges
+      (measured on the default model, it beats plain min/max and symmetric 4-bit: see
+      BENCHMARKS.md). The output head stays int8 per channel.
+Both: the embedding table stays float (one row read per token). The file formats, and the
+modules that run them, are at the end of model.py; generate.py and eval.py load the result with
+no extra flag.
+
+The output defaults to DIR-int8 or DIR-int4-gG beside DIR and is never overwritten: it is written
+to a temporary directory and renamed into place once complete. Tokenizer files and the rest of
+config.json are copied; "quantization" records the format, and tie_embeddings becomes false (the
+float table and the int8 head are two tensors from then on).
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from convert_hf_checkpoint import write_safetensors
+from model import INT4_GROUPSIZES, ModelArgs, Transformer, check_quantization, quantized_constructor, read_config
+
+SCALE_DTYPE = torch.bfloat16  # the kernels' dtype: scales are fitted to the values they will have
+BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+
+
+class QuantizeError(Exception):
+    """Bad input: printed as one line, exit status 1."""
+
+
+# -- the quantizers: float weight [N, K] -> the file's tensors (see model.py) ---------------------
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric, per row: (int8 [N, K], scales [N]) with w ~ q * scales[:, None]."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(SCALE_DTYPE)
+    q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric, per group of `groupsize` columns (the last group shorter when groupsize does
+    not divide K): (uint8 [N, K/2] two values a byte, scales [N, G], zeros [N, G]) with
+    w ~ (q - 8) * scale + zero."""
+    N, K = w.shape
+    if K % 2:
+        raise QuantizeError(f"int4 needs an even input dim (got {K})")
+    full = K // groupsize * groupsize
+    parts = [_fit_int4(w[:, :full].float().view(N, -1, groupsize))] if full else []
+    if full < K:
+        parts.append(_fit_int4(w[:, full:].float().view(N, 1, K - full)))
+    q = torch.cat([p[0].flatten(1) for p in parts], dim=1).to(torch.uint8)  # [N, K] in 0..15
+    scales, zeros = (torch.cat([p[i] for p in parts], dim=1) for i in (1, 2))
+    return q[:, ::2] | q[:, 1::2] << 4, scales, zeros
+
+
+def _fit_int4(w: torch.Tensor, clips=(0.0, 0.05, 0.1)) -> tuple[torch.Tensor, ...]:
+    """w [N, G, g] -> (q [N, G, g] in 0..15, scales [N, G], zeros [N, G]) minimising the squared
+    error per group. For each clipping of the group's [min, max] range (from below and from
+    above), round to the 16-level grid, refit scale and zero by least squares for those levels,
+    round once more; keep the best fit. Plain min/max is the first candidate."""
+    g = w.shape[-1]
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    span = (hi - lo).clamp(min=1e-12)
+    best = (torch.full_like(lo, float("inf")), span / 15, lo + 8 * span / 15)
+    for a in clips:
+        for b in clips:
+            scale = span * (1 - a - b) / 15
+            zero = lo + a * span + 8 * scale
+            for refit in (True, False):
+                scale, zero = scale.to(SCALE_DTYPE).float().clamp(min=1e-12), zero.to(SCALE_DTYPE).float()
+                q = ((w - zero) / scale).round().clamp(-8, 7)
+                if refit:  # least squares for w ~ q * scale + zero, the levels q fixed
+                    sq, sw = q.sum(-1, keepdim=True), w.sum(-1, keepdim=True)
+                    den = g * (q * q).sum(-1, keepdim=True) - sq * sq
+                    ok = den > 0
+                    fit_scale = (g * (q * w).sum(-1, keepdim=True) - sq * sw) / torch.where(ok, den, 1)
+                    scale = torch.where(ok & (fit_scale > 0), fit_scale, scale)
+                    zero = torch.where(ok, (sw - scale * sq) / g, zero)
+            err = ((q * scale + zero - w) ** 2).sum(-1, keepdim=True)
+            better = err < best[0]
+            best = tuple(torch.where(better, new, old) for new, old in zip((err, scale, zero), best))
+    _, scale, zero = best
+    q = ((w - zero) / scale).round().clamp(-8, 7) + 8
+    return q, scale.squeeze(-1).to(SCALE_DTYPE), zero.squeeze(-1).to(SCALE_DTYPE)
+
+
+def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, groupsize: int | None,
+                     tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """A float checkpoint's (name, tensor) stream -> the quantized checkpoint's."""
+    for name, t in tensors:
+        module, _, kind = name.rpartition(".")
+        if tied and name == "output.weight":
+            continue  # the embedding's, made below
+        if name == "tok_embeddings.weight":
+            yield name, t  # a lookup reads one row per token: kept float (see model.py)
+            if tied:  # the head, stored apart from now on
+                q, scales = quantize_int8(t)
+                yield "output.weight", q
+                yield "output.scales", scales
+        elif kind == "weight" and (module == "output" or (mode == "int8" and module.endswith(BLOCK_LINEARS))):
+            q, scales = quantize_int8(t)
+            yield name, q
+            yield module + ".scales", scales
+        elif kind == "weight" and module.endswith(BLOCK_LINEARS):
+            N, K = t.shape
+            if K % 32 or N % 16:
+                raise QuantizeError(f"{name}: int4 needs an input dim that is a multiple of 32 and an output "
+                                    f"dim that is a multiple of 16 (got {N} x {K})")
+            q, scales, zeros = quantize_int4(t, groupsize)
+            yield name, q
+            yield module + ".scales", scales
+            yield module + ".zeros", zeros
+        else:  # norms, biases: as they are
+            yield name, t
+
+
+def quantized_config(config: dict, mode: str, groupsize: int | None) -> dict:
+    config = {k: v for k, v in config.items() if k != "args"}
+    config["model"] = dict(config["model"], tie_embeddings=False)
+    config["quantization"] = {"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize}
+    return config
+
+
+def quantize_model(model: Transformer, mode: str, groupsize: int | None = None) -> Transformer:
+    """The quantized twin of a float model, made in memory the way quantize_checkpoint makes the
+    file: the same tensors, loaded through the same modules and hooks."""
+    args = model.args
+    state = {k: v for k, v in model.state_dict().items()
+             if not (args.tie_embeddings and k == "output.weight")}
+    state = split_fused(state, args)
+    config = quantized_config({"model": args.to_dict()}, mode, groupsize)
+    with torch.device("meta"):
+        qmodel = quantized_constructor(config["quantization"])(ModelArgs.from_dict(config["model"]))
+    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    qstate = {k: v.to(dtype) if v.is_floating_point() else v
+              for k, v in quantize_tensors(iter(state.items()), mode, groupsize, args.tie_embeddings)}
+    qmodel.load_state_dict({k: v.to(device) for k, v in qstate.items()}, strict=True, assign=True)
+    return qmodel.eval().requires_grad_(False)
+
+
+def split_fused(state: dict, args: ModelArgs) -> dict:
+    """A loaded model's wqkv and w13 back into the checkpoint's wq, wk, wv and w1, w3."""
+    out = {}
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    for name, t in state.items():
+        if ".attention.wqkv." in name:
+            for part, piece in zip(("wq", "wk", "wv"), t.split([q, kv, kv])):
+                out[name.replace("wqkv", part)] = piece
+        elif ".feed_forward.w13." in name:
+            for part, piece in zip(("w1", "w3"), t.chunk(2)):
+                out[name.replace("w13", part)] = piece
+        else:
+            out[name] = t
+    return out
+
+
+# -- the checkpoint directory ---------------------------------------------------------------------
+
+def default_out(checkpoint: Path, mode: str, groupsize: int | None) -> Path:
+    suffix = "int8" if mode == "int8" else f"int4-g{groupsize}"
+    return checkpoint.parent / f"{checkpoint.resolve().name}-{suffix}"
+
+
+def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = None, out: Path | None = None) -> Path:
+    checkpoint = Path(checkpoint)
+    if mode not in ("int8", "int4"):
+        raise QuantizeError(f"unknown mode {mode!r} (int8 or int4)")
+    try:
+        config = read_config(checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        raise QuantizeError(str(e)) from None
+    if config.get("quantization"):
+        raise QuantizeError(f"{checkpoint} is already quantized ({config['quantization']}); "
+                            f"quantize its float checkpoint instead")
+    weights = checkpoint / "model.safetensors"
+    if not weights.is_file():
+        raise QuantizeError(f"{checkpoint}: no model.safetensors")
+    if mode == "int4" and groupsize is None:
+        groupsize = 32
+    out = Path(out) if out else default_out(checkpoint, mode, groupsize)
+    if out.exists():
+        raise QuantizeError(f"{out} already exists")
+    new_config = quantized_config(config, mode, groupsize)
+    try:
+        check_quantization(new_config["quantization"])
+    except ValueError as e:
+        raise QuantizeError(str(e)) from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    start = time.time()
+    label = mode if mode == "int8" else f"int4, group size {groupsize}"
+    print(f"quantizing {checkpoint} -> {out} ({label})", file=sys.stderr)
+    try:
+        with safe_open(weights, framework="pt") as f:
+            tensors = ((name, f.get_tensor(name)) for name in f.keys())
+            write_safetensors(tmp / "model.safetensors",
+                              quantize_tensors(tensors, mode, groupsize, config["args"].tie_embeddings),
+                              {"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
+        for f in checkpoint.iterdir():  # tokenizer files, generation_config.json, ...
+            if f.is_file() and f.name not in ("model.safetensors", "config.json"):
+                shutil.copy2(f, tmp / f.name)
+        try:  # loads as the runtime will, or is not kept
+            Transformer.from_checkpoint(tmp, device="meta", dtype=torch.float32)
+        except (ValueError, RuntimeError) as e:
+            raise QuantizeError(f"the quantized checkpoint does not load: {e}") from None
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = (out / "model.safetensors").stat().st_size / 2**20
+    print(f"wrote {out} ({size:.0f} MiB, {time.time() - start:.1f} s)", file=sys.stderr)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", type=Path, required=True, help="float checkpoint directory")
+    p.add_argument("--mode", choices=["int8", "int4"], required=True)
+    p.add_argument("--groupsize", type=int, choices=INT4_GROUPSIZES, default=None,
+                   help="int4 only: input columns per scale and zero (default 32)")
+    p.add_argument("--out", type=Path, help="output directory (default: DIR-int8 or DIR-int4-gG)")
+    args = p.parse_args(argv)
+    if args.mode == "int8" and args.groupsize is not None:
+        p.error("--groupsize applies to --mode int4 only (int8 has one scale per output channel)")
+    try:
+        print(quantize_checkpoint(args.checkpoint, args.mode, args.groupsize, args.out))
+    except (QuantizeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Weight-only quantization (quantize.py, the end of model.py) and perplexity (eval.py): error
+bounds of the quantizers, the quantized layers against float ones, quantized checkpoints against
+quantizing in memory, the command line's errors, and quality on the default model."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from convert_hf_checkpoint import write_safetensors
+from eval import perplexity
+from generate import Generator, Sampling
+from model import (Int4Linear, Int8Linear, ModelArgs, Transformer, dequantize_int4, dequantize_int8,
+                   unpack_int4)
+from quantize import main as quantize_main
+from quantize import quantize_checkpoint, quantize_int4, quantize_int8, quantize_model, split_fused
+from tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT / "tests" / "data" / "eval_text.txt"
+GROUPSIZES = (32, 64, 128, 256)
+
+
+def weights(n, k, seed=0):
+    """Gaussian rows of different scales, with a few outliers: what trained weights look like."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g).add(0.1) * 0.05
+    w[torch.rand(n, k, generator=g) < 0.002] *= 8
+    return w
+
+
+# -- the quantizers --------------------------------------------------------------------------------
+
+def test_int8_error_is_at_most_half_a_step():
+    w = weights(96, 160)
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.shape == (96,) and scales.dtype == torch.bfloat16
+    err = (dequantize_int8(q, scales.float()) - w).abs()
+    # Round to nearest on a grid that reaches max|w| (the bf16 scale is at most 2^-9 smaller, so
+    # nothing is clipped): error <= half a step, and the biggest value is hit within half a step.
+    assert (err <= scales.float()[:, None] / 2 * (1 + 1e-6)).all()
+    assert (q.abs().amax(dim=1) >= 126).all()
+    assert err.max() > 0.3 * scales.float().min()  # a real rounding, not a copy
+
+
+@pytest.mark.parametrize("groupsize", GROUPSIZES)
+def test_int4_error_per_group_beats_min_max_rounding(groupsize):
+    n, k = 64, 576  # 576 is not a multiple of 128 or 256: a shorter last group
+    w = weights(n, k, seed=groupsize)
+    packed, scales, zeros = quantize_int4(w, groupsize)
+    groups = -(-k // groupsize)
+    assert packed.shape == (n, k // 2) and packed.dtype == torch.uint8
+    assert scales.shape == zeros.shape == (n, groups)
+    q = unpack_int4(packed)
+    assert q.min() >= 0 and q.max() <= 15
+    err = dequantize_int4(packed, scales.float(), zeros.float(), groupsize) - w
+    # The fit keeps, per group, the least squared error of several candidates, plain min/max
+    # rounding among them, whose rms error is at most half its step (max - min) / 15 (1% slack
+    # for the bf16 scale and zero). Over the matrix it does clearly better than min/max rounding.
+    col = torch.arange(k) // groupsize
+    fit_sq = minmax_sq = 0.0
+    for gi in range(groups):
+        wg, eg = w[:, col == gi], err[:, col == gi]
+        lo, hi = wg.amin(dim=1, keepdim=True), wg.amax(dim=1, keepdim=True)
+        step = (hi - lo) / 15
+        assert (eg.pow(2).mean(dim=1).sqrt() <= step.squeeze(1) / 2 * 1.01 + 1e-7).all(), gi
+        fit_sq += eg.pow(2).sum()
+        minmax_sq += (((wg - lo) / step).round() * step + lo - wg).pow(2).sum()
+    assert fit_sq < 0.95 * minmax_sq
+
+
+# -- the quantized layers --------------------------------------------------------------------------
+
+def quantized_linear(w, mode, groupsize=None, bias=None):
+    """An Int8Linear / Int4Linear loaded from w the way a checkpoint loads, and the float weight it
+    stands for (its dequantized weight)."""
+    n, k = w.shape
+    if mode == "int8":
+        q, scales = quantize_int8(w)
+        layer, state = Int8Linear(k, n, bias is not None), {"weight": q, "scales": scales.float()}
+        deq = dequantize_int8(q, scales.float())
+    else:
+        q, scales, zeros = quantize_int4(w, groupsize)
+        layer = Int4Linear(k, n, groupsize, bias is not None)
+        state = {"weight": q, "scales": scales.float(), "zeros": zeros.float()}
+        deq = dequantize_int4(q, scales.float(), zeros.float(), groupsize)
+    if bias is not None:
+        state["bias"] = bias
+    layer.load_state_dict(state, assign=True)
+    return layer, deq
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("mode,groupsize", [("int8", None)] + [("int4", g) for g in GROUPSIZES])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_quantized_linear_is_close_to_float(mode, groupsize, rows):
+    w, b = weights(256, 576, seed=3), torch.randn(256) * 0.1
+    layer, deq = quantized_linear(w, mode, groupsize, b)
+    x = torch.randn(rows, 576)
+    y = layer(x.view(1, rows, 576)).view(rows, 256)
+    assert y.dtype == torch.float32
+    # Against its own dequantized weight, the only error is the kernels' bf16 activations and
+    # output (unit roundoff 2^-9 on each: ~0.25% on a long dot product of random terms), or none
+    # at all where int8 prefill (more than 32 rows) dequantizes and runs in fp32.
+    exact = F.linear(x, deq, b)
+    assert rel(y, exact) < (1e-5 if mode == "int8" and rows > 32 else 5e-3)  # measured ~2.5e-3
+    # The weight's relative error is that of rounding to nearest on the grid: step^2 / 12 per weight
+    # (measured: int8 1.00x that, int4 0.9x, its fit beating min/max). For inputs in random
+    # directions the output's relative error is the weight's, plus the bf16 part.
+    weight_err = rel(deq, w)
+    assert weight_err < 1.05 * rounding_noise(w, mode, groupsize)
+    assert rel(y, F.linear(x, w, b)) < 1.3 * weight_err + 5e-3
+
+
+def rounding_noise(w, mode, groupsize):
+    """Relative rms error of round-to-nearest on the plain grid, step^2 / 12 per weight: int8
+    steps max|w| / 127 per row, int4 (max - min) / 15 per group."""
+    if mode == "int8":
+        step = (w.abs().amax(dim=1, keepdim=True) / 127).expand_as(w)
+    else:
+        col = torch.arange(w.shape[1]) // groupsize
+        step = torch.empty_like(w)
+        for gi in col.unique():
+            wg = w[:, col == gi]
+            step[:, col == gi] = (wg.amax(dim=1, keepdim=True) - wg.amin(dim=1, keepdim=True)) / 15
+    return ((step.pow(2).sum() / 12).sqrt() / w.norm()).item()
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+def write_float_checkpoint(path: Path, args: ModelArgs, seed=0) -> Transformer:
+    """A random model saved as convert_hf_checkpoint.py saves one (q/k/v and gate/up apart, no
+    output head when tied), with a stand-in tokenizer file."""
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    state = split_fused(model.state_dict(), args)
+    if args.tie_embeddings:
+        del state["output.weight"]
+    path.mkdir(parents=True)
+    write_safetensors(path / "model.safetensors", iter(state.items()), {"format": "pt"})
+    config = {"model": args.to_dict(), "quantization": None, "source": "random test model"}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text('{"stand-in": true}')
+    return model
+
+
+TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, intermediate_size=96,
+                 max_seq_len=128, tie_embeddings=True, attention_bias=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny"
+    write_float_checkpoint(path, TINY)
+    return path
+
+
+def logits(model, idx):
+    model.setup_caches(1, 64)
+    return model(idx, torch.arange(idx.shape[1]))
+
+
+@pytest.mark.parametrize("mode,groupsize", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
+def test_quantized_checkpoint_loads_like_quantizing_in_memory(tiny_ckpt, tmp_path, mode, groupsize):
+    out = quantize_checkpoint(tiny_ckpt, mode, groupsize, tmp_path / "q")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == ({"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize})
+    assert config["source"] == "random test model" and config["model"]["tie_embeddings"] is False
+    assert (out / "tokenizer.json").read_bytes() == (tiny_ckpt / "tokenizer.json").read_bytes()
+
+    float_model = Transformer.from_checkpoint(tiny_ckpt, "cpu", torch.float32)
+    loaded = Transformer.from_checkpoint(out, "cpu", torch.float32)  # driven by config.json alone
+    in_memory = quantize_model(float_model, mode, groupsize)
+    layer = loaded.layers[0].feed_forward.w13
+    assert isinstance(layer, Int8Linear if mode == "int8" else Int4Linear)
+    assert isinstance(loaded.output, Int8Linear)
+
+    idx = torch.randint(0, TINY.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    ref, got = logits(float_model, idx), logits(loaded, idx)
+    assert torch.equal(got, logits(in_memory, idx))
+    assert rel(got, ref) < (0.03 if mode == "int8" else 0.2)  # quantized, yet the same model
+    # Decode (one token at a time: the CPU kernels in bf16) agrees with the prompt's forward.
+    steps = torch.cat([loaded(idx[:, i:i + 1], torch.tensor([i])) for i in range(idx.shape[1])], dim=1)
+    assert rel(steps, got) < 1e-2
+
+
+# -- perplexity -------------------------------------------------------------------------------------
+
+def test_perplexity_scores_each_token_once_with_its_window(tiny_ckpt):
+    model = Transformer.from_checkpoint(tiny_ckpt, "cpu", torch.float32)
+    tokens = torch.randint(0, TINY.vocab_size, (50,), generator=torch.Generator().manual_seed(2)).tolist()
+    model.setup_caches(1, 64)
+    full = F.log_softmax(model(torch.tensor([tokens]), torch.arange(50))[0], dim=-1)
+    nll = -full[:-1].gather(1, torch.tensor(tokens[1:])[:, None]).mean()
+    assert perplexity(model, tokens, window=64, stride=8) == pytest.approx(nll.exp().item(), rel=1e-5)
+    # Windows of 16 ending every 5 tokens: token t is scored once, in the first window that ends
+    # after it, seeing the tokens from that window's start. Brute force, one forward per token:
+    window, stride, total = 16, 5, 0.0
+    for t in range(1, 50):
+        end = window if t < window else min(50, window + stride * -(-(t + 1 - window) // stride))
+        begin = max(0, end - window)
+        out = model(torch.tensor([tokens[begin:t]]), torch.arange(t - begin))[0, -1]
+        total -= F.log_softmax(out, dim=-1)[tokens[t]].item()
+    assert perplexity(model, tokens, window, stride) == pytest.approx(torch.tensor(total / 49).exp().item(), rel=1e-5)
+    with pytest.raises(ValueError, match="stride"):
+        perplexity(model, tokens, window=16, stride=16)
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "quantize.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def assert_clean_error(result, *words):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    assert all(w in result.stderr for w in words), result.stderr
+
+
+def test_cli_writes_the_default_name_and_refuses_to_overwrite(tiny_ckpt, capsys):
+    result = run_cli("--checkpoint", tiny_ckpt, "--mode", "int4", "--groupsize", "64")
+    out = tiny_ckpt.parent / "tiny-int4-g64"
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(out)
+    assert Transformer.from_checkpoint(out, "cpu", torch.float32).layers[1].attention.wqkv.groupsize == 64
+    before = sorted(p.name for p in tiny_ckpt.parent.iterdir())
+    # A quantized checkpoint cannot be quantized again.
+    assert_clean_error(run_cli("--checkpoint", out, "--mode", "int8"), "already quantized")
+    # The rest in-process (the same main(), without a Python start each).
+    assert quantize_main(["--checkpoint", str(tiny_ckpt), "--mode", "int4", "--groupsize", "64"]) == 1
+    assert "already exists" in capsys.readouterr().err
+    for argv, words in [(["--mode", "int8", "--groupsize", "32"], "--groupsize applies to"),
+                        (["--mode", "int4", "--groupsize", "48"], "invalid choice: 48")]:
+        with pytest.raises(SystemExit) as exit:
+            quantize_main(["--checkpoint", str(tiny_ckpt), *argv])
+        assert exit.value.code == 2 and words in capsys.readouterr().err
+    assert sorted(p.name for p in tiny_ckpt.parent.iterdir()) == before  # nothing half-written left
+
+
+def test_cli_errors(tmp_path):
+    odd = tmp_path / "odd"  # dim 48: no group of 32 columns divides it
+    write_float_checkpoint(odd, ModelArgs(dim=48, n_layers=1, n_heads=4, vocab_size=64, intermediate_size=64))
+    assert_clean_error(run_cli("--checkpoint", odd, "--mode", "int4", "--groupsize", "32"),
+                       "layers.0.attention.", "input dim that is a multiple of 32", "48 x 48")
+    assert_clean_error(run_cli("--checkpoint", odd, "--mode", "int3"), "invalid choice: 'int3'")
+    assert_clean_error(run_cli("--checkpoint", tmp_path / "nowhere", "--mode", "int8"), "not a checkpoint directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd"]  # no output, no temporary directory
+
+
+def test_loading_rejects_a_bad_quantization_entry(tiny_ckpt, tmp_path):
+    out = quantize_checkpoint(tiny_ckpt, "int8", None, tmp_path / "q")
+    config = json.loads((out / "config.json").read_text())
+    for bad, words in [({"mode": "int2"}, "unknown quantization"),
+                       ({"mode": "int4", "groupsize": 48}, "groupsize must be one of"),
+                       ({"mode": "int4", "groupsize": 32}, "do not match")]:  # int8 weights, int4 config
+        (out / "config.json").write_text(json.dumps(dict(config, quantization=bad)))
+        with pytest.raises(ValueError, match=words):
+            Transformer.from_checkpoint(out, "cpu", torch.float32)
+
+
+# -- quality on the default model ------------------------------------------------------------------
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "Water boils at",
+]
+
+
+@pytest.fixture(scope="module")
+def default_float(default_ckpt):
+    return Transformer.from_checkpoint(default_ckpt, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def default_int8(default_float):
+    return quantize_model(default_float, "int8")
+
+
+@pytest.mark.slow
+def test_perplexity_on_the_default_model(default_ckpt, default_float, default_int8):
+    # The first 1,024 tokens of the shipped text, windows of 256 every 192: short, for speed.
+    tokens = load_tokenizer(default_ckpt).encode(TEXT.read_text())[:1024]
+    base = perplexity(default_float, tokens, window=256, stride=192)
+    assert 5 < base < 60  # a working model on ordinary English
+    ratios = {"int8": perplexity(default_int8, tokens, 256, 192) / base}
+    for g in (32, 128):
+        ratios[f"int4 g{g}"] = perplexity(quantize_model(default_float, "int4", g), tokens, 256, 192) / base
+    print(f"\nperplexity {base:.3f} float; ratios " + ", ".join(f"{k} {v:.4f}" for k, v in ratios.items()))
+    assert ratios["int8"] <= 1.01  # measured 1.005 (shorter texts: up to 1.010)
+    assert ratios["int4 g32"] <= 1.10  # the default model is Q4_1 (blocks of 32) at heart: ~1.00
+    # Measured 1.34-1.38: this 135M model, already 4-bit, loses more than the 1.20 aimed for
+    # when regrouped by 128 with round-to-nearest (see BENCHMARKS.md).
+    assert ratios["int4 g128"] <= 1.50
+    assert ratios["int4 g32"] < ratios["int4 g128"]
+
+
+@pytest.mark.slow
+def test_int8_greedy_against_float(default_ckpt, default_float, default_int8):
+    tok = load_tokenizer(default_ckpt)
+
+    def greedy(model, ids):
+        gen = Generator(model, Sampling(temperature=0), "eager")
+        return [t for chunk in gen.generate([ids], 32) for t in chunk[0]]
+
+    same, agree = 0, []
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        a, b = greedy(default_float, ids), greedy(default_int8, ids)
+        assert len(a) == len(b) == 32
+        same += a == b
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        print(f"\n{prompt!r}: " + ("identical" if first is None else f"first differs at token {first}"))
+        # Teacher-forced on float's continuation, int8 picks the same next token almost always.
+        full = torch.tensor([ids + a])
+        pred = logits(default_int8, full)[0, len(ids) - 1:-1].argmax(-1)
+        agree.append((pred == torch.tensor(a)).float().mean().item())
+    print(f"int8 greedy = float for all 32 tokens on {same}/{len(PROMPTS)} prompts; teacher-forced "
+          f"next-token agreement {sum(agree) / len(agree):.3f}")
+    # Greedy decoding of a 135M model flips at near-ties: measured 1/5 identical with the CPU
+    # kernels' bf16 activations (4/7 of chat prompts with fp32 activations; see BENCHMARKS.md).
+    assert same >= 1
+    assert sum(agree) / len(agree) >= 0.9
