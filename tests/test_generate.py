@@ -195,3 +195,14 @@ def test_batched_positions_shape_supported_by_mask_and_rope(tiny):
             x = layer(x, torch.tensor([3]), cos, sin, mask)
         per_seq = tiny.output(tiny.norm(x))
     assert torch.allclose(one, per_seq, atol=1e-5)
+
+
+def test_cli_profile_writes_a_trace(default_ckpt, tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    r = cli("--checkpoint", default_ckpt, "--prompt", "Hi", "--max-new-tokens", "3", "--temperature", "0",
+            "--no-compile", "--profile", trace)
+    assert r.returncode == 0, r.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("aten::mm" in e.get("name", "") or "aten::linear" in e.get("name", "") for e in events)
