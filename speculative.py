@@ -1,0 +1,189 @@
+"""Speculative decoding: a small draft model proposes K tokens, the target checks all of them in
+one forward over K+1 positions, and the output follows exactly the target's distribution
+(greedy: exactly the target's greedy tokens).
+
+One round, in reading order:
+  draft_steps()   K draft forwards on static buffers: proposals and their draft distributions
+                  are written on the device; nothing in the loop talks to the host
+  verify()        one fixed-shape target forward over [last token, d_1..d_K] at pos..pos+K,
+                  acceptance with fixed-shape ops (cumprod of accept flags), the corrected or
+                  bonus token, and the next round's token/position, all on the device
+  SpeculativeGenerator.generate()   the host loop: ONE host sync per round (`result.tolist()`),
+                  stop tokens and max_new_tokens, statistics
+
+Both functions take only static buffers and the models, so each can be compiled with
+fullgraph=True and later captured as one CUDA graph (on a GPU, untested here).
+
+The acceptance rule (Leviathan et al. 2023, Chen et al. 2023): with p the target's and q the
+draft's distribution at a position (both from generate.logits_to_probs, same temperature, top-k,
+top-p), proposal d is accepted with probability min(1, p(d)/q(d)); at the first rejection the
+token is drawn from normalize(max(0, p - q)); when all K are accepted a bonus token is drawn from
+p at the last position. Every draw is argmax(probs / Exponential(1)), never torch.multinomial.
+"""
+import torch
+
+from generate import Sampling, logits_to_probs, prefill, synchronize
+from model import Transformer
+
+
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """probs [..., V] (need not be normalised) -> one draw per row [...], by the exponential race."""
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
+def draft_steps(draft: Transformer, prev: torch.Tensor, token: torch.Tensor, pos: torch.Tensor,
+                draft_tokens: torch.Tensor, draft_probs: torch.Tensor, s: Sampling) -> None:
+    """K draft steps, in place on static buffers: prev, token [1, 1] the tokens at pos - 1 and pos,
+    pos [1]; writes the proposals into draft_tokens [1, K] (d_i at position pos + i) and, when
+    sampling, their draft distributions into draft_probs [1, K, V]. K is draft_tokens' (static)
+    width, so the Python loop unrolls when compiled.
+
+    Why the first step feeds two tokens, [prev, token] at [pos - 1, pos]: the draft's KV cache must
+    hold every accepted token before it proposes. When the previous round rejected a proposal, the
+    draft has already processed everything up to pos - 1 (the accepted d_n is at pos - 1, or n = 0
+    and pos - 1 is the previous round's input), so re-writing pos - 1 writes the same keys and
+    values again: harmless. When the previous round accepted all K, the draft never processed its
+    own K-th proposal (it only produced it), and that token now sits at pos - 1: the two-token
+    step fills that hole. The first round's prev is the prompt's last token (already prefilled).
+    A two-token forward costs about what a one-token forward does (decode is memory-bound), so this
+    is cheaper than running the draft K+1 steps every round, and the shape never changes.
+    Rejected proposals' cache entries (beyond the new pos) are simply overwritten next round."""
+    K = draft_tokens.shape[1]
+    logits = draft(torch.cat([prev, token], dim=1), torch.cat([pos - 1, pos]))[:, -1]  # [1, V]
+    for i in range(K):
+        if i > 0:
+            logits = draft(draft_tokens[:, i - 1:i], pos + i)[:, -1]
+        if s.temperature == 0:
+            t = logits.argmax(-1)
+        else:
+            q = logits_to_probs(logits, s)  # [1, V]
+            draft_probs[:, i].copy_(q)
+            t = _draw(q)
+        draft_tokens[:, i].copy_(t)
+
+
+def verify(target: Transformer, prev: torch.Tensor, token: torch.Tensor, pos: torch.Tensor,
+           draft_tokens: torch.Tensor, draft_probs: torch.Tensor, result: torch.Tensor, s: Sampling) -> None:
+    """The target's check of K proposals in one forward over K+1 positions, in place:
+    result [K+2] gets n (proposals accepted, 0..K) then K+1 tokens of which the first n+1 are the
+    new ones (n accepted proposals, then the corrected or bonus token); token, prev and pos are
+    advanced to the last new token, its predecessor and its position."""
+    K = draft_tokens.shape[1]
+    offsets = torch.arange(K + 1, device=pos.device)
+    logits = target(torch.cat([token, draft_tokens], dim=1), pos + offsets)[0]  # [K+1, V]
+    d = draft_tokens[0]  # [K]
+    if s.temperature == 0:
+        best = logits.argmax(-1)  # [K+1]
+        accept = d == best[:K]
+        n = accept.long().cumprod(0).sum(0, keepdim=True)  # [1]: accepted before the first mismatch
+        out = best  # accepted proposals equal the target's argmax; best[n] is the correction/bonus
+    else:
+        p = logits_to_probs(logits, s)  # [K+1, V]
+        q = draft_probs[0]  # [K, V]
+        p_d = p[:K].gather(-1, d[:, None])[:, 0]
+        q_d = q.gather(-1, d[:, None])[:, 0]
+        # u < p/q without a division (q_d > 0: d was drawn from q); p >= q always accepts.
+        accept = torch.rand(K, device=p.device) * q_d < p_d
+        n = accept.long().cumprod(0).sum(0, keepdim=True)
+        # Row i < K: the residual max(0, p - q) for a rejection at i; row K: the bonus from p.
+        resid = torch.cat([(p[:K] - q).clamp_min(0), p[K:]], dim=0)
+        # An all-zero residual means p == q there, when rejection has probability 0; guard against
+        # rounding anyway by falling back to p.
+        resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p)
+        drawn = _draw(resid)  # [K+1]: a candidate at every row; only row n is used
+        out = torch.where(offsets < n, torch.cat([d, d[:1]]), drawn)
+    seq = torch.cat([token[0], out])  # [K+2]: the token at pos, then pos+1..pos+K+1
+    token.copy_(seq.gather(0, n + 1).view(1, 1))
+    prev.copy_(seq.gather(0, n).view(1, 1))
+    pos.add_(n + 1)
+    result.copy_(torch.cat([n, out]))
+
+
+class SpeculativeGenerator:
+    """Batch-1 speculative decoding of `target` with `draft`, on static device buffers."""
+
+    def __init__(self, target: Transformer, draft: Transformer, sampling: Sampling, k: int,
+                 mode: str = "eager"):
+        if draft is target:
+            raise ValueError("the draft must be a separate model (it has its own KV cache); "
+                             "use copy.deepcopy to draft with the target itself")
+        if draft.args.vocab_size != target.args.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the "
+                             f"target's ({target.args.vocab_size})")
+        if k < 1:
+            raise ValueError(f"k must be >= 1 (got {k})")
+        self.target, self.draft, self.sampling, self.k = target, draft, sampling, k
+        self.device = target.tok_embeddings.weight.device
+        self.mode = mode
+        if mode == "eager":
+            self.draft_fn, self.verify_fn = draft_steps, verify
+        elif mode == "compile":
+            self.draft_fn = torch.compile(draft_steps, fullgraph=True)
+            self.verify_fn = torch.compile(verify, fullgraph=True)
+        else:
+            raise ValueError(f"unknown mode {mode!r} (eager or compile)")
+        dev, V = self.device, target.args.vocab_size
+        self.prev = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.draft_tokens = torch.zeros(1, k, dtype=torch.long, device=dev)
+        self.draft_probs = torch.zeros(1, k, V, dtype=torch.float32, device=dev)
+        self.result = torch.zeros(k + 2, dtype=torch.long, device=dev)
+        for t in (self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs, self.result):
+            torch._dynamo.mark_static_address(t)  # mutated in the graphs: must stay put
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.rounds = 0
+        self.histogram = [0] * (self.k + 1)  # rounds that accepted 0..K proposals
+        self.round_tokens = 0  # tokens the rounds produced (n + 1 each), before truncation
+
+    @property
+    def mean_tokens_per_round(self) -> float:
+        return self.round_tokens / self.rounds if self.rounds else 0.0
+
+    def reserve(self, length: int) -> None:
+        self.target.setup_caches(1, length)
+        self.draft.setup_caches(1, length)
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=frozenset()):
+        """Yield lists of new tokens (the first from prefill, then one list per round). Tokens
+        after a stop token are dropped and at most max_new_tokens are yielded in all."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens < 1:
+            return
+        self.reset_stats()
+        S = len(prompt)
+        # The target writes up to pos + K with pos <= S + max_new_tokens - 2; one more for margin.
+        self.reserve(S + max_new_tokens + self.k + 1)
+        idx = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        first = prefill(self.target, idx, self.sampling)  # [1]
+        self.draft(idx, torch.arange(S, device=self.device))  # fills the draft's cache
+        self.token[0, 0] = first[0]
+        self.prev[0, 0] = prompt[-1]
+        self.pos.fill_(S)
+        t = int(first[0])  # a sync outside the rounds
+        yield [t]
+        if t in stop_ids:
+            return
+        emitted = 1
+        while emitted < max_new_tokens:
+            self.draft_fn(self.draft, self.prev, self.token, self.pos, self.draft_tokens,
+                          self.draft_probs, self.sampling)
+            self.verify_fn(self.target, self.prev, self.token, self.pos, self.draft_tokens,
+                           self.draft_probs, self.result, self.sampling)
+            r = self.result.tolist()  # the one host sync of the round
+            n = r[0]
+            self.rounds += 1
+            self.histogram[n] += 1
+            self.round_tokens += n + 1
+            new = r[1:n + 2][:max_new_tokens - emitted]
+            stop = next((j for j, t in enumerate(new) if t in stop_ids), None)
+            if stop is not None:
+                yield new[:stop + 1]
+                return
+            emitted += len(new)
+            yield new
+        synchronize(self.device)

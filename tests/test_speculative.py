@@ -1,0 +1,192 @@
+"""Speculative decoding (speculative.py): greedy equals plain greedy, a perfect draft accepts
+everything, sampling follows the target's distribution exactly, stop tokens and max_new_tokens."""
+import copy
+import math
+
+import pytest
+import torch
+
+from generate import Generator, Sampling, logits_to_probs
+from model import ModelArgs, Transformer
+from speculative import SpeculativeGenerator
+
+GREEDY = Sampling(temperature=0)
+PROMPT = [1, 2, 3]
+
+
+def make(seed, dim=64, n_layers=2, vocab=64, std=0.3):
+    torch.manual_seed(seed)
+    args = ModelArgs(dim=dim, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=vocab,
+                     intermediate_size=2 * dim, max_seq_len=512)
+    model = Transformer(args).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.normal_(0, std)  # peaky distributions, so greedy is not a coin toss
+    return model
+
+
+def perturbed(model, seed, std):
+    """A draft that mostly agrees with the target: its weights plus noise."""
+    other = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    for p in other.parameters():
+        p.add_(torch.randn_like(p) * std)
+    return other
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make(0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    return {"random": make(1, dim=32, n_layers=1),  # an unrelated, smaller model
+            "perturbed": perturbed(target, 2, 0.05),  # partial acceptance: every branch of verify
+            "identical": copy.deepcopy(target)}
+
+
+def plain(model, sampling, n, stop=frozenset(), prompt=PROMPT):
+    gen = Generator(model, sampling, "eager", stop_check_interval=4)
+    return [t for chunk in gen.generate([list(prompt)], n, set(stop)) for t in chunk[0]]
+
+
+def spec(target, draft, sampling, k, n, stop=frozenset(), prompt=PROMPT):
+    gen = SpeculativeGenerator(target, draft, sampling, k)
+    chunks = list(gen.generate(list(prompt), n, set(stop)))
+    return [t for c in chunks for t in c], gen
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("which", ["random", "perturbed", "identical"])
+def test_greedy_equals_plain_greedy(target, drafts, which, k):
+    expected = plain(target, GREEDY, 40)
+    got, gen = spec(target, drafts[which], GREEDY, k, 40)
+    assert got == expected
+    assert gen.rounds == sum(gen.histogram) and len(gen.histogram) == k + 1
+    assert gen.round_tokens == sum((n + 1) * c for n, c in enumerate(gen.histogram))
+    if which == "identical":
+        # every round accepts all K, and the rounds are as few as that allows
+        assert gen.histogram[k] == gen.rounds == math.ceil(39 / (k + 1))
+        assert gen.mean_tokens_per_round == k + 1
+    if which == "perturbed" and k == 3:
+        assert gen.histogram[k] < gen.rounds  # the test exercises rejections, not only acceptance
+
+
+def test_perturbed_draft_partially_accepts(target, drafts):
+    _, gen = spec(target, drafts["perturbed"], GREEDY, 3, 60)
+    assert gen.histogram[3] > 0 and sum(gen.histogram[:3]) > 0, gen.histogram
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_identical_draft_accepts_everything_when_sampling(target, drafts, k):
+    torch.manual_seed(0)
+    s = Sampling(temperature=1.0, top_k=None)
+    got, gen = spec(target, drafts["identical"], s, k, 31)
+    assert len(got) == 31
+    assert gen.histogram[k] == gen.rounds == math.ceil(30 / (k + 1)), gen.histogram
+
+
+def test_seeded_sampling_is_reproducible(target, drafts):
+    s = Sampling(temperature=1.0, top_k=None, top_p=0.95)
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(spec(target, drafts["perturbed"], s, 3, 30)[0])
+    assert runs[0] == runs[1] and len(runs[0]) == 30
+    assert runs[2] != runs[0]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_stop_token_and_max_new_tokens(target, drafts, k):
+    full = plain(target, GREEDY, 40)
+    # a stop token first seen mid-sequence: output is plain greedy cut just after it
+    j = next(i for i in range(5, 40) if full[i] not in full[:i])
+    stop = {full[j]}
+    for draft in (drafts["identical"], drafts["perturbed"]):
+        got, _ = spec(target, draft, GREEDY, k, 40, stop)
+        assert got == full[:j + 1] == plain(target, GREEDY, 40, stop)
+        for n in (1, 2, 3, 7, 12):  # never more than max_new_tokens, even mid-round
+            got, _ = spec(target, draft, GREEDY, k, n)
+            assert got == full[:n]
+    # a stop token that is the very first generated token
+    got, gen = spec(target, drafts["identical"], GREEDY, k, 40, {full[0]})
+    assert got == [full[0]] and gen.rounds == 0
+
+
+def test_rejects_mismatched_vocabulary_and_shared_draft(target):
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeGenerator(target, make(3, vocab=32), GREEDY, 3)
+    with pytest.raises(ValueError):
+        SpeculativeGenerator(target, target, GREEDY, 3)
+
+
+# -- sampling is unbiased ------------------------------------------------------------------------
+
+def chi2_sf(stat: float, df: int) -> float:
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                   torch.tensor(stat / 2, dtype=torch.float64)).item()
+
+
+def exact_pair_distribution(model, prompt, s, V, first_model=None):
+    """P(second, third generated token) under `model`, marginalised over the first (drawn from
+    first_model, default `model`): [V, V]."""
+    def dist(seq, m=model):
+        idx = torch.tensor([seq])
+        return logits_to_probs(m(idx, torch.arange(len(seq)))[:, -1], s)[0].double()
+    p1 = dist(prompt, first_model or model)
+    pair = torch.zeros(V, V, dtype=torch.float64)
+    for a in range(V):
+        p2 = dist(prompt + [a])
+        for b in range(V):
+            pair[b] += p1[a] * p2[b] * dist(prompt + [a, b])
+    return pair
+
+
+def chi2_test(counts, expected_probs, n):
+    """Pearson chi-square, cells with expected count < 5 pooled into one. -> (stat, df, p)."""
+    expected = expected_probs.flatten() * n
+    counts = counts.flatten().double()
+    big = expected >= 5
+    e = torch.cat([expected[big], expected[~big].sum().view(1)])
+    c = torch.cat([counts[big], counts[~big].sum().view(1)])
+    keep = e > 0
+    e, c = e[keep], c[keep]
+    stat = (((c - e) ** 2) / e).sum().item()
+    return stat, len(e) - 1, chi2_sf(stat, len(e) - 1)
+
+
+@pytest.mark.parametrize("k,sampling", [(2, Sampling(temperature=1.0, top_k=None)),
+                                        (1, Sampling(temperature=0.8, top_k=5, top_p=0.9))])
+def test_sampling_follows_the_target_distribution(k, sampling):
+    """The joint law of the 2nd and 3rd generated tokens (produced by the first speculative
+    round(s): accepted proposals, residual resamples and bonus tokens) equals the target's exact
+    law, by a chi-square test at alpha = 1e-3 (fixed seed: deterministic). The draft is an
+    unrelated model, so accepting its proposals blindly would fail the same test (checked)."""
+    V, N, alpha = 8, 2000, 1e-3
+    target = make(10, dim=16, n_layers=1, vocab=V, std=0.5)
+    draft = make(11, dim=16, n_layers=1, vocab=V, std=0.5)
+    prompt = [1, 2]
+    for m in (target, draft):
+        m.setup_caches(1, 16)
+    with torch.no_grad():
+        exact = exact_pair_distribution(target, prompt, sampling, V)
+        wrong = exact_pair_distribution(draft, prompt, sampling, V, target)  # blind acceptance
+    assert abs(exact.sum().item() - 1) < 1e-5
+    gen = SpeculativeGenerator(target, draft, sampling, k)
+    counts = torch.zeros(V, V)
+    histogram = [0] * (k + 1)
+    torch.manual_seed(1234)
+    for _ in range(N):
+        toks = [t for c in gen.generate(prompt, 3) for t in c]
+        assert len(toks) == 3
+        counts[toks[1], toks[2]] += 1
+        histogram = [a + b for a, b in zip(histogram, gen.histogram)]
+    # both the residual resample (0 accepted) and the bonus token (all K accepted) were exercised
+    assert histogram[0] > 50 and histogram[k] > 50, histogram
+    stat, df, p = chi2_test(counts, exact, N)
+    assert p > alpha, f"chi2 {stat:.1f} on {df} df: p = {p:.2e}"
+    # power: the expected statistic had the tokens followed the draft instead is far past the bar
+    # (the noncentrality N * sum((q - p)^2 / p) over the cells where p > 0)
+    mask = exact > 0
+    noncentrality = N * (((wrong - exact)[mask] ** 2) / exact[mask]).sum().item()
+    assert chi2_sf(noncentrality + df, df) < 1e-6
