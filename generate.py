@@ -306,8 +306,11 @@ def run(args) -> None:
         raise UsageError(f"--num-samples must be >= 1 (got {args.num_samples})")
     if args.stop_check_interval < 1:
         raise UsageError("--stop-check-interval must be >= 1")
-    if args.draft_checkpoint or args.speculate_k:
-        raise UsageError("speculative decoding (--draft-checkpoint) is not implemented yet")
+    if bool(args.draft_checkpoint) != bool(args.speculate_k):
+        raise UsageError("--draft-checkpoint and --speculate-k go together")
+    if args.speculate_k is not None and args.speculate_k < 1:
+        raise UsageError(f"--speculate-k must be >= 1 (got {args.speculate_k})")
+    extra = args.speculate_k + 1 if args.speculate_k else 0  # the target verifies K + 1 positions
     if not args.interactive and not args.prompt:
         raise UsageError("the prompt is empty")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -339,7 +342,7 @@ def run(args) -> None:
             tokenizer.encode(messages_or_text)
         if not ids:
             raise UsageError("the prompt is empty")
-        if len(ids) + args.max_new_tokens > context:
+        if len(ids) + args.max_new_tokens + extra > context:
             raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens ({args.max_new_tokens}) "
                              f"exceeds the model's context of {context} tokens")
         return ids
@@ -347,13 +350,16 @@ def run(args) -> None:
     first_prompt = None if args.interactive else encode(
         [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
     # Interactive chats grow: reserve the whole context for them (checked against memory below).
-    length = context if args.interactive else len(first_prompt) + args.max_new_tokens
+    length = context if args.interactive else len(first_prompt) + args.max_new_tokens + extra
     check_memory(config, checkpoint, 1, length, dtype, device)
     model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
     synchronize(device)
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s")
-    gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)
-    gen.reserve(1, length)  # buffers at their final size up front: a later resize would recompile
+    if args.draft_checkpoint:
+        gen = speculative_generator(args, model, tokenizer, sampling, device, dtype, length)
+    else:
+        gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)
+        gen.reserve(1, length)  # buffers at their final size up front: a later resize would recompile
 
     if args.interactive:
         history = []
@@ -369,26 +375,52 @@ def run(args) -> None:
         return
     for i in range(args.num_samples):
         stream(gen, tokenizer, first_prompt, args.max_new_tokens, stop_ids)
-    if args.profile:
+    if args.profile and isinstance(gen, Generator):
         profile(gen, first_prompt, args.profile)
 
 
-def stream(gen: Generator, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> str:
-    """Generate for one prompt, printing text as it arrives; stats to stderr. Returns the text."""
+def speculative_generator(args, model, tokenizer, sampling, device, dtype, length):
+    """--draft-checkpoint: the draft model, checked to share the target's tokenizer."""
+    from speculative import SpeculativeGenerator  # speculative.py builds on this module
+
+    draft_config = read_config(args.draft_checkpoint)
+    draft_tokenizer = load_tokenizer(args.draft_checkpoint)
+    probe = "Speculative decoding: 12345, naïve café, 東京, 🚀\n  def f(x): return x"
+    if (draft_config["args"].vocab_size != model.args.vocab_size
+            or draft_tokenizer.encode(probe) != tokenizer.encode(probe)
+            or draft_tokenizer.eos_ids != tokenizer.eos_ids):
+        raise UsageError(f"the draft {args.draft_checkpoint} does not share the target's tokenizer")
+    check_memory(draft_config, args.draft_checkpoint, 1, length, dtype, device)
+    draft = Transformer.from_checkpoint(args.draft_checkpoint, device=device, dtype=dtype)
+    compiled = args.compile if args.compile is not None else device.type == "cuda"
+    gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, "compile" if compiled else "eager")
+    gen.reserve(length)
+    return gen
+
+
+def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> str:
+    """Generate for one prompt (with a Generator or a SpeculativeGenerator), printing text as it
+    arrives; stats to stderr. Returns the text."""
     decoder = tokenizer.stream_decoder()
-    pieces, n_new, compile_before = [], 0, gen.compile_s
+    speculative = not isinstance(gen, Generator)
+    pieces, n_new, compile_before = [], 0, getattr(gen, "compile_s", 0.0)
     device = gen.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     start = time.perf_counter()
     first_at = None
-    with gen.no_recompiles() if gen.warm else contextlib.nullcontext():
-        for chunk in gen.generate([prompt], max_new_tokens, stop_ids):
+    if speculative:
+        chunks, check = gen.generate(prompt, max_new_tokens, stop_ids), contextlib.nullcontext()
+    else:
+        chunks = (c[0] for c in gen.generate([prompt], max_new_tokens, stop_ids))
+        check = gen.no_recompiles() if gen.warm else contextlib.nullcontext()
+    with check:
+        for chunk in chunks:
             if first_at is None:
                 first_at = time.perf_counter()
-            ids = [t for t in chunk[0] if t not in stop_ids]
-            n_new += len(chunk[0])
+            ids = [t for t in chunk if t not in stop_ids]
+            n_new += len(chunk)
             text = "".join(decoder.push(t) for t in ids)
             pieces.append(text)
             print(text, end="", flush=True)
@@ -396,16 +428,20 @@ def stream(gen: Generator, tokenizer, prompt: list[int], max_new_tokens: int, st
     pieces.append(tail)
     print(tail, flush=True)
     total = time.perf_counter() - start
-    report_stats(gen, n_new, total, gen.compile_s - compile_before, first_at - start)
+    model = gen.target if speculative else gen.model
+    report_stats(model, device, n_new, total, getattr(gen, "compile_s", 0.0) - compile_before, first_at - start)
+    if speculative:
+        log(f"speculative: {gen.rounds} rounds, {gen.mean_tokens_per_round:.2f} tokens per round, "
+            f"rounds accepting 0..{gen.k} proposals: {gen.histogram}")
     return "".join(pieces)
 
 
-def report_stats(gen: Generator, n_new: int, total: float, compile_s: float, first_token_s: float):
+def report_stats(model: Transformer, device, n_new: int, total: float, compile_s: float, first_token_s: float):
     gen_s = max(total - compile_s, 1e-9)
     tok_s = n_new / gen_s
-    weight_bytes = weight_bytes_per_step(gen.model)
-    if gen.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(gen.device)
+    weight_bytes = weight_bytes_per_step(model)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     log(f"{n_new} tokens in {gen_s:.2f} s: {tok_s:.1f} tok/s, {weight_bytes * tok_s / 1e9:.1f} GB/s of weights"

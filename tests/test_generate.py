@@ -206,3 +206,17 @@ def test_cli_profile_writes_a_trace(default_ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::mm" in e.get("name", "") or "aten::linear" in e.get("name", "") for e in events)
+
+
+def test_cli_speculative_greedy_equals_plain_greedy(default_ckpt):
+    common = ["--checkpoint", default_ckpt, "--prompt", "The capital of France is", "--temperature", "0",
+              "--max-new-tokens", "24", "--ignore-eos", "--no-compile"]
+    plain = cli(*common)
+    spec = cli(*common, "--draft-checkpoint", default_ckpt, "--speculate-k", "3")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    # the draft is the target's own weights: every round accepts all 3 proposals (23 tokens after
+    # the prefill's first: 6 rounds of 4, the last cut short)
+    line = next(line for line in spec.stderr.splitlines() if line.startswith("speculative:"))
+    assert line.endswith("rounds accepting 0..3 proposals: [0, 0, 0, 6]"), line
+    assert_one_line_error(cli(*common, "--speculate-k", "3"), "go together")
