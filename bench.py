@@ -61,8 +61,8 @@ def copy_bandwidth(device, gib: float = 2.0) -> float:
     """Device-to-device copy rate in GB/s, counting bytes read plus bytes written: the ceiling
     for a decode step that must read every weight once."""
     if device.type != "cuda":
-        n = int(gib * 2**30) // 8
-        src, dst = torch.randn(n // 4), torch.empty(n // 4)  # smaller on the CPU
+        src = torch.randn(int(gib * 2**30) // 32)  # float32, a quarter of the GPU size
+        dst = torch.empty_like(src)
         dst.copy_(src)
         start = time.perf_counter()
         for _ in range(5):

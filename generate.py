@@ -12,7 +12,6 @@ The decode path, in reading order:
 import argparse
 import contextlib
 import math
-import os
 import resource
 import sys
 import time

@@ -394,12 +394,12 @@ def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return (q - 8) * scales[:, group] + zeros[:, group]
 
 
-def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The file's int4 layout -> (packed weight, scales_and_zeros [K/g, N, 2] bf16, g) for the
+def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The file's int4 layout -> (packed weight, scales_and_zeros [K/g, N, 2] bf16) for the
     kernel on weight's device. A group size that does not divide K leaves a shorter last group in
     the file (576 = 4 x 128 + 64); the kernels want equal groups, so they run with
     g = gcd(groupsize, K) and each scale repeated groupsize/g times: the same numbers."""
-    N, K = weight.shape[0], 2 * weight.shape[1]
+    K = 2 * weight.shape[1]
     g = math.gcd(groupsize, K)
     group = torch.arange(K // g, device=weight.device) * g // groupsize  # kernel group -> file group
     scales_and_zeros = torch.stack([scales[:, group], zeros[:, group]], dim=-1)  # [N, K/g, 2]
@@ -410,7 +410,7 @@ def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torc
     else:  # tinygemm wants uint8 [N, K/2] with column 2j in the high nibble
         inner_k_tiles = 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2
         packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), inner_k_tiles)
-    return packed, scales_and_zeros, g
+    return packed, scales_and_zeros
 
 
 def _int_parameter(*shape, dtype) -> nn.Parameter:
@@ -458,7 +458,7 @@ class Int4Linear(nn.Module):
         `scales`, `zeros` become `scales_and_zeros`."""
         if not hasattr(self, "scales") or any(t.is_meta for t in (self.weight, self.scales, self.zeros)):
             return  # not (fully) loaded: load_state_dict reports what is missing
-        packed, scales_and_zeros, _ = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
+        packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.scales_and_zeros = nn.Parameter(scales_and_zeros, requires_grad=False)
