@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
+
 
 @dataclass
 class ModelArgs:
@@ -68,7 +70,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
@@ -193,8 +195,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         self.split = [q_size, kv_size, kv_size]
-        self.wqkv = nn.Linear(args.dim, q_size + 2 * kv_size, bias=args.attention_bias)
-        self.wo = nn.Linear(q_size, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, q_size + 2 * kv_size, bias=args.attention_bias)
+        self.wo = Linear(q_size, args.dim, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
@@ -260,8 +262,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -279,6 +281,17 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.type_as(x)
+
+
+class Linear(nn.Linear):
+    """nn.Linear, except that a single row in bf16 on CUDA (batch-1 decode) runs the Triton GEMV
+    of kernels.py, which reads decode's narrow matrices 10-25% faster than cuBLAS (BENCHMARKS.md)."""
+
+    def forward(self, x):
+        if x.dtype == torch.bfloat16 and kernels.usable(x, max_rows=1):
+            y = kernels.gemv(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -337,10 +350,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 #
 # Kernels: PyTorch's weight-only ops, which take bf16 activations (their fp32 paths on the CPU are
 # 5-20x slower), so x is cast to bf16 around the matmul and back. On the CPU, decode (<= 32 rows)
-# uses them; int8 prefill dequantizes and calls F.linear (2x faster there). On CUDA, int8 is
-# gpt-fast's F.linear(x, w.to(x.dtype)) * scales, which Inductor fuses into one kernel when
-# compiled (aten's CUDA _weight_int8pack_mm is a naive one), and int4 is tinygemm
-# (_weight_int4pack_mm). No op here syncs with the host: all of it can be captured in a CUDA graph.
+# uses them; int8 prefill dequantizes and calls F.linear (2x faster there). On CUDA, int8 decode
+# (<= 16 rows) is kernels.py's Triton GEMV, which dequantizes in registers (2.5-5x the speed of
+# gpt-fast's F.linear(x, w.to(x.dtype)) * scales fused by Inductor, used for prefill; aten's CUDA
+# _weight_int8pack_mm is slower still), and int4 is tinygemm (_weight_int4pack_mm), which beat our
+# Triton int4 kernel. No op here syncs with the host: all of it can be captured in a CUDA graph.
 
 INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 CPU_KERNEL_MAX_ROWS = 32  # up to this many tokens the CPU int8 kernel beats dequantize + F.linear
@@ -365,6 +379,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     if x.is_cpu and rows <= CPU_KERNEL_MAX_ROWS:  # scales are bf16 here (cast when loading)
         y = torch._weight_int8pack_mm(x.reshape(rows, -1).to(torch.bfloat16), weight, scales)
         return y.view(*x.shape[:-1], -1).to(x.dtype)
+    if kernels.usable(x, max_rows=16):  # decode on CUDA: dequantized in registers, 2.5-5x Inductor's
+        return kernels.gemv(x, weight, scales)
     return F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
 
 

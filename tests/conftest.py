@@ -1,6 +1,13 @@
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # kernels.py's Triton kernels then run in Triton's CPU interpreter (tests/test_kernels.py);
+    # it must be chosen before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):
@@ -9,8 +16,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device")

@@ -1,0 +1,64 @@
+"""kernels.py's Triton GEMVs against float64 references: bf16 and int8 weights, one row and
+several, shapes that do and do not fill the blocks, with and without a split of K. Without a GPU
+they run in Triton's CPU interpreter (conftest.py sets TRITON_INTERPRET); `pytest -m cuda` also
+runs them on the GPU with the tuned launches."""
+import pytest
+import torch
+
+import kernels
+
+# (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages): one that fits the shapes below exactly, one
+# that leaves partial blocks, one that splits K into unequal parts.
+LAUNCHES = [(16, 64, 1, 4, 2), (32, 128, 1, 4, 2), (16, 64, 3, 4, 2)]
+SHAPES = [(64, 256), (40, 320)]  # (N, K)
+
+
+def weights(kind, N, K):
+    torch.manual_seed(N * K)
+    if kind == "bf16":
+        w = torch.randn(N, K).bfloat16()
+        return w, None, w.double()
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+    scales = (torch.rand(N) / 64).bfloat16()
+    return q, scales, q.double() * scales.double()[:, None]
+
+
+def check(device, kind, M, N, K, launch):
+    w, scales, reference_w = weights(kind, N, K)
+    w, scales = w.to(device), scales if scales is None else scales.to(device)
+    x = torch.randn(M, K).bfloat16().to(device)
+    reference = x.double().cpu() @ reference_w.T
+    size = reference.abs().max().item()
+    # float32 activations with bf16 values: every product is exact, so only the float32 sum errs
+    y = kernels.gemv(x.float(), w, scales, launch=launch)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert (y.double().cpu() - reference).abs().max().item() <= 1e-5 * size
+    # bf16 in, bf16 out: the result rounded once, to nearest (the interpreter truncates instead)
+    y = kernels.gemv(x.view(1, M, K), w, scales, launch=launch)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, M, N)
+    rounding = 2**-8 if device == "cuda" else 2**-7
+    assert ((y[0].double().cpu() - reference).abs() <= rounding * reference.abs() + 1e-5 * size).all()
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("N, K", SHAPES)
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_gemv_matches_float64(kind, M, N, K, launch):
+    check("cuda" if torch.cuda.is_available() else "cpu", kind, M, N, K, launch)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 5, 8])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_gemv_tuned_launches_on_decode_shapes(kind, M):
+    """The launches `config` picks, on 7B-like shapes (narrow, wide, K not a multiple of 1024)."""
+    for N, K in [(4096, 4096), (12288, 4096), (4096, 11008), (32000, 4096)]:
+        check("cuda", kind, M, N, K, None)
+
+
+def test_usable_only_on_cuda():
+    assert not kernels.usable(torch.zeros(1, 8), max_rows=16)
+    if torch.cuda.is_available():
+        x = torch.zeros(2, 3, 8, device="cuda")
+        assert kernels.usable(x, max_rows=6) and not kernels.usable(x, max_rows=5)
