@@ -111,8 +111,9 @@ def test_kept_outputs_not_overwritten_by_replays(graphed):
 
 @pytest.mark.parametrize("mode, group", [("int8", None), ("int4", 32)])
 def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group):
-    """Weight-only int8/int4 layers are capture-safe: graphed decode is one replay per token, and
-    its logits match eager quantized decode and stay near the float model's."""
+    """Weight-only int8/int4 layers are capture-safe: graphed decode is one replay per token, each
+    token it picks is the top one (up to bf16 rounding) of an eager forward over the same history,
+    and the quantized logits stay near the float model's."""
     from quantize import quantize_model
 
     qmodel = quantize_model(model, mode, group)
@@ -120,10 +121,15 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group):
     gen.reserve(1, 128)
     graphed = tokens_of(gen, 40)
     check_graphs(gen, steps=4)
-    eager = tokens_of(make_generator(qmodel, "eager"), 40)
-    # bf16 rounding differs between Inductor's fused kernels and eager ops: greedy paths of a
-    # random model part at a near-tie (seen on the H200 after ~20 tokens), so compare a prefix.
-    assert graphed[:8] == eager[:8], (graphed, eager)
+    # Greedy paths of a random model part at near-ties (bf16 rounds differently in Inductor's fused
+    # kernels and in eager ops), so compare each choice with eager logits on the graphed history.
+    seq = PROMPT[0] + graphed
+    with torch.no_grad():
+        qmodel.setup_caches(1, 128)
+        logits = qmodel(torch.tensor([seq[:-1]], device="cuda"), torch.arange(len(seq) - 1, device="cuda"))[0].float()
+    for i, token in enumerate(graphed):
+        row = logits[len(PROMPT[0]) - 1 + i]
+        assert row[token] >= row.max() - 0.02 * (row.max() - row.min()), (i, token, row.argmax().item())
     idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
     with torch.no_grad():
         qmodel.setup_caches(1, 64)

@@ -29,10 +29,11 @@ def check(device, kind, M, N, K, launch):
     x = torch.randn(M, K).bfloat16().to(device)
     reference = x.double().cpu() @ reference_w.T
     size = reference.abs().max().item()
-    # float32 activations with bf16 values: every product is exact, so only the float32 sum errs
+    # float32 activations with bf16 values: every product is exact, so only the float32 sums err
+    # (an indexing mistake would be off by the size of the result, not by 1e-4 of it)
     y = kernels.gemv(x.float(), w, scales, launch=launch)
     assert y.dtype == torch.float32 and y.shape == (M, N)
-    assert (y.double().cpu() - reference).abs().max().item() <= 1e-5 * size
+    assert (y.double().cpu() - reference).abs().max().item() <= 1e-4 * size
     # bf16 in, bf16 out: the result rounded once, to nearest (the interpreter truncates instead)
     y = kernels.gemv(x.view(1, M, K), w, scales, launch=launch)
     assert y.dtype == torch.bfloat16 and y.shape == (1, M, N)
