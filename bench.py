@@ -13,6 +13,13 @@ Modes (the three levels of CUDA-graph use, plus the baseline):
   manual   the eager step captured by hand into one torch.cuda.CUDAGraph and replayed
 
 Random weights of real shapes: decode speed does not depend on weight values.
+
+Speculative decoding (--speculate-k K with --draft-quantize MODE, the target's own quantized copy
+as draft, or --draft-checkpoint DIR): for each mode, a second record with mode "speculative-MODE":
+tok/s, acceptance histogram, mean tokens per round, and the draft loop's cost against K single
+draft decode steps timed the same way (the loop is one graph replay in mode graphs). Acceptance
+depends on the weights and the sampling (--temperature): with random weights it is a property of
+that set-up, not of a real model pair.
 """
 import argparse
 import datetime
@@ -115,30 +122,35 @@ class ManualGraph:
             decode_one_token(model, token, pos, tokens, s)  # recorded, not run: __call__ replays it
 
 
-def make_generator(model, mode: str) -> Generator:
+def make_generator(model, mode: str, sampling: Sampling = Sampling(temperature=0)) -> Generator:
     if mode == "manual":
-        gen = Generator(model, Sampling(temperature=0), "eager")
+        gen = Generator(model, sampling, "eager")
         gen.step, gen.mode, gen.warmup_calls = ManualGraph(), "manual", 1
         return gen
-    return Generator(model, Sampling(temperature=0), mode)
+    return Generator(model, sampling, mode)
 
 
 def count_launches(gen: Generator, steps: int) -> dict:
     """Profile `steps` decode steps; per step, count CUDA graph launches and kernels launched
     outside any graph (a graph break, a skipped graph or an eager fallback shows up here)."""
+    token, pos, tokens = gen.buffers
+    return launches_per_call(lambda: gen._decode_step(token, pos, tokens), gen.device, steps)
+
+
+def launches_per_call(fn, device, calls: int) -> dict:
+    """Graph launches and kernels launched outside graphs per call of fn, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    token, pos, tokens = gen.buffers
-    synchronize(gen.device)
+    synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            gen._decode_step(token, pos, tokens)
-        synchronize(gen.device)
+        for _ in range(calls):
+            fn()
+        synchronize(device)
     names = [e.name for e in prof.events()]
     graphs = sum(n.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for n in names)
     kernels = sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel"))
                   for n in names)
-    return {"graph_launches_per_step": graphs / steps, "kernels_outside_graphs_per_step": kernels / steps}
+    return {"graph_launches_per_step": graphs / calls, "kernels_outside_graphs_per_step": kernels / calls}
 
 
 def check_graphs(gen: Generator, steps: int = 8) -> dict:
@@ -162,13 +174,14 @@ def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
 
 
-def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False, kernels=False) -> dict:
+def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False, kernels=False,
+              sampling: Sampling = Sampling(temperature=0)) -> dict:
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         reserved_before = torch.cuda.memory_reserved(device)
-    gen = make_generator(model, mode)
+    gen = make_generator(model, mode, sampling)
     token, pos, tokens = gen.reserve(batch, prompt_tokens + new_tokens + 16)
     torch.manual_seed(0)
     prompt = torch.randint(0, model.args.vocab_size, (1, prompt_tokens), device=device).expand(batch, -1)
@@ -223,6 +236,70 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
     return record
 
 
+def seconds_per_call(fn, device, reps: int = 20) -> float:
+    """Mean wall time of fn() over reps calls after one more, by CUDA events on a GPU."""
+    fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+@torch.no_grad()
+def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_tokens: int,
+                      sampling: Sampling) -> dict:
+    """Speculative decode of new_tokens after a random prompt (batch 1), timed from the first
+    round (prefill apart, as bench_one does), and the draft loop against K single draft steps."""
+    from speculative import SpeculativeGenerator
+
+    device = target.tok_embeddings.weight.device
+    gen = SpeculativeGenerator(target, draft, sampling, k, mode)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, target.args.vocab_size, (prompt_tokens,)).tolist()
+    start = time.perf_counter()
+    for _ in gen.generate(prompt, 4 * (k + 1)):  # compile and record both functions
+        pass
+    compile_s = time.perf_counter() - start
+    torch.manual_seed(1)
+    chunks = gen.generate(prompt, new_tokens)
+    next(chunks)  # prefill's token
+    synchronize(device)
+    start = time.perf_counter()
+    n = sum(len(c) for c in chunks)
+    synchronize(device)
+    decode_s = time.perf_counter() - start
+    record = {"mode": f"speculative-{mode}", "batch_size": 1, "prompt_tokens": prompt_tokens,
+              "new_tokens": new_tokens, "speculate_k": k, "temperature": sampling.temperature,
+              "tok_s": n / decode_s, "rounds": gen.rounds, "acceptance_histogram": gen.histogram,
+              "mean_tokens_per_round": gen.mean_tokens_per_round, "compile_s": compile_s}
+    # The draft loop (K steps, one graph in mode graphs) against K single draft decode steps,
+    # both from just after the prompt (the last round may have run up to the end of the cache).
+    gen.pos.fill_(prompt_tokens + 1)
+    loop_s = seconds_per_call(lambda: gen.draft_fn(gen.draft, gen.prev, gen.token, gen.pos, gen.draft_tokens,
+                                                   gen.draft_probs, sampling), device)
+    single = make_generator(draft, mode, sampling)
+    token, pos, tokens = single.reserve(1, gen.draft.max_seq_length)
+    pos.fill_(prompt_tokens)
+    while not single.warm:
+        single._decode_step(token, pos, tokens)
+    step_s = seconds_per_call(lambda: single._decode_step(token, pos, tokens), device)  # 21 steps: fits
+    record.update(draft_loop_ms=loop_s * 1e3, draft_step_ms=step_s * 1e3, draft_loop_vs_k_steps=loop_s / (k * step_s))
+    if device.type == "cuda":
+        counts = launches_per_call(lambda: gen.draft_fn(gen.draft, gen.prev, gen.token, gen.pos, gen.draft_tokens,
+                                                        gen.draft_probs, sampling), device, 4)
+        record.update(draft_loop_graph_launches=counts["graph_launches_per_step"],
+                      draft_loop_kernels_outside_graphs=counts["kernels_outside_graphs_per_step"])
+    return record
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b", help="preset shape, random weights")
@@ -241,6 +318,11 @@ def main(argv=None) -> int:
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set a torch._inductor.config option for this run (repeatable), e.g. "
                         "coordinate_descent_tuning=True")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
+    p.add_argument("--draft-quantize", choices=["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"],
+                   help="the draft is the target quantized this way (random weights: the usual set-up)")
+    p.add_argument("--draft-checkpoint", type=Path, help="a draft checkpoint directory instead")
     p.add_argument("--json", type=Path, help="append each record to this JSON list as it is measured")
     p.add_argument("--plot", type=Path, help="write a PNG bar chart (needs matplotlib)")
     a = p.parse_args(argv)
@@ -252,6 +334,14 @@ def main(argv=None) -> int:
         print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
         return 1
     batches = [int(b) for b in a.batch_sizes.split(",")]
+    if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
+            (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
+        print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
+              file=sys.stderr)
+        return 1
+    if "manual" in modes and a.speculate_k:
+        print("error: speculative decoding runs in modes eager, compile, graphs", file=sys.stderr)
+        return 1
     for option in a.inductor:
         key, value = option.split("=", 1)
         obj = torch._inductor.config
@@ -271,26 +361,52 @@ def main(argv=None) -> int:
         mode, _, group = a.quantize.partition("-g")
         model = quantize_model(model, mode, int(group) if group else None)
         name += f" {a.quantize}"
+    draft = None
+    if a.draft_quantize:
+        from quantize import quantize_model
+
+        mode, _, group = a.draft_quantize.partition("-g")
+        draft, draft_name = quantize_model(model, mode, int(group) if group else None), a.draft_quantize
+    elif a.draft_checkpoint:
+        draft = Transformer.from_checkpoint(a.draft_checkpoint, device=device, dtype=dtype)
+        draft_name = a.draft_checkpoint.name
+        if draft.args.vocab_size != model.args.vocab_size:
+            print(f"error: the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
+                  f"({model.args.vocab_size})", file=sys.stderr)
+            return 1
+    sampling = Sampling(temperature=a.temperature, top_k=None)
     ceiling = copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name} on {gpu}, {dtype}, torch {torch.__version__}; copy ceiling {ceiling:.0f} GB/s", file=sys.stderr)
     records = []
+
+    def keep(r):
+        r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
+                 date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
+                 inductor_options=a.inductor)
+        records.append(r)
+        if a.json:  # one record at a time, so a run cut short keeps what it measured
+            old = json.loads(a.json.read_text()) if a.json.exists() else []
+            a.json.write_text(json.dumps(old + [r], indent=1) + "\n")
+        if device.type == "cuda":
+            torch._dynamo.reset()  # a fresh compile per configuration, as a user would see
+
     for mode in modes:
         for batch in batches:
             r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
-                          a.check_graphs and mode in ("graphs", "manual"), a.kernels)
-            r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
-                     date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
-                     inductor_options=a.inductor)
-            records.append(r)
-            if a.json:  # one record at a time, so a run cut short keeps what it measured
-                old = json.loads(a.json.read_text()) if a.json.exists() else []
-                a.json.write_text(json.dumps(old + [r], indent=1) + "\n")
+                          a.check_graphs and mode in ("graphs", "manual"), a.kernels, sampling)
             print(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
                   f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
                   f"first call {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
-            if device.type == "cuda":
-                torch._dynamo.reset()  # a fresh compile per configuration, as a user would see
+            keep(r)
+        if draft is not None:
+            r = bench_speculative(model, draft, a.speculate_k, mode, a.prompt_tokens, a.new_tokens, sampling)
+            r["draft"] = draft_name
+            print(f"  speculative-{mode} K={a.speculate_k} {r['tok_s']:8.1f} tok/s  "
+                  f"{r['mean_tokens_per_round']:.2f} tokens/round  accepted {r['acceptance_histogram']}  "
+                  f"draft loop {r['draft_loop_ms']:.2f} ms = {r['draft_loop_vs_k_steps']:.2f}x K draft steps "
+                  f"({r['draft_step_ms']:.2f} ms each)", file=sys.stderr, flush=True)
+            keep(r)
     print_table(records)
     if a.plot:
         plot(records, a.plot)

@@ -392,7 +392,8 @@ def speculative_generator(args, model, tokenizer, sampling, device, dtype, lengt
     check_memory(draft_config, args.draft_checkpoint, 1, length, dtype, device)
     draft = Transformer.from_checkpoint(args.draft_checkpoint, device=device, dtype=dtype)
     compiled = args.compile if args.compile is not None else device.type == "cuda"
-    gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, "compile" if compiled else "eager")
+    mode = ("graphs" if device.type == "cuda" else "compile") if compiled else "eager"
+    gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, mode)
     gen.reserve(length)
     return gen
 

@@ -11,8 +11,9 @@ One round, in reading order:
   SpeculativeGenerator.generate()   the host loop: ONE host sync per round (`result.tolist()`),
                   stop tokens and max_new_tokens, statistics
 
-Both functions take only static buffers and the models, so each can be compiled with
-fullgraph=True and later captured as one CUDA graph (on a GPU, untested here).
+Both functions take only static buffers and the models, so each compiles with fullgraph=True,
+and mode "graphs" captures each as one CUDA graph (CUDAGraph Trees, as plain decode): the draft's
+K steps replay as ONE graph, each proposal written on the device into the next step's input.
 
 The acceptance rule (Leviathan et al. 2023, Chen et al. 2023): with p the target's and q the
 draft's distribution at a position (both from generate.logits_to_probs, same temperature, top-k,
@@ -120,8 +121,13 @@ class SpeculativeGenerator:
         elif mode == "compile":
             self.draft_fn = torch.compile(draft_steps, fullgraph=True)
             self.verify_fn = torch.compile(verify, fullgraph=True)
+        elif mode == "graphs":  # one graph for the K draft steps, one for the verification
+            if self.device.type != "cuda":
+                raise ValueError("mode 'graphs' needs a CUDA device")
+            self.draft_fn = torch.compile(draft_steps, mode="reduce-overhead", fullgraph=True)
+            self.verify_fn = torch.compile(verify, mode="reduce-overhead", fullgraph=True)
         else:
-            raise ValueError(f"unknown mode {mode!r} (eager or compile)")
+            raise ValueError(f"unknown mode {mode!r} (eager, compile or graphs)")
         dev, V = self.device, target.args.vocab_size
         self.prev = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)

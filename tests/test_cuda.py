@@ -3,7 +3,8 @@ replay per token, no recompiles, kept outputs never overwritten. Run with `pytes
 import pytest
 import torch
 
-from bench import check_graphs, count_launches, make_generator, random_model
+from bench import check_graphs, count_launches, launches_per_call, make_generator, random_model
+from generate import Sampling
 from model import ModelArgs
 
 pytestmark = pytest.mark.cuda
@@ -137,3 +138,24 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group):
         q, f = qmodel(idx, pos).float(), model(idx, pos).float()
     rel = ((q - f).norm() / f.norm()).item()
     assert rel < (0.05 if mode == "int8" else 0.25), rel
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_speculative_graphs_equal_plain_greedy_and_draft_loop_is_one_replay(model32, k):
+    """Graphed speculative decoding (draft loop and verification, one CUDA graph each) gives the
+    target's greedy tokens; the draft's K steps are one graph launch with nothing outside it."""
+    from quantize import quantize_model
+    from speculative import SpeculativeGenerator
+
+    draft = quantize_model(model32, "int8")  # mostly agrees: rounds accept some, reject some
+    gen = SpeculativeGenerator(model32, draft, Sampling(temperature=0), k, "graphs")
+    spec = [t for chunk in gen.generate(PROMPT[0], 60) for t in chunk]
+    assert spec == tokens_of(make_generator(model32, "eager"), 60)
+    assert gen.mean_tokens_per_round > 1
+    gen.pos.fill_(len(PROMPT[0]) + 1)  # the calls below write K + 1 positions from here: inside the cache
+    draft_loop = launches_per_call(lambda: gen.draft_fn(gen.draft, gen.prev, gen.token, gen.pos, gen.draft_tokens,
+                                                        gen.draft_probs, gen.sampling), gen.device, 4)
+    verify = launches_per_call(lambda: gen.verify_fn(gen.target, gen.prev, gen.token, gen.pos, gen.draft_tokens,
+                                                     gen.draft_probs, gen.result, gen.sampling), gen.device, 1)
+    assert draft_loop == {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": 0}
+    assert verify == {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": 0}

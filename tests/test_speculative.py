@@ -190,3 +190,35 @@ def test_sampling_follows_the_target_distribution(k, sampling):
     mask = exact > 0
     noncentrality = N * (((wrong - exact)[mask] ** 2) / exact[mask]).sum().item()
     assert chi2_sf(noncentrality + df, df) < 1e-6
+
+
+def test_bench_measures_speculative_decoding(target, drafts):
+    """bench.py's speculative record: tokens per round consistent with the histogram, and the
+    draft loop timed against single draft steps (on the CPU, eagerly: the loop is K steps)."""
+    from bench import bench_speculative
+
+    k = 3
+    r = bench_speculative(target, drafts["perturbed"], k, "eager", prompt_tokens=4, new_tokens=24,
+                          sampling=Sampling(temperature=1.0, top_k=None))
+    assert r["mode"] == "speculative-eager" and r["speculate_k"] == k and r["tok_s"] > 0
+    hist = r["acceptance_histogram"]
+    assert len(hist) == k + 1 and sum(hist) == r["rounds"] > 0
+    assert r["mean_tokens_per_round"] == pytest.approx(sum((n + 1) * c for n, c in enumerate(hist)) / r["rounds"])
+    assert 1 <= r["mean_tokens_per_round"] <= k + 1
+    assert r["draft_loop_ms"] > 0 and r["draft_step_ms"] > 0
+    assert r["draft_loop_vs_k_steps"] == pytest.approx(r["draft_loop_ms"] / (k * r["draft_step_ms"]))
+
+
+@pytest.mark.parametrize("argv", [["--speculate-k", "2"], ["--draft-quantize", "int8"],
+                                  ["--speculate-k", "0", "--draft-quantize", "int8"],
+                                  ["--speculate-k", "2", "--draft-quantize", "int8", "--modes", "manual"]])
+def test_bench_refuses_incomplete_speculative_flags(argv, capsys):
+    from bench import main
+
+    assert main(["--device", "cpu", "--model", "smollm2-135m", *argv]) == 1
+    assert capsys.readouterr().err.startswith("error:")
+
+
+def test_graphs_mode_needs_cuda(target, drafts):  # (these models are on the CPU)
+    with pytest.raises(ValueError, match="CUDA"):
+        SpeculativeGenerator(target, drafts["identical"], GREEDY, 2, "graphs")
