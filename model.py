@@ -379,7 +379,9 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     if x.is_cpu and rows <= CPU_KERNEL_MAX_ROWS:  # scales are bf16 here (cast when loading)
         y = torch._weight_int8pack_mm(x.reshape(rows, -1).to(torch.bfloat16), weight, scales)
         return y.view(*x.shape[:-1], -1).to(x.dtype)
-    if kernels.usable(x, max_rows=16):  # decode on CUDA: dequantized in registers, 2.5-5x Inductor's
+    # Decode on CUDA: dequantized in registers, 2.5-5x Inductor's. (Several float32 rows would go
+    # through a TF32 dot: those take the exact path below.)
+    if kernels.usable(x, max_rows=1 if x.dtype == torch.float32 else 16):
         return kernels.gemv(x, weight, scales)
     return F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
 

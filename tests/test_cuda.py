@@ -147,6 +147,7 @@ def test_speculative_graphs_equal_plain_greedy_and_draft_loop_is_one_replay(mode
     from quantize import quantize_model
     from speculative import SpeculativeGenerator
 
+    torch._dynamo.reset()  # each K compiles afresh (static shapes), as in a real run
     draft = quantize_model(model32, "int8")  # mostly agrees: rounds accept some, reject some
     gen = SpeculativeGenerator(model32, draft, Sampling(temperature=0), k, "graphs")
     spec = [t for chunk in gen.generate(PROMPT[0], 60) for t in chunk]

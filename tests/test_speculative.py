@@ -211,7 +211,7 @@ def test_bench_measures_speculative_decoding(target, drafts):
 
 @pytest.mark.parametrize("argv", [["--speculate-k", "2"], ["--draft-quantize", "int8"],
                                   ["--speculate-k", "0", "--draft-quantize", "int8"],
-                                  ["--speculate-k", "2", "--draft-quantize", "int8", "--modes", "manual"]])
+                                  ["--speculate-k", "2", "--draft-quantize", "int8", "--draft-checkpoint", "x"]])
 def test_bench_refuses_incomplete_speculative_flags(argv, capsys):
     from bench import main
 
