@@ -113,8 +113,8 @@ class Generator:
             self.step = decode_one_token
         elif mode == "compile":  # Inductor kernels, launched one by one
             # On the CPU Inductor hands every loop over 512+ elements to the OpenMP threads; decode's
-            # loops are tiny and the hand-offs cost more than they save: 49 -> 61 tok/s for the
-            # default model in int4 on 2 cores (BENCHMARKS.md). The matmuls parallelise themselves.
+            # loops are tiny and the hand-offs cost more than they save: +7% for the default model
+            # in int4 on 2 cores (BENCHMARKS.md). The matmuls (ATen calls) still use every core.
             options = {"cpp.min_chunk_size": 65536} if self.device.type == "cpu" else None
             self.step = torch.compile(decode_one_token, fullgraph=True, options=options)
         elif mode == "graphs":  # Inductor kernels in CUDA graphs (CUDAGraph Trees)

@@ -4,8 +4,10 @@
 
 VARIANT names what to combine: fp32 | int8 | int4 (g32), and optionally head4 (int4 output head
 instead of int8), chunk (Inductor cpp.min_chunk_size=65536, generate.py's setting; without it
-Inductor's default 512), cppwrap (cpp_wrapper), eager (no compile). Prints the warm-up time (compile) and two timings of 128 greedy tokens, prefill
-included; the first can include a recompile for the longer buffers, the second is the figure.
+Inductor's default 512), cppwrap (cpp_wrapper), noguard (the timed runs under
+torch.compiler.set_stance(skip_guard_eval_unsafe=True)), eager (no compile). Prints the warm-up time (compile) and three timings of 128 greedy tokens, prefill
+included; the first can include a recompile for the longer buffers; the second and third are the
+figures (for noguard: without and with the stance).
 Needs checkpoints/SmolLM2-135M-Instruct (python generate.py prepares it).
 """
 import sys
@@ -43,6 +45,8 @@ if "eager" not in variant:  # generate.py's CPU compile options, or Inductor's d
     gen.step = torch.compile(decode_one_token, fullgraph=True, options=options)
 prompt = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365]]
 t = time.time(); out = [c for c in gen.generate(prompt, 16)]; print(variant, "warm-up 16 tokens", round(time.time() - t, 1), "s", flush=True)
-for _ in range(2):
-    t = time.time(); n = sum(len(c[0]) for c in gen.generate(prompt, 128)); dt = time.time() - t
+for i in range(3):  # the last run under the stance for "noguard"
+    stance = torch.compiler.set_stance(skip_guard_eval_unsafe=i == 2 and "noguard" in variant)
+    with stance:
+        t = time.time(); n = sum(len(c[0]) for c in gen.generate(prompt, 128)); dt = time.time() - t
     print(variant, f"{n / dt:.1f} tok/s incl. prefill", flush=True)
