@@ -30,10 +30,12 @@ except ImportError:
     triton = None
 
 
-def usable(x: torch.Tensor, max_rows: int) -> bool:
-    """Whether gemv runs x: on CUDA with Triton, at most max_rows rows. Callers pass the row count
-    up to which the kernel beats PyTorch's for their weights (BENCHMARKS.md)."""
-    return triton is not None and x.is_cuda and x.numel() // x.shape[-1] <= max_rows
+def usable(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+    """Whether gemv runs x times weight: on CUDA with Triton, at most max_rows rows (callers pass
+    the row count up to which the kernel beats PyTorch's for their weights: BENCHMARKS.md), a
+    contiguous weight, and offsets that fit the kernel's 32-bit index arithmetic."""
+    return (triton is not None and x.is_cuda and x.numel() // x.shape[-1] <= max_rows
+            and weight.is_contiguous() and weight.numel() < 2**31)
 
 
 if triton is not None:

@@ -288,7 +288,7 @@ class Linear(nn.Linear):
     of kernels.py, which reads decode's narrow matrices 10-25% faster than cuBLAS (BENCHMARKS.md)."""
 
     def forward(self, x):
-        if x.dtype == torch.bfloat16 and kernels.usable(x, max_rows=1):
+        if x.dtype == torch.bfloat16 and kernels.usable(x, self.weight, max_rows=1):
             y = kernels.gemv(x, self.weight)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
@@ -381,7 +381,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
         return y.view(*x.shape[:-1], -1).to(x.dtype)
     # Decode on CUDA: dequantized in registers, 2.5-5x Inductor's. (Several float32 rows would go
     # through a TF32 dot: those take the exact path below.)
-    if kernels.usable(x, max_rows=1 if x.dtype == torch.float32 else 16):
+    if kernels.usable(x, weight, max_rows=1 if x.dtype == torch.float32 else 16):
         return kernels.gemv(x, weight, scales)
     return F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
 

@@ -58,8 +58,10 @@ def test_gemv_tuned_launches_on_decode_shapes(kind, M):
         check("cuda", kind, M, N, K, None)
 
 
-def test_usable_only_on_cuda():
-    assert not kernels.usable(torch.zeros(1, 8), max_rows=16)
+def test_usable_only_on_cuda_with_a_contiguous_weight():
+    w = torch.zeros(4, 8)
+    assert not kernels.usable(torch.zeros(1, 8), w, max_rows=16)
     if torch.cuda.is_available():
-        x = torch.zeros(2, 3, 8, device="cuda")
-        assert kernels.usable(x, max_rows=6) and not kernels.usable(x, max_rows=5)
+        x, w = torch.zeros(2, 3, 8, device="cuda"), w.cuda()
+        assert kernels.usable(x, w, max_rows=6) and not kernels.usable(x, w, max_rows=5)
+        assert not kernels.usable(x, w.t().contiguous().t(), max_rows=6)
