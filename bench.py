@@ -227,13 +227,18 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         "ceiling_gb_s": ceiling, "pct_of_ceiling": 100 * gb_s / ceiling, "compile_s": gen.compile_s,
         **counts,
     }
+    record["peak_mem_gb"] = peak_memory_gb(device)
     if device.type == "cuda":
-        record["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         record["warmup_reserved_gb"] = (torch.cuda.memory_reserved(device) - reserved_before) / 1e9
-    else:
-        import resource
-        record["peak_mem_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
     return record
+
+
+def peak_memory_gb(device) -> float:
+    """Peak GPU memory allocated, or on the CPU the process's peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def seconds_per_call(fn, device, reps: int = 20) -> float:
@@ -255,12 +260,14 @@ def seconds_per_call(fn, device, reps: int = 20) -> float:
 
 @torch.no_grad()
 def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_tokens: int,
-                      sampling: Sampling) -> dict:
+                      sampling: Sampling, ceiling: float = 0.0) -> dict:
     """Speculative decode of new_tokens after a random prompt (batch 1), timed from the first
     round (prefill apart, as bench_one does), and the draft loop against K single draft steps."""
     from speculative import SpeculativeGenerator
 
     device = target.tok_embeddings.weight.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     gen = SpeculativeGenerator(target, draft, sampling, k, mode)
     torch.manual_seed(0)
     prompt = torch.randint(0, target.args.vocab_size, (prompt_tokens,)).tolist()
@@ -279,10 +286,13 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     n = sum(len(c) for c in chunks)
     synchronize(device)
     decode_s = time.perf_counter() - start
+    # Weights read per round: the target once (verification), the draft K times.
+    gb_s = gen.rounds * (weight_bytes_per_step(target) + k * weight_bytes_per_step(draft)) / decode_s / 1e9
     record = {"mode": f"speculative-{mode}", "batch_size": 1, "prompt_tokens": prompt_tokens,
               "new_tokens": new_tokens, "speculate_k": k, "temperature": sampling.temperature,
               "tok_s": n / decode_s, "rounds": gen.rounds, "acceptance_histogram": gen.histogram,
-              "mean_tokens_per_round": gen.mean_tokens_per_round, "compile_s": compile_s}
+              "mean_tokens_per_round": gen.mean_tokens_per_round, "compile_s": compile_s,
+              "gb_s": gb_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory_gb(device)}
     # The draft loop (K steps, one graph in mode graphs) against K single draft decode steps,
     # both from just after the prompt (the last round may have run up to the end of the cache).
     gen.pos.fill_(prompt_tokens + 1)
@@ -400,7 +410,8 @@ def main(argv=None) -> int:
                   f"first call {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
             keep(r)
         if draft is not None and mode != "manual":  # (no hand-captured speculative loop)
-            r = bench_speculative(model, draft, a.speculate_k, mode, a.prompt_tokens, a.new_tokens, sampling)
+            r = bench_speculative(model, draft, a.speculate_k, mode, a.prompt_tokens, a.new_tokens, sampling,
+                                  ceiling)
             r["draft"] = draft_name
             print(f"  speculative-{mode} K={a.speculate_k} {r['tok_s']:8.1f} tok/s  "
                   f"{r['mean_tokens_per_round']:.2f} tokens/round  accepted {r['acceptance_histogram']}  "

@@ -207,6 +207,23 @@ def test_bench_measures_speculative_decoding(target, drafts):
     assert 1 <= r["mean_tokens_per_round"] <= k + 1
     assert r["draft_loop_ms"] > 0 and r["draft_step_ms"] > 0
     assert r["draft_loop_vs_k_steps"] == pytest.approx(r["draft_loop_ms"] / (k * r["draft_step_ms"]))
+    assert r["gb_s"] > 0 and r["peak_mem_gb"] > 0  # with the other fields DESIGN.md's records require
+
+
+def test_bench_cli_writes_plain_and_speculative_records(tmp_path):
+    import json
+
+    from bench import main
+
+    out = tmp_path / "records.json"
+    assert main(["--device", "cpu", "--model", "smollm2-135m", "--modes", "eager", "--batch-sizes", "1",
+                 "--prompt-tokens", "2", "--new-tokens", "4", "--speculate-k", "1", "--draft-quantize", "int8",
+                 "--json", str(out)]) == 0
+    plain, spec = json.loads(out.read_text())
+    assert (plain["mode"], spec["mode"], spec["draft"]) == ("eager", "speculative-eager", "int8")
+    for r in (plain, spec):  # the fields DESIGN.md promises
+        assert {"gpu", "torch", "model", "dtype", "mode", "batch_size", "prompt_tokens", "new_tokens", "tok_s",
+                "gb_s", "ceiling_gb_s", "compile_s", "peak_mem_gb", "date", "command"} <= set(r)
 
 
 @pytest.mark.parametrize("argv", [["--speculate-k", "2"], ["--draft-quantize", "int8"],
