@@ -143,8 +143,9 @@ class Generator:
             token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
             pos = torch.zeros(1, dtype=torch.long, device=self.device)
             tokens = torch.zeros(batch, L, dtype=torch.long, device=self.device)
-            for t in (token, pos, tokens):
-                torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
+            if self.mode != "eager":  # (eager decode needs no marks, nor the 1.3 s import of torch._dynamo)
+                for t in (token, pos, tokens):
+                    torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
             self.buffers = (token, pos, tokens)
         return self.buffers
 

@@ -86,11 +86,17 @@ if triton is not None:
         tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
+# Several rows: split K until about this many programs (4 per SM on the H200's 132). A constant
+# rather than a device query, which torch.compile would have to trace (and whose decorator,
+# torch.compiler.assume_constant_result, costs every import 1.7 s of loading torch._dynamo).
+TARGET_PROGRAMS = 512
+
+
 # A launch: (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages).
 def config(kind: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """The launch for an [M, K] x [N, K] product of `kind` ("bf16" or "int8"), from a
     tuning run on the H200 (benchmarks/gemv.py --tune; BENCHMARKS.md). One row: many narrow
-    programs, no split. Several rows: split K until there are about 4 programs per SM."""
+    programs, no split. Several rows: split K until there are about TARGET_PROGRAMS programs."""
     if M == 1:
         if kind == "bf16":
             return (4, 1024, 1, 4, 2) if N <= 8192 else (16, 512, 1, 4, 2)
@@ -98,14 +104,10 @@ def config(kind: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     block_n, block_k = 32, 128
     programs, blocks = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
     split = 1
-    while programs * split < 4 * _sm_count() and blocks // (split * 2) >= 8:
+    while programs * split < TARGET_PROGRAMS and blocks // (split * 2) >= 8:
         split *= 2
     return block_n, block_k, split, 4, 4
 
-
-@torch.compiler.assume_constant_result  # a constant to torch.compile: no graph break
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
