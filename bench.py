@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import kernels
 from generate import Generator, Sampling, decode_one_token, prefill, synchronize, weight_bytes_per_step
 from model import ModelArgs, Transformer
 
@@ -331,6 +332,8 @@ def main(argv=None) -> int:
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set a torch._inductor.config option for this run (repeatable), e.g. "
                         "coordinate_descent_tuning=True")
+    p.add_argument("--opaque-gemv", action="store_true",
+                   help="call kernels.py's GEMV through its custom op, opaque to torch.compile (compile-time A/B)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
     p.add_argument("--draft-quantize", choices=["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"],
@@ -347,6 +350,7 @@ def main(argv=None) -> int:
         print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
         return 1
     batches = [int(b) for b in a.batch_sizes.split(",")]
+    kernels.OPAQUE = a.opaque_gemv
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
@@ -393,7 +397,7 @@ def main(argv=None) -> int:
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
                  date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
-                 inductor_options=a.inductor)
+                 inductor_options=a.inductor, opaque_gemv=a.opaque_gemv)
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured
             old = json.loads(a.json.read_text()) if a.json.exists() else []

@@ -21,6 +21,8 @@ Inductor fuses into whatever follows) is the result.
 This file needs Triton, which CUDA builds of PyTorch ship and CPU builds do not; model.py calls
 it only for CUDA tensors (`usable`).
 """
+from typing import Optional
+
 import torch
 
 try:  # CPU-only installs of torch come without Triton: model.py then never calls in here
@@ -131,3 +133,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
                        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     y = y[0] if split == 1 else y.sum(0).to(x.dtype)  # split: sum the float32 partials
     return y.view(*x.shape[:-1], N)
+
+
+# torch.compile traces into gemv's Triton kernel, and at every call site (129 per decode step of a
+# 7B model) lowers it to Triton IR to learn which arguments it writes: the suspected cause of the
+# slower cold compile (BENCHMARKS.md). With OPAQUE set (bench.py --opaque-gemv), matmul goes
+# through a custom op that torch.compile treats as a black box instead; still captured in graphs.
+OPAQUE = False
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """gemv(x, weight, scales) with its tuned launch, directly or (OPAQUE) through the custom op."""
+    return gemv_op(x, weight, scales) if OPAQUE else gemv(x, weight, scales)
+
+
+@torch.library.custom_op("graphdecode::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
+    return gemv(x, weight, scales)
+
+
+@gemv_op.register_fake
+def _(x, weight, scales):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -289,7 +289,7 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         if x.dtype == torch.bfloat16 and kernels.usable(x, self.weight, max_rows=1):
-            y = kernels.gemv(x, self.weight)
+            y = kernels.matmul(x, self.weight)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
@@ -382,7 +382,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     # Decode on CUDA: dequantized in registers, 2.5-5x Inductor's. (Several float32 rows would go
     # through a TF32 dot: those take the exact path below.)
     if kernels.usable(x, weight, max_rows=1 if x.dtype == torch.float32 else 16):
-        return kernels.gemv(x, weight, scales)
+        return kernels.matmul(x, weight, scales)
     return F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
 
 

@@ -65,3 +65,17 @@ def test_usable_only_on_cuda_with_a_contiguous_weight():
         x, w = torch.zeros(2, 3, 8, device="cuda"), w.cuda()
         assert kernels.usable(x, w, max_rows=6) and not kernels.usable(x, w, max_rows=5)
         assert not kernels.usable(x, w.t().contiguous().t(), max_rows=6)
+
+
+def test_opaque_op_matches_and_compiles(monkeypatch):
+    """kernels.matmul through the custom op (bench.py --opaque-gemv): same numbers as gemv, and
+    torch.compile(fullgraph=True) accepts it (its fake tells the compiler the output's shape)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w, scales, _ = weights("int8", 64, 256)
+    w, scales = w.to(device), scales.to(device)
+    x = torch.randn(1, 3, 256).bfloat16().to(device)
+    monkeypatch.setattr(kernels, "OPAQUE", True)
+    expected = kernels.gemv(x, w, scales)
+    assert kernels.matmul(x, w, scales).equal(expected)
+    compiled = torch.compile(lambda x: kernels.matmul(x, w, scales) * 2, fullgraph=True)
+    assert compiled(x).equal(expected * 2)
