@@ -297,8 +297,7 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     # The draft loop (K steps, one graph in mode graphs) against K single draft decode steps,
     # both from just after the prompt (the last round may have run up to the end of the cache).
     gen.pos.fill_(prompt_tokens + 1)
-    loop_s = seconds_per_call(lambda: gen.draft_fn(gen.draft, gen.prev, gen.token, gen.pos, gen.draft_tokens,
-                                                   gen.draft_probs, sampling), device)
+    loop_s = seconds_per_call(gen.draft_loop, device)
     single = make_generator(draft, mode, sampling)
     token, pos, tokens = single.reserve(1, gen.draft.max_seq_length)
     pos.fill_(prompt_tokens)
@@ -307,11 +306,21 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     step_s = seconds_per_call(lambda: single._decode_step(token, pos, tokens), device)  # <= 24 steps: fits
     record.update(draft_loop_ms=loop_s * 1e3, draft_step_ms=step_s * 1e3, draft_loop_vs_k_steps=loop_s / (k * step_s))
     if device.type == "cuda":
-        counts = launches_per_call(lambda: gen.draft_fn(gen.draft, gen.prev, gen.token, gen.pos, gen.draft_tokens,
-                                                        gen.draft_probs, sampling), device, 4)
+        counts = launches_per_call(gen.draft_loop, device, 4)
         record.update(draft_loop_graph_launches=counts["graph_launches_per_step"],
                       draft_loop_kernels_outside_graphs=counts["kernels_outside_graphs_per_step"])
     return record
+
+
+QUANTIZE_CHOICES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"]
+
+
+def quantized(model: Transformer, spec: str) -> Transformer:
+    """The model quantized in memory as quantize.py would: spec is one of QUANTIZE_CHOICES."""
+    from quantize import quantize_model
+
+    mode, _, group = spec.partition("-g")
+    return quantize_model(model, mode, int(group) if group else None)
 
 
 def main(argv=None) -> int:
@@ -326,7 +335,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--check-graphs", action="store_true", help="fail unless decode is one graph replay per token")
-    p.add_argument("--quantize", choices=["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"],
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                    help="weight-only quantization of the model, in memory (quantize.py)")
     p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels of a few decode steps")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
@@ -336,7 +345,7 @@ def main(argv=None) -> int:
                    help="call kernels.py's GEMV through its custom op, opaque to torch.compile (compile-time A/B)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
-    p.add_argument("--draft-quantize", choices=["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"],
+    p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
                    help="the draft is the target quantized this way (random weights: the usual set-up)")
     p.add_argument("--draft-checkpoint", type=Path, help="a draft checkpoint directory instead")
     p.add_argument("--json", type=Path, help="append each record to this JSON list as it is measured")
@@ -371,10 +380,7 @@ def main(argv=None) -> int:
         model, name = random_model(PRESETS[a.model], device, dtype), a.model
     draft = None  # made from the float target, before --quantize applies to the target
     if a.draft_quantize:
-        from quantize import quantize_model
-
-        mode, _, group = a.draft_quantize.partition("-g")
-        draft, draft_name = quantize_model(model, mode, int(group) if group else None), a.draft_quantize
+        draft, draft_name = quantized(model, a.draft_quantize), a.draft_quantize
     elif a.draft_checkpoint:
         draft = Transformer.from_checkpoint(a.draft_checkpoint, device=device, dtype=dtype)
         draft_name = a.draft_checkpoint.name
@@ -383,11 +389,7 @@ def main(argv=None) -> int:
                   f"({model.args.vocab_size})", file=sys.stderr)
             return 1
     if a.quantize:
-        from quantize import quantize_model
-
-        mode, _, group = a.quantize.partition("-g")
-        model = quantize_model(model, mode, int(group) if group else None)
-        name += f" {a.quantize}"
+        model, name = quantized(model, a.quantize), f"{name} {a.quantize}"
     sampling = Sampling(temperature=a.temperature, top_k=None)
     ceiling = copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -135,9 +135,20 @@ class SpeculativeGenerator:
         self.draft_tokens = torch.zeros(1, k, dtype=torch.long, device=dev)
         self.draft_probs = torch.zeros(1, k, V, dtype=torch.float32, device=dev)
         self.result = torch.zeros(k + 2, dtype=torch.long, device=dev)
-        for t in (self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs, self.result):
-            torch._dynamo.mark_static_address(t)  # mutated in the graphs: must stay put
+        if mode != "eager":  # (as in Generator.reserve: eager needs no marks)
+            for t in (self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs, self.result):
+                torch._dynamo.mark_static_address(t)  # mutated in the graphs: must stay put
         self.reset_stats()
+
+    def draft_loop(self) -> None:
+        """The K draft steps of a round (one graph replay in mode graphs), on the static buffers."""
+        self.draft_fn(self.draft, self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs,
+                      self.sampling)
+
+    def verify_round(self) -> None:
+        """The target's verification of the proposals (one graph replay in mode graphs)."""
+        self.verify_fn(self.target, self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs,
+                       self.result, self.sampling)
 
     def reset_stats(self) -> None:
         self.rounds = 0
@@ -176,10 +187,8 @@ class SpeculativeGenerator:
             return
         emitted = 1
         while emitted < max_new_tokens:
-            self.draft_fn(self.draft, self.prev, self.token, self.pos, self.draft_tokens,
-                          self.draft_probs, self.sampling)
-            self.verify_fn(self.target, self.prev, self.token, self.pos, self.draft_tokens,
-                           self.draft_probs, self.result, self.sampling)
+            self.draft_loop()
+            self.verify_round()
             r = self.result.tolist()  # the one host sync of the round
             n = r[0]
             self.rounds += 1

@@ -24,6 +24,7 @@ from quantize import quantize_model  # noqa: E402
 torch.manual_seed(0)
 variant = sys.argv[1]
 model = Transformer.from_checkpoint("checkpoints/SmolLM2-135M-Instruct", "cpu", torch.float32)
+head = model.tok_embeddings.weight  # the tied head, in float
 if "int4" in variant:
     model = quantize_model(model, "int4", 32)
 elif "int8" in variant:
@@ -31,11 +32,9 @@ elif "int8" in variant:
 if "head4" in variant:
     from model import Int4Linear
     from quantize import quantize_int4
-    fmodel = Transformer.from_checkpoint("checkpoints/SmolLM2-135M-Instruct", "cpu", torch.float32)
-    q, sc, z = quantize_int4(fmodel.tok_embeddings.weight, 32)
-    lin = Int4Linear(576, 49152, 32)
-    lin.load_state_dict({"weight": q, "scales": sc.float(), "zeros": z.float()}, assign=True)
-    model.output = lin
+    q, sc, z = quantize_int4(head, 32)
+    model.output = Int4Linear(head.shape[1], head.shape[0], 32)
+    model.output.load_state_dict({"weight": q, "scales": sc.float(), "zeros": z.float()}, assign=True)
 gen = Generator(model, Sampling(temperature=0.0), mode="eager" if "eager" in variant else "compile")
 if "eager" not in variant:  # generate.py's CPU compile options, or Inductor's defaults without "chunk"
     from generate import decode_one_token

@@ -154,9 +154,7 @@ def test_speculative_graphs_equal_plain_greedy_and_draft_loop_is_one_replay(mode
     assert spec == tokens_of(make_generator(model32, "eager"), 60)
     assert gen.mean_tokens_per_round > 1
     gen.pos.fill_(len(PROMPT[0]) + 1)  # the calls below write K + 1 positions from here: inside the cache
-    draft_loop = launches_per_call(lambda: gen.draft_fn(gen.draft, gen.prev, gen.token, gen.pos, gen.draft_tokens,
-                                                        gen.draft_probs, gen.sampling), gen.device, 4)
-    verify = launches_per_call(lambda: gen.verify_fn(gen.target, gen.prev, gen.token, gen.pos, gen.draft_tokens,
-                                                     gen.draft_probs, gen.result, gen.sampling), gen.device, 1)
+    draft_loop = launches_per_call(gen.draft_loop, gen.device, 4)
+    verify = launches_per_call(gen.verify_round, gen.device, 1)
     assert draft_loop == {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": 0}
     assert verify == {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": 0}
