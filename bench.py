@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 import kernels
-from generate import Generator, Sampling, decode_one_token, prefill, synchronize, weight_bytes_per_step
+from generate import (Generator, Sampling, check_graphs, count_launches, decode_one_token, launches_per_call,
+                      prefill, synchronize, weight_bytes_per_step)
 from model import ModelArgs, Transformer
 
 PRESETS = {
@@ -129,38 +130,6 @@ def make_generator(model, mode: str, sampling: Sampling = Sampling(temperature=0
         gen.step, gen.mode, gen.warmup_calls = ManualGraph(), "manual", 1
         return gen
     return Generator(model, sampling, mode)
-
-
-def count_launches(gen: Generator, steps: int) -> dict:
-    """Profile `steps` decode steps; per step, count CUDA graph launches and kernels launched
-    outside any graph (a graph break, a skipped graph or an eager fallback shows up here)."""
-    token, pos, tokens = gen.buffers
-    return launches_per_call(lambda: gen._decode_step(token, pos, tokens), gen.device, steps)
-
-
-def launches_per_call(fn, device, calls: int) -> dict:
-    """Graph launches and kernels launched outside graphs per call of fn, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-    names = [e.name for e in prof.events()]
-    graphs = sum(n.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for n in names)
-    kernels = sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel"))
-                  for n in names)
-    return {"graph_launches_per_step": graphs / calls, "kernels_outside_graphs_per_step": kernels / calls}
-
-
-def check_graphs(gen: Generator, steps: int = 8) -> dict:
-    counts = count_launches(gen, steps)
-    if counts["graph_launches_per_step"] != 1 or counts["kernels_outside_graphs_per_step"] != 0:
-        raise RuntimeError(f"decode is not one graph replay per token: {counts['graph_launches_per_step']:g} "
-                           f"graph launches and {counts['kernels_outside_graphs_per_step']:g} kernels outside "
-                           f"graphs per step (a graph break, skipped graph or eager fallback)")
-    return counts
 
 
 def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:

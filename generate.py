@@ -210,6 +210,70 @@ class Generator:
                 raise RuntimeError(f"decode recompiled after warm-up: {str(e).strip().splitlines()[-1]}") from e
 
 
+# -- graph verification (--check-graphs) ---------------------------------------------------------
+
+class GraphCheckError(RuntimeError):
+    """Decode did not run as one CUDA graph replay per call."""
+
+
+# A graph that draws random numbers (sampling at temperature > 0) comes with two small kernels
+# outside it at every replay: PyTorch first writes the generator's seed and offset into the
+# graph's inputs (the replay prologue of torch.cuda.CUDAGraph), so each replay draws new numbers.
+RNG_KERNELS_PER_REPLAY = 2
+
+
+def launches_per_call(fn, device, calls: int) -> dict:
+    """Graph launches and kernels launched outside graphs per call of fn, from the profiler (a
+    graph break, a skipped graph or an eager fallback shows up as kernels outside graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+    names = [e.name for e in prof.events()]
+    graphs = sum(n.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for n in names)
+    kernels = sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel"))
+                  for n in names)
+    return {"graph_launches_per_step": graphs / calls, "kernels_outside_graphs_per_step": kernels / calls}
+
+
+def count_launches(gen: Generator, steps: int) -> dict:
+    """launches_per_call for `steps` decode steps from the generator's current buffers."""
+    token, pos, tokens = gen.buffers
+    return launches_per_call(lambda: gen._decode_step(token, pos, tokens), gen.device, steps)
+
+
+def expect_one_graph(counts: dict, sampling: Sampling, what: str) -> dict:
+    allowed = RNG_KERNELS_PER_REPLAY if sampling.temperature > 0 else 0
+    if counts["graph_launches_per_step"] != 1 or counts["kernels_outside_graphs_per_step"] > allowed:
+        raise GraphCheckError(
+            f"{what} is not one graph replay per token: {counts['graph_launches_per_step']:g} graph launches "
+            f"and {counts['kernels_outside_graphs_per_step']:g} kernels outside graphs per call (expected 1 "
+            f"and at most {allowed}): a graph break, a skipped graph or an eager fallback")
+    return counts
+
+
+def check_graphs(gen: Generator, steps: int = 8) -> dict:
+    """Profile `steps` decode steps (from the buffers' current position) and raise GraphCheckError
+    unless each is exactly one graph launch with no kernel outside it (but the RNG's)."""
+    return expect_one_graph(count_launches(gen, steps), gen.sampling, "decode")
+
+
+def check_speculative_graphs(gen, start: int) -> dict:
+    """The same for a SpeculativeGenerator: its draft loop (K steps) and its verification must each
+    be one graph replay. Runs a round's worth of positions from `start`, which a later round rewrites."""
+    for _ in range(3):  # warm (compiled and recorded) even after a short generation
+        gen.pos.fill_(start)
+        gen.draft_loop()
+        gen.verify_round()
+    gen.pos.fill_(start)
+    loop = expect_one_graph(launches_per_call(gen.draft_loop, gen.device, 4), gen.sampling, "the draft loop")
+    verify = expect_one_graph(launches_per_call(gen.verify_round, gen.device, 1), gen.sampling, "verification")
+    return {"draft_loop": loop, "verify": verify}
+
+
 def weight_bytes_per_step(model: Transformer) -> int:
     """Bytes of weights one decode step reads: every stored tensor once (quantized weights and
     their scales included), except the embedding table, of which a step reads one row per
@@ -252,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-check-interval", type=int, default=8, metavar="K",
                    help="read tokens back and check stop tokens every K decode steps")
     p.add_argument("--profile", type=Path, help="write a torch.profiler trace of a few decode steps")
+    p.add_argument("--check-graphs", action="store_true",
+                   help="after generating, verify that decode is one CUDA graph replay per token (exit 1 if not)")
     p.add_argument("--draft-checkpoint", type=Path, help="draft model for speculative decoding")
     p.add_argument("--speculate-k", type=int, default=None)
     return p
@@ -293,7 +359,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
-    except (UsageError, FileNotFoundError, ValueError) as e:
+    except (UsageError, FileNotFoundError, ValueError, GraphCheckError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -323,6 +389,9 @@ def run(args) -> None:
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     compile_decode = args.compile if args.compile is not None else device.type == "cuda"
     mode = ("graphs" if device.type == "cuda" else "compile") if compile_decode else "eager"
+    if args.check_graphs and (mode != "graphs" or args.interactive):
+        raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile) and a --prompt "
+                         "(not --interactive)")
     if args.seed is not None:
         torch.manual_seed(args.seed)
 
@@ -355,6 +424,8 @@ def run(args) -> None:
         [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
     # Interactive chats grow: reserve the whole context for them (checked against memory below).
     length = context if args.interactive else len(first_prompt) + args.max_new_tokens + extra
+    if args.check_graphs:  # it decodes up to 11 more steps (or a round) after the prompt
+        length = min(context, max(length, len(first_prompt) + 12 + extra))
     check_memory(config, checkpoint, 1, length, dtype, device)
     model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
     synchronize(device)
@@ -381,6 +452,17 @@ def run(args) -> None:
         stream(gen, tokenizer, first_prompt, args.max_new_tokens, stop_ids)
     if args.profile and isinstance(gen, Generator):
         profile(gen, first_prompt, args.profile)
+    if args.check_graphs:
+        if isinstance(gen, Generator):
+            token, pos, tokens = gen.buffers
+            pos.fill_(len(first_prompt))  # decode again from just after the prompt
+            while not gen.warm:  # (a short generation may have ended before warm-up did)
+                gen._decode_step(token, pos, tokens)
+            pos.fill_(len(first_prompt))
+            counts = check_graphs(gen)
+        else:
+            counts = check_speculative_graphs(gen, len(first_prompt) + 1)
+        log(f"check-graphs: one graph replay per call, as expected: {counts}")
 
 
 def speculative_generator(args, model, tokenizer, sampling, device, dtype, length):

@@ -52,10 +52,14 @@ if triton is not None:
         return w.to(tl.float32)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, blocks_per_split,
-                     INT8: tl.constexpr, EVEN: tl.constexpr,
+    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, g_ptr, r_ptr, y_ptr, M, N, K, blocks_per_split, eps,
+                     INT8: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+                     RESIDUAL: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """y[split, m, n] = sum over this split's columns k of x[m, k] * W[n, k] (* scale[n])."""
+        """y[split, m, n] = sum over this split's columns k of x[m, k] * W[n, k] (* scale[n]).
+        One row per program (BLOCK_M 1) may also apply, in float32, RMSNorm to x first (NORM:
+        x * g * rsqrt(mean(x^2) + eps), the mean over all of K, so no split), SwiGLU (GLU: x is
+        [gate | up], 2K wide, and its input is silu(gate) * up), and add a residual (RESIDUAL)."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,18 +67,28 @@ if triton is not None:
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, tl.cdiv(K, BLOCK_K))
         if BLOCK_M == 1:  # one row: elementwise products, one reduction at the end
+            x_row = x_ptr + pid_m * K * (2 if GLU else 1)
             acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+            squares = tl.zeros((BLOCK_K,), tl.float32)
             for b in range(b_start, b_end):
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
+                k_ok = rk < K
                 if EVEN:
                     w = tl.load(w_ptr + rn[:, None] * K + rk[None, :])
-                    x = tl.load(x_ptr + rm * K + rk)
+                    x = tl.load(x_row + rk).to(tl.float32)
                 else:
-                    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :],
-                                mask=n_ok[:, None] & (rk < K)[None, :], other=0)
-                    x = tl.load(x_ptr + rm * K + rk, mask=rk < K, other=0)
-                acc += _to_float(w, INT8) * x.to(tl.float32)[None, :]
+                    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+                    x = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
+                if GLU:  # x is the gate; the up projection follows it, K further on
+                    up = tl.load(x_row + K + rk, mask=k_ok, other=0).to(tl.float32)
+                    x = x * tl.sigmoid(x) * up
+                if NORM:
+                    squares += x * x
+                    x *= tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)
+                acc += _to_float(w, INT8) * x[None, :]
             out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+            if NORM:
+                out *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         else:  # several rows: tensor-core dot products, rows padded to BLOCK_M
             out = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for b in range(b_start, b_end):
@@ -85,7 +99,10 @@ if triton is not None:
                 out += tl.dot(x.to(tl.float32), tl.trans(_to_float(w, INT8)), input_precision="tf32")
         if INT8:
             out *= tl.load(scale_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
-        tl.store(y_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+        y_at = rm[:, None] * N + rn[None, :]
+        if RESIDUAL:
+            out += tl.load(r_ptr + y_at, mask=m_ok[:, None] & n_ok[None, :], other=0).to(tl.float32)
+        tl.store(y_ptr + pid_k * M * N + y_at, out, mask=m_ok[:, None] & n_ok[None, :])
 
 
 # Several rows: split K until about this many programs: 4 per SM of the H200 (132 SMs), where the
@@ -114,22 +131,34 @@ def config(kind: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
-         launch: tuple | None = None) -> torch.Tensor:
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
+         residual: torch.Tensor | None = None, launch: tuple | None = None) -> torch.Tensor:
     """x [..., K] times weight [N, K] (bf16, or int8 with `scales` [N]) -> [..., N] in x's dtype.
-    `launch` overrides `config` (for tuning)."""
-    K, N = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, K)
+    For one row of x it can also do, in the same kernel, what decode does around its matmuls:
+    residual + (silu(gate) * up if glu else rmsnorm(x, norm_weight, eps)) @ W.T, with x = [gate | up]
+    (2K wide) under glu. `launch` overrides `config` (for tuning)."""
+    K, N = weight.shape[1], weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
+    fused = norm_weight is not None or glu or residual is not None
+    if x2.shape[1] != (2 * K if glu else K) or (fused and M != 1) or (norm_weight is not None and glu):
+        raise ValueError(f"gemv: x {tuple(x.shape)} with weight {tuple(weight.shape)} (glu={glu}); norm, glu "
+                         f"and residual take one row, and not norm and glu together")
     block_n, block_k, split, warps, stages = launch or config("int8" if scales is not None else "bf16", M, N, K)
+    if fused:
+        split = 1  # the norm needs all of K in one program; the residual is added once
     block_m = 1 if M == 1 else 16 if M <= 16 else 64
     y = torch.empty((split, M, N), device=x.device, dtype=x.dtype if split == 1 else torch.float32)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     per_split = triton.cdiv(triton.cdiv(K, block_k), split)
     even = K % block_k == 0 and N % block_n == 0
-    _gemv_kernel[grid](x2, weight, weight if scales is None else scales, y, M, N, K, per_split,
-                       INT8=scales is not None, EVEN=even, BLOCK_M=block_m, BLOCK_N=block_n,
+    _gemv_kernel[grid](x2, weight, weight if scales is None else scales,
+                       weight if norm_weight is None else norm_weight,
+                       weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K,
+                       per_split, eps, INT8=scales is not None, EVEN=even, NORM=norm_weight is not None,
+                       GLU=glu, RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     y = y[0] if split == 1 else y.sum(0).to(x.dtype)  # split: sum the float32 partials
     return y.view(*x.shape[:-1], N)
@@ -142,16 +171,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
 OPAQUE = False
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """gemv(x, weight, scales) with its tuned launch, directly or (OPAQUE) through the custom op."""
-    return gemv_op(x, weight, scales) if OPAQUE else gemv(x, weight, scales)
+def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
+           norm_weight: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """gemv with its tuned launch, directly or (OPAQUE) through the custom op."""
+    f = gemv_op if OPAQUE else gemv
+    return f(x, weight, scales, norm_weight, eps, glu, residual)
 
 
 @torch.library.custom_op("graphdecode::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
-    return gemv(x, weight, scales)
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor],
+            norm_weight: Optional[torch.Tensor], eps: float, glu: bool,
+            residual: Optional[torch.Tensor]) -> torch.Tensor:
+    return gemv(x, weight, scales, norm_weight, eps, glu, residual)
 
 
 @gemv_op.register_fake
-def _(x, weight, scales):
+def _(x, weight, scales, norm_weight, eps, glu, residual):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

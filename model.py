@@ -110,7 +110,7 @@ class Transformer(nn.Module):
         mask = self.kv_pos <= input_pos.unsqueeze(-1)  # [S, L]: True where a query may look
         for layer in self.layers:
             x = layer(x, input_pos, cos, sin, mask)
-        return self.output(self.norm(x))
+        return self.output(x, norm=self.norm)  # = output(norm(x)): see Linear
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -185,8 +185,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, input_pos, cos, sin, mask):
-        h = x + self.attention(self.attention_norm(x), input_pos, cos, sin, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        # h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h)). Each norm is
+        # applied by the matmul after it and each residual added by the matmul before it, so that
+        # batch-1 decode on CUDA does them inside its GEMVs (Linear).
+        h = self.attention(x, self.attention_norm, input_pos, cos, sin, mask)
+        return self.feed_forward(h, self.ffn_norm)
 
 
 class Attention(nn.Module):
@@ -202,9 +205,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, input_pos, cos, sin, mask):
+    def forward(self, x, norm, input_pos, cos, sin, mask):
+        """x + attention over norm(x)."""
         B, S, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
+        q, k, v = self.wqkv(x, norm=norm).split(self.split, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
         v = v.view(B, S, self.n_kv_heads, self.head_dim)
@@ -218,7 +222,7 @@ class Attention(nn.Module):
             y = decode_attention(q, k, v, mask)
         else:  # prefill: grouped-query attention without repeating K and V (enable_gqa)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=x)
 
 
 def decode_attention(q, k, v, mask):
@@ -265,9 +269,9 @@ class FeedForward(nn.Module):
         self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x):
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x, norm):
+        """x + the feed-forward of norm(x)."""
+        return self.w2(self.w13(x, norm=norm), glu=True, residual=x)
 
 
 class RMSNorm(nn.Module):
@@ -284,14 +288,34 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear, except that a single row in bf16 on CUDA (batch-1 decode) runs the Triton GEMV
-    of kernels.py, which reads decode's narrow matrices 10-25% faster than cuBLAS (BENCHMARKS.md)."""
+    """nn.Linear that also does the steps around it in decode: forward(x, norm, glu, residual) is
+    residual + linear(silu(gate) * up if glu else norm(x)), with x = [gate | up] under glu (any of
+    the three may be left out). A single row in bf16 on CUDA (batch-1 decode) runs all of it as one
+    Triton GEMV of kernels.py, which also reads decode's narrow matrices 10-25% faster than cuBLAS
+    (BENCHMARKS.md); anything else runs the PyTorch ops of `unfused`."""
 
-    def forward(self, x):
-        if x.dtype == torch.bfloat16 and kernels.usable(x, self.weight, max_rows=1):
-            y = kernels.matmul(x, self.weight)
+    def forward(self, x, norm=None, glu=False, residual=None):
+        if x.dtype == torch.bfloat16 and kernels.usable(x, self.weight, max_rows=1) and (
+                self.bias is None or residual is None):
+            y = kernels.matmul(x, self.weight, None, *fused_norm(norm), glu, residual)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return unfused(lambda x: F.linear(x, self.weight, self.bias), x, norm, glu, residual)
+
+
+def fused_norm(norm) -> tuple:
+    """(weight, eps) of an RMSNorm for kernels.matmul; (None, 0.0) for none."""
+    return (None, 0.0) if norm is None else (norm.weight, norm.eps)
+
+
+def unfused(linear, x, norm=None, glu=False, residual=None):
+    """residual + linear(silu(gate) * up if glu else norm(x)), one PyTorch op at a time."""
+    if norm is not None:
+        x = norm(x)
+    if glu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = linear(x)
+    return y if residual is None else residual + y
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -443,7 +467,12 @@ class Int8Linear(nn.Module):
         self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
         self.register_load_state_dict_post_hook(Int8Linear._after_load)
 
-    def forward(self, x):
+    def forward(self, x, norm=None, glu=False, residual=None):  # as Linear's
+        if kernels.usable(x, self.weight, max_rows=1) and self.bias is None:
+            return kernels.matmul(x, self.weight, self.scales, *fused_norm(norm), glu, residual)
+        return unfused(self.linear, x, norm, glu, residual)
+
+    def linear(self, x):
         y = int8_linear(x, self.weight, self.scales)
         return y if self.bias is None else y + self.bias
 
@@ -467,7 +496,10 @@ class Int4Linear(nn.Module):
         self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
         self.register_load_state_dict_post_hook(Int4Linear._after_load)
 
-    def forward(self, x):
+    def forward(self, x, norm=None, glu=False, residual=None):  # as Linear's, without fusion
+        return unfused(self.linear, x, norm, glu, residual)
+
+    def linear(self, x):
         y = int4_linear(x, self.weight, self.scales_and_zeros, self.kernel_groupsize)
         return y if self.bias is None else y + self.bias
 

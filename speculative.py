@@ -140,11 +140,13 @@ class SpeculativeGenerator:
                 torch._dynamo.mark_static_address(t)  # mutated in the graphs: must stay put
         self.reset_stats()
 
+    @torch.no_grad()  # grad mode is part of what the compiled functions are specialised on
     def draft_loop(self) -> None:
         """The K draft steps of a round (one graph replay in mode graphs), on the static buffers."""
         self.draft_fn(self.draft, self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs,
                       self.sampling)
 
+    @torch.no_grad()
     def verify_round(self) -> None:
         """The target's verification of the proposals (one graph replay in mode graphs)."""
         self.verify_fn(self.target, self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs,

@@ -3,8 +3,9 @@ replay per token, no recompiles, kept outputs never overwritten. Run with `pytes
 import pytest
 import torch
 
-from bench import check_graphs, count_launches, launches_per_call, make_generator, random_model
-from generate import Sampling
+from bench import make_generator, random_model
+from generate import (RNG_KERNELS_PER_REPLAY, Sampling, check_graphs, check_speculative_graphs,
+                      count_launches)
 from model import ModelArgs
 
 pytestmark = pytest.mark.cuda
@@ -62,6 +63,37 @@ def test_compiled_logits_within_bf16_tolerance(model):
             got = compiled(idx, pos).float().clone()
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 2e-2, rel
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_fused_decode_steps_match_unfused(model, mode, monkeypatch):
+    """Batch-1 decode does each RMSNorm, SwiGLU and residual add inside a GEMV (kernels.py); its
+    logits match the same model run one PyTorch op at a time (kernels.usable off) within bf16
+    rounding, and every norm, SwiGLU and residual add of the step went through the kernel."""
+    import kernels
+    from quantize import quantize_model
+
+    m = model if mode == "bf16" else quantize_model(model, "int8")
+    idx, pos = torch.tensor([[3]], device="cuda"), torch.tensor([8], device="cuda")
+
+    def decode_logits():
+        m.setup_caches(1, 64)
+        with torch.no_grad():
+            m(torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda"))
+            calls.clear()  # count the decode step's calls only
+            return m(idx, pos).float()
+
+    calls = []
+    gemv = kernels.gemv
+    monkeypatch.setattr(kernels, "gemv", lambda *a, **k: calls.append(a) or gemv(*a, **k))
+    fused = decode_logits()
+    n = ARGS.n_layers
+    assert sum(a[3] is not None for a in calls) == 2 * n + 1  # attention, ffn and final norms
+    assert sum(a[5] for a in calls) == n and sum(a[6] is not None for a in calls) == 2 * n
+    monkeypatch.setattr(kernels, "usable", lambda *a, **k: False)
+    plain = decode_logits()
+    rel = ((fused - plain).norm() / plain.norm()).item()
+    assert rel < 1e-2, rel
 
 
 def test_one_graph_replay_per_token(model, graphed):
@@ -153,8 +185,19 @@ def test_speculative_graphs_equal_plain_greedy_and_draft_loop_is_one_replay(mode
     spec = [t for chunk in gen.generate(PROMPT[0], 60) for t in chunk]
     assert spec == tokens_of(make_generator(model32, "eager"), 60)
     assert gen.mean_tokens_per_round > 1
-    gen.pos.fill_(len(PROMPT[0]) + 1)  # the calls below write K + 1 positions from here: inside the cache
-    draft_loop = launches_per_call(gen.draft_loop, gen.device, 4)
-    verify = launches_per_call(gen.verify_round, gen.device, 1)
-    assert draft_loop == {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": 0}
-    assert verify == {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": 0}
+    # (the calls write K + 1 positions from just after the prompt: inside the cache)
+    counts = check_speculative_graphs(gen, len(PROMPT[0]) + 1)
+    one = {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": 0}
+    assert counts == {"draft_loop": one, "verify": one}
+
+
+def test_sampling_graphs_add_only_the_rng_seed_kernels(model):
+    """At temperature > 0 each replay is still one graph launch; outside it run exactly the two
+    kernels with which PyTorch gives the graph's RNG a fresh seed and offset (RNG_KERNELS_PER_REPLAY),
+    which check_graphs allows."""
+    gen = make_generator(model, "graphs", Sampling(temperature=1.0, top_k=50))
+    gen.reserve(1, 64)
+    assert len(tokens_of(gen, 20)) == 20
+    gen.buffers[1].fill_(len(PROMPT[0]))
+    counts = check_graphs(gen, steps=4)
+    assert counts == {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": RNG_KERNELS_PER_REPLAY}

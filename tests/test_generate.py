@@ -124,6 +124,7 @@ def test_cli_generates_greedy_text(default_ckpt):
     (["--top-k", "0"], "--top-k"),
     (["--prompt", "hello " * 9000], "exceeds the model's context of 8192"),
     (["--max-new-tokens", "9000"], "exceeds the model's context"),
+    (["--check-graphs", "--device", "cpu"], "--check-graphs needs graphed decode"),
 ])
 def test_cli_bad_input(default_ckpt, args, needle):
     assert_one_line_error(cli("--checkpoint", default_ckpt, *args), needle)
