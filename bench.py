@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 import kernels
+import model as model_module
 from generate import (Generator, Sampling, check_graphs, count_launches, decode_one_token, launches_per_call,
                       prefill, synchronize, weight_bytes_per_step)
 from model import ModelArgs, Transformer
@@ -310,8 +311,11 @@ def main(argv=None) -> int:
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set a torch._inductor.config option for this run (repeatable), e.g. "
                         "coordinate_descent_tuning=True")
-    p.add_argument("--opaque-gemv", action="store_true",
-                   help="call kernels.py's GEMV through its custom op, opaque to torch.compile (compile-time A/B)")
+    p.add_argument("--traced-gemv", action="store_true",
+                   help="let torch.compile trace into kernels.py's Triton GEMV instead of calling it through "
+                        "its opaque custom op (compile-time A/B)")
+    p.add_argument("--unfused", action="store_true",
+                   help="keep RMSNorm and the residual adds apart from the GEMVs (A/B of the fusion)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
     p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
@@ -328,7 +332,8 @@ def main(argv=None) -> int:
         print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
         return 1
     batches = [int(b) for b in a.batch_sizes.split(",")]
-    kernels.OPAQUE = a.opaque_gemv
+    kernels.OPAQUE = not a.traced_gemv
+    model_module.FUSE_NORM_AND_RESIDUAL = not a.unfused
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
@@ -368,7 +373,7 @@ def main(argv=None) -> int:
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
                  date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
-                 inductor_options=a.inductor, opaque_gemv=a.opaque_gemv)
+                 inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused)
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured
             old = json.loads(a.json.read_text()) if a.json.exists() else []

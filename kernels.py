@@ -53,13 +53,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, g_ptr, r_ptr, y_ptr, M, N, K, blocks_per_split, eps,
-                     INT8: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-                     RESIDUAL: tl.constexpr,
+                     INT8: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[split, m, n] = sum over this split's columns k of x[m, k] * W[n, k] (* scale[n]).
-        One row per program (BLOCK_M 1) may also apply, in float32, RMSNorm to x first (NORM:
-        x * g * rsqrt(mean(x^2) + eps), the mean over all of K, so no split), SwiGLU (GLU: x is
-        [gate | up], 2K wide, and its input is silu(gate) * up), and add a residual (RESIDUAL)."""
+        One row per program (BLOCK_M 1) may also apply RMSNorm to x first (NORM: x * g * rsqrt(mean(x^2)
+        + eps), in float32, the mean over all of K, so no split) and add a residual (RESIDUAL)."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -67,7 +65,7 @@ if triton is not None:
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, tl.cdiv(K, BLOCK_K))
         if BLOCK_M == 1:  # one row: elementwise products, one reduction at the end
-            x_row = x_ptr + pid_m * K * (2 if GLU else 1)
+            x_row = x_ptr + pid_m * K
             acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
             squares = tl.zeros((BLOCK_K,), tl.float32)
             for b in range(b_start, b_end):
@@ -79,10 +77,7 @@ if triton is not None:
                 else:
                     w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
                     x = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
-                if GLU:  # x is the gate; the up projection follows it, K further on
-                    up = tl.load(x_row + K + rk, mask=k_ok, other=0).to(tl.float32)
-                    x = x * tl.sigmoid(x) * up
-                if NORM:
+                if NORM:  # sum of squares on the way; the rsqrt scales the sums at the end
                     squares += x * x
                     x *= tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)
                 acc += _to_float(w, INT8) * x[None, :]
@@ -131,21 +126,19 @@ def config(kind: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
-         norm_weight: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, launch: tuple | None = None) -> torch.Tensor:
     """x [..., K] times weight [N, K] (bf16, or int8 with `scales` [N]) -> [..., N] in x's dtype.
     For one row of x it can also do, in the same kernel, what decode does around its matmuls:
-    residual + (silu(gate) * up if glu else rmsnorm(x, norm_weight, eps)) @ W.T, with x = [gate | up]
-    (2K wide) under glu. `launch` overrides `config` (for tuning)."""
-    K, N = weight.shape[1], weight.shape[0]
-    x2 = x.reshape(-1, x.shape[-1])
+    residual + rmsnorm(x, norm_weight, eps) @ W.T. `launch` overrides `config` (for tuning)."""
+    K, N = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, K)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
-    fused = norm_weight is not None or glu or residual is not None
-    if x2.shape[1] != (2 * K if glu else K) or (fused and M != 1) or (norm_weight is not None and glu):
-        raise ValueError(f"gemv: x {tuple(x.shape)} with weight {tuple(weight.shape)} (glu={glu}); norm, glu "
-                         f"and residual take one row, and not norm and glu together")
+    fused = norm_weight is not None or residual is not None
+    if fused and M != 1:
+        raise ValueError(f"gemv: the norm and the residual take one row of x (got {M})")
     block_n, block_k, split, warps, stages = launch or config("int8" if scales is not None else "bf16", M, N, K)
     if fused:
         split = 1  # the norm needs all of K in one program; the residual is added once
@@ -158,34 +151,34 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
                        weight if norm_weight is None else norm_weight,
                        weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K,
                        per_split, eps, INT8=scales is not None, EVEN=even, NORM=norm_weight is not None,
-                       GLU=glu, RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                       RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     y = y[0] if split == 1 else y.sum(0).to(x.dtype)  # split: sum the float32 partials
     return y.view(*x.shape[:-1], N)
 
 
-# torch.compile traces into gemv's Triton kernel, and at every call site (129 per decode step of a
-# 7B model) lowers it to Triton IR to learn which arguments it writes: the suspected cause of the
-# slower cold compile (BENCHMARKS.md). With OPAQUE set (bench.py --opaque-gemv), matmul goes
-# through a custom op that torch.compile treats as a black box instead; still captured in graphs.
-OPAQUE = False
+# How torch.compile sees the GEMV. Traced (OPAQUE False), it lowers our Triton kernel to Triton IR
+# at each call site (129 per decode step of a 7B model) to learn which arguments it writes: cold
+# first call 76-86 s on the H200. Through a custom op it treats as a black box (OPAQUE True, the
+# default; still captured in the graph) 49 s, at the same speed (BENCHMARKS.md). bench.py
+# --traced-gemv measures the other way.
+OPAQUE = True
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
-           norm_weight: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
+           norm_weight: torch.Tensor | None = None, eps: float = 0.0,
            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """gemv with its tuned launch, directly or (OPAQUE) through the custom op."""
+    """gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
     f = gemv_op if OPAQUE else gemv
-    return f(x, weight, scales, norm_weight, eps, glu, residual)
+    return f(x, weight, scales, norm_weight, eps, residual)
 
 
 @torch.library.custom_op("graphdecode::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor],
-            norm_weight: Optional[torch.Tensor], eps: float, glu: bool,
-            residual: Optional[torch.Tensor]) -> torch.Tensor:
-    return gemv(x, weight, scales, norm_weight, eps, glu, residual)
+            norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    return gemv(x, weight, scales, norm_weight, eps, residual)
 
 
 @gemv_op.register_fake
-def _(x, weight, scales, norm_weight, eps, glu, residual):
+def _(x, weight, scales, norm_weight, eps, residual):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,7 +1,8 @@
 """A Llama-family transformer with a static KV cache, written to be compiled and CUDA-graphed.
 
 Read top to bottom: ModelArgs (the config), Transformer (embedding, layers, head, caches,
-checkpoint loading), TransformerBlock, Attention, KVCache, FeedForward, RMSNorm, RoPE helpers.
+checkpoint loading), TransformerBlock, Attention, KVCache, FeedForward, RMSNorm, Linear (a matmul
+that also applies the norm before it and the residual add after it), RoPE helpers.
 
 Shapes: B batch, S new tokens this call, L cache length (max_seq_length), H query heads,
 Hkv key/value heads, D head_dim. Q and K weight rows use the Hugging Face "rotate-half" layout,
@@ -185,11 +186,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, input_pos, cos, sin, mask):
-        # h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h)). Each norm is
-        # applied by the matmul after it and each residual added by the matmul before it, so that
-        # batch-1 decode on CUDA does them inside its GEMVs (Linear).
-        h = self.attention(x, self.attention_norm, input_pos, cos, sin, mask)
-        return self.feed_forward(h, self.ffn_norm)
+        # h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h)). The norm and the
+        # residual are handed to the first and the last matmul of each sublayer, so that batch-1
+        # decode on CUDA does them inside its GEMVs (Linear).
+        h = self.attention(x, input_pos, cos, sin, mask, norm=self.attention_norm, residual=x)
+        return self.feed_forward(h, norm=self.ffn_norm, residual=h)
 
 
 class Attention(nn.Module):
@@ -205,8 +206,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, norm, input_pos, cos, sin, mask):
-        """x + attention over norm(x)."""
+    def forward(self, x, input_pos, cos, sin, mask, norm, residual):
+        """residual + attention over norm(x)."""
         B, S, _ = x.shape
         q, k, v = self.wqkv(x, norm=norm).split(self.split, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)
@@ -222,7 +223,7 @@ class Attention(nn.Module):
             y = decode_attention(q, k, v, mask)
         else:  # prefill: grouped-query attention without repeating K and V (enable_gqa)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=x)
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
 
 def decode_attention(q, k, v, mask):
@@ -262,16 +263,17 @@ class KVCache(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(x w1) * x w3), with w1 (gate) and w3 (up) fused into one matrix."""
+    """SwiGLU, residual + w2(silu(x w1) * x w3) of x = norm(input), with w1 (gate) and w3 (up)
+    fused into one matrix."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x, norm):
-        """x + the feed-forward of norm(x)."""
-        return self.w2(self.w13(x, norm=norm), glu=True, residual=x)
+    def forward(self, x, norm, residual):
+        gate, up = self.w13(x, norm=norm).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up, residual=residual)
 
 
 class RMSNorm(nn.Module):
@@ -288,34 +290,34 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that also does the steps around it in decode: forward(x, norm, glu, residual) is
-    residual + linear(silu(gate) * up if glu else norm(x)), with x = [gate | up] under glu (any of
-    the three may be left out). A single row in bf16 on CUDA (batch-1 decode) runs all of it as one
-    Triton GEMV of kernels.py, which also reads decode's narrow matrices 10-25% faster than cuBLAS
-    (BENCHMARKS.md); anything else runs the PyTorch ops of `unfused`."""
+    """nn.Linear that also does the steps around it in decode: forward(x, norm, residual) is
+    residual + linear(norm(x)) (either may be left out). A single row in bf16 on CUDA (batch-1
+    decode) runs all of it as one Triton GEMV of kernels.py, which also reads decode's narrow
+    matrices 10-25% faster than cuBLAS (BENCHMARKS.md); anything else runs PyTorch's ops."""
 
-    def forward(self, x, norm=None, glu=False, residual=None):
+    def forward(self, x, norm=None, residual=None):
         if x.dtype == torch.bfloat16 and kernels.usable(x, self.weight, max_rows=1) and (
                 self.bias is None or residual is None):
-            y = kernels.matmul(x, self.weight, None, *fused_norm(norm), glu, residual)
+            y = decode_gemv(x, self.weight, None, norm, residual)
             return y if self.bias is None else y + self.bias
-        return unfused(lambda x: F.linear(x, self.weight, self.bias), x, norm, glu, residual)
+        return unfused(lambda x: F.linear(x, self.weight, self.bias), x, norm, residual)
 
 
-def fused_norm(norm) -> tuple:
-    """(weight, eps) of an RMSNorm for kernels.matmul; (None, 0.0) for none."""
-    return (None, 0.0) if norm is None else (norm.weight, norm.eps)
-
-
-def unfused(linear, x, norm=None, glu=False, residual=None):
-    """residual + linear(silu(gate) * up if glu else norm(x)), one PyTorch op at a time."""
-    if norm is not None:
-        x = norm(x)
-    if glu:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
-    y = linear(x)
+def unfused(linear, x, norm=None, residual=None):
+    """residual + linear(norm(x)), one PyTorch op at a time."""
+    y = linear(x if norm is None else norm(x))
     return y if residual is None else residual + y
+
+
+FUSE_NORM_AND_RESIDUAL = True  # False (bench.py --unfused) keeps them apart, to measure what fusing buys
+
+
+def decode_gemv(x, weight, scales, norm, residual):
+    """kernels.matmul with the norm and the residual add inside the kernel, or around it."""
+    if FUSE_NORM_AND_RESIDUAL:
+        return kernels.matmul(x, weight, scales, norm_weight=None if norm is None else norm.weight,
+                              eps=0.0 if norm is None else norm.eps, residual=residual)
+    return unfused(lambda x: kernels.matmul(x, weight, scales), x, norm, residual)
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -467,10 +469,11 @@ class Int8Linear(nn.Module):
         self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
         self.register_load_state_dict_post_hook(Int8Linear._after_load)
 
-    def forward(self, x, norm=None, glu=False, residual=None):  # as Linear's
-        if kernels.usable(x, self.weight, max_rows=1) and self.bias is None:
-            return kernels.matmul(x, self.weight, self.scales, *fused_norm(norm), glu, residual)
-        return unfused(self.linear, x, norm, glu, residual)
+    def forward(self, x, norm=None, residual=None):  # as Linear's
+        if kernels.usable(x, self.weight, max_rows=1) and (self.bias is None or residual is None):
+            y = decode_gemv(x, self.weight, self.scales, norm, residual)
+            return y if self.bias is None else y + self.bias
+        return unfused(self.linear, x, norm, residual)
 
     def linear(self, x):
         y = int8_linear(x, self.weight, self.scales)
@@ -496,8 +499,8 @@ class Int4Linear(nn.Module):
         self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
         self.register_load_state_dict_post_hook(Int4Linear._after_load)
 
-    def forward(self, x, norm=None, glu=False, residual=None):  # as Linear's, without fusion
-        return unfused(self.linear, x, norm, glu, residual)
+    def forward(self, x, norm=None, residual=None):  # as Linear's, never fused
+        return unfused(self.linear, x, norm, residual)
 
     def linear(self, x):
         y = int4_linear(x, self.weight, self.scales_and_zeros, self.kernel_groupsize)

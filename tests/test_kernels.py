@@ -68,7 +68,7 @@ def test_usable_only_on_cuda_with_a_contiguous_weight():
 
 
 def test_opaque_op_matches_and_compiles(monkeypatch):
-    """kernels.matmul through the custom op (bench.py --opaque-gemv): same numbers as gemv, and
+    """kernels.matmul through the custom op (the default; bench.py --traced-gemv: not): same numbers as gemv, and
     torch.compile(fullgraph=True) accepts it (its fake tells the compiler the output's shape)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     w, scales, _ = weights("int8", 64, 256)
@@ -84,42 +84,40 @@ def test_opaque_op_matches_and_compiles(monkeypatch):
 @pytest.mark.parametrize("launch", [LAUNCHES[0], LAUNCHES[1], None])
 @pytest.mark.parametrize("N, K", SHAPES)
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_fused_norm_glu_residual_match_float64(kind, N, K, launch):
-    """One row: rmsnorm(x) @ W.T, silu(gate) * up @ W.T and residual + x @ W.T against float64. A
-    split in the launch is overridden (the norm needs all of K in one program)."""
+def test_fused_norm_and_residual_match_float64(kind, N, K, launch):
+    """One row: rmsnorm(x) @ W.T, residual + x @ W.T and both, against float64. A split in the
+    launch is overridden (the norm needs all of K in one program)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if launch is None and device == "cpu":
         launch = (16, 64, 3, 4, 2)
     w, scales, reference_w = weights(kind, N, K)
     w, scales = w.to(device), scales if scales is None else scales.to(device)
-    x = (4 * torch.randn(1, 2 * K)).bfloat16()
+    x = (4 * torch.randn(1, K)).bfloat16()
     g = (1 + torch.rand(K)).bfloat16()
     r = torch.randn(1, N).bfloat16()
-    xd, gd = x.double(), g.double()
-    gate, up = xd[:, :K], xd[:, K:]
-    normed = gate * torch.rsqrt(gate.pow(2).mean(-1, keepdim=True) + 1e-5) * gd
-    cases = [  # (kwargs, x, reference)
-        (dict(norm_weight=g.to(device), eps=1e-5), x[:, :K], normed @ reference_w.T),
-        (dict(glu=True), x, (gate * torch.sigmoid(gate) * up) @ reference_w.T),
-        (dict(residual=r.to(device)), x[:, :K], r.double() + gate @ reference_w.T),
-        (dict(norm_weight=g.to(device), eps=1e-5, residual=r.to(device)), x[:, :K],
-         r.double() + normed @ reference_w.T),
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double()
+    cases = [  # (kwargs, reference)
+        (dict(norm_weight=g.to(device), eps=1e-5), normed @ reference_w.T),
+        (dict(residual=r.to(device)), r.double() + xd @ reference_w.T),
+        (dict(norm_weight=g.to(device), eps=1e-5, residual=r.to(device)), r.double() + normed @ reference_w.T),
+        # an eps that matters (mean(x^2) is about 16): a dropped or misplaced eps fails
+        (dict(norm_weight=g.to(device), eps=4.0),
+         xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 4.0) * g.double() @ reference_w.T),
     ]
-    for kwargs, xin, reference in cases:
+    for kwargs, reference in cases:
         size = reference.abs().max().item()
         # float32 in and out: only float32 arithmetic errs
-        y = kernels.gemv(xin.float().to(device), w, scales, launch=launch,
+        y = kernels.gemv(x.float().to(device), w, scales, launch=launch,
                          **{k: v.float() if k == "residual" else v for k, v in kwargs.items()})
         assert (y.double().cpu() - reference).abs().max().item() <= 1e-4 * size, kwargs
-        y = kernels.gemv(xin.to(device), w, scales, launch=launch, **kwargs)
+        y = kernels.gemv(x.to(device), w, scales, launch=launch, **kwargs)
         assert y.dtype == torch.bfloat16
         rounding = 2**-8 if device == "cuda" else 2**-7
         assert ((y.double().cpu() - reference).abs() <= rounding * reference.abs() + 1e-5 * size).all(), kwargs
 
 
 def test_fused_steps_take_one_row():
-    w = torch.zeros(8, 16).bfloat16()
     with pytest.raises(ValueError, match="one row"):
-        kernels.gemv(torch.zeros(2, 16).bfloat16(), w, residual=torch.zeros(2, 8).bfloat16())
-    with pytest.raises(ValueError, match="glu"):
-        kernels.gemv(torch.zeros(1, 16).bfloat16(), w, glu=True)
+        kernels.gemv(torch.zeros(2, 16).bfloat16(), torch.zeros(8, 16).bfloat16(),
+                     residual=torch.zeros(2, 8).bfloat16())
