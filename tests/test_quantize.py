@@ -16,11 +16,12 @@ from generate import Generator, Sampling
 from model import (Int4Linear, Int8Linear, ModelArgs, Transformer, dequantize_int4, dequantize_int8,
                    unpack_int4)
 from quantize import main as quantize_main
-from quantize import quantize_checkpoint, quantize_int4, quantize_int8, quantize_model, split_fused
+from quantize import gptq_int4, quantize_checkpoint, quantize_int4, quantize_int8, quantize_model, split_fused
 from tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "tests" / "data" / "eval_text.txt"
+CALIBRATION = ROOT / "tests" / "data" / "calibration_text.txt"  # other chapters of the same book
 GROUPSIZES = (32, 64, 128, 256)
 
 
@@ -70,6 +71,28 @@ def test_int4_error_per_group_beats_min_max_rounding(groupsize):
         fit_sq += eg.pow(2).sum()
         minmax_sq += (((wg - lo) / step).round() * step + lo - wg).pow(2).sum()
     assert fit_sq < 0.95 * minmax_sq
+
+
+@pytest.mark.parametrize("groupsize", [32, 64, 256])
+def test_gptq_beats_rounding_on_the_layer_output(groupsize):
+    """GPTQ writes quantize_int4's format and, on inputs whose columns correlate (as activations'
+    do), gives a clearly smaller error of x @ W.T than rounding each weight well on its own; on
+    other inputs from the same distribution too, not just the calibration rows."""
+    n, k = 48, 320  # 320: a shorter last group for 64 and 256
+    w = weights(n, k, seed=groupsize)
+    g = torch.Generator().manual_seed(1)
+    basis = torch.randn(64, k, generator=g)  # inputs near a 64-dimensional subspace
+    x, x_new = (torch.randn(m, 64, generator=g) @ basis + 0.1 * torch.randn(m, k, generator=g) for m in (512, 256))
+    packed, scales, zeros = gptq_int4(w, x.double().T @ x.double(), groupsize)
+    assert packed.shape == (n, k // 2) and packed.dtype == torch.uint8
+    assert scales.shape == zeros.shape == (n, -(-k // groupsize)) and scales.dtype == torch.bfloat16
+    w_gptq = dequantize_int4(packed, scales.float(), zeros.float(), groupsize)
+    p, s, z = quantize_int4(w, groupsize)
+    w_rtn = dequantize_int4(p, s.float(), z.float(), groupsize)
+    for inputs in (x, x_new):
+        err_gptq = (inputs @ (w_gptq - w).T).norm()
+        err_rtn = (inputs @ (w_rtn - w).T).norm()
+        assert err_gptq < 0.6 * err_rtn, (err_gptq, err_rtn)  # measured 0.32-0.35
 
 
 # -- the quantized layers --------------------------------------------------------------------------
@@ -258,7 +281,15 @@ def test_cli_errors(tmp_path):
                        "layers.0.attention.", "input dim that is a multiple of 32", "48 x 48")
     assert_clean_error(run_cli("--checkpoint", odd, "--mode", "int3"), "invalid choice: 'int3'")
     assert_clean_error(run_cli("--checkpoint", tmp_path / "nowhere", "--mode", "int8"), "not a checkpoint directory")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd"]  # no output, no temporary directory
+    tiny = tmp_path / "tiny"
+    write_float_checkpoint(tiny, TINY)  # its tokenizer file is a stand-in: nothing to calibrate with
+    assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int8", "--calibration", CALIBRATION),
+                       "--calibration applies to --mode int4")
+    assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int4", "--calibration", CALIBRATION),
+                       "--calibration needs the checkpoint's tokenizer")
+    assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int4", "--calibration", tmp_path / "none.txt"),
+                       "cannot read it as text")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd", "tiny"]  # no output, no temporary directory
 
 
 def test_loading_rejects_a_bad_quantization_entry(tiny_ckpt, tmp_path):
@@ -302,12 +333,16 @@ def test_perplexity_on_the_default_model(default_ckpt, default_float, default_in
     ratios = {"int8": perplexity(default_int8, tokens, 256, 192) / base}
     for g in (32, 128):
         ratios[f"int4 g{g}"] = perplexity(quantize_model(default_float, "int4", g), tokens, 256, 192) / base
+    calibration = load_tokenizer(default_ckpt).encode(CALIBRATION.read_text())  # not the evaluated text
+    gptq = quantize_model(default_float, "int4", 128, calibration=calibration)
+    ratios["int4 g128 GPTQ"] = perplexity(gptq, tokens, 256, 192) / base
     print(f"\nperplexity {base:.3f} float; ratios " + ", ".join(f"{k} {v:.4f}" for k, v in ratios.items()))
     assert ratios["int8"] <= 1.01  # measured 1.005 (shorter texts: up to 1.010)
     assert ratios["int4 g32"] <= 1.10  # the default model is Q4_1 (blocks of 32) at heart: ~1.00
     # Measured 1.34-1.38: this 135M model, already 4-bit, loses more than the 1.20 aimed for
-    # when regrouped by 128 with round-to-nearest (see BENCHMARKS.md).
+    # when regrouped by 128 with round-to-nearest (see BENCHMARKS.md); GPTQ reaches it.
     assert ratios["int4 g128"] <= 1.50
+    assert ratios["int4 g128 GPTQ"] <= 1.20
     assert ratios["int4 g32"] < ratios["int4 g128"]
 
 
