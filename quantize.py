@@ -115,13 +115,13 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
     dead = torch.diag(H) == 0  # inputs that are always 0: their weights do not matter
     H[dead, dead] = 1
     W[:, dead] = 0
-    H += damp * torch.diag(H).mean() * torch.eye(K, dtype=H.dtype)  # dampened, as the paper does
+    H += damp * torch.diag(H).mean() * torch.eye(K, dtype=H.dtype, device=H.device)  # dampened, as the paper does
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     q = torch.zeros(N, K, dtype=torch.uint8, device=w.device)
     scales, zeros = [], []
     for b0 in range(0, K, block):
         b1 = min(b0 + block, K)
-        Wb, errors = W[:, b0:b1].clone(), torch.zeros(N, b1 - b0, dtype=W.dtype)
+        Wb, errors = W[:, b0:b1].clone(), torch.zeros(N, b1 - b0, dtype=W.dtype, device=W.device)
         for i in range(b1 - b0):
             j = b0 + i
             if j % groupsize == 0:  # a new group: its scale and zero
@@ -150,31 +150,31 @@ def calibrate(model: Transformer, tokens: list[int]) -> dict[str, torch.Tensor]:
     length = min(len(tokens), CALIBRATION_WINDOW)
     hessians, hooks = {}, []
 
-    def hook(name):
+    def hook(names):
         def accumulate(module, args, kwargs, out):
             x = args[0] if kwargs.get("norm") is None else kwargs["norm"](args[0])  # the matmul's input
             x = x.reshape(-1, x.shape[-1]).double()
-            hessians[name] = hessians.get(name, 0) + x.T @ x
+            h = hessians.get(names[0], 0) + x.T @ x
+            hessians.update(dict.fromkeys(names, h))  # fused q/k/v and gate/up: one input
         return accumulate
 
     for i, layer in enumerate(model.layers):
-        for module, name in ((layer.attention.wqkv, "attention.wqkv"), (layer.attention.wo, "attention.wo"),
-                             (layer.feed_forward.w13, "feed_forward.w13"), (layer.feed_forward.w2, "feed_forward.w2")):
-            hooks.append(module.register_forward_hook(hook(f"layers.{i}.{name}"), with_kwargs=True))
+        p = f"layers.{i}."
+        for module, names in ((layer.attention.wqkv, ("attention.wq", "attention.wk", "attention.wv")),
+                              (layer.attention.wo, ("attention.wo",)),
+                              (layer.feed_forward.w13, ("feed_forward.w1", "feed_forward.w3")),
+                              (layer.feed_forward.w2, ("feed_forward.w2",))):
+            hooks.append(module.register_forward_hook(hook([p + n + ".weight" for n in names]), with_kwargs=True))
+    device = model.tok_embeddings.weight.device
     try:
         model.setup_caches(1, length)
         for k in range(n):
-            window = torch.tensor([tokens[k * length:(k + 1) * length]])
-            model(window, torch.arange(window.shape[1]))
+            window = torch.tensor([tokens[k * length:(k + 1) * length]], device=device)
+            model(window, torch.arange(window.shape[1], device=device))
     finally:
         for h in hooks:
             h.remove()
-    out = {}
-    for name, h in hessians.items():  # fused name -> the checkpoint's names
-        parts = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}.get(name.rpartition(".")[2], (name.rpartition(".")[2],))
-        for part in parts:
-            out[f"{name.rpartition('.')[0]}.{part}.weight"] = h
-    return out
+    return hessians
 
 
 def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, groupsize: int | None,
