@@ -201,3 +201,27 @@ def test_sampling_graphs_add_only_the_rng_seed_kernels(model):
     gen.buffers[1].fill_(len(PROMPT[0]))
     counts = check_graphs(gen, steps=4)
     assert counts == {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": RNG_KERNELS_PER_REPLAY}
+
+
+def test_generate_cli_check_graphs(tmp_path, capsys):
+    """generate.py --check-graphs on a small random checkpoint with a real tokenizer: plain decode
+    (greedy and sampling, one with a prompt near the end of the context) and speculative decoding
+    pass the check, with one line on stderr and exit status 0."""
+    import generate
+    from test_quantize import write_float_checkpoint
+    from test_tokenizer import train_bytelevel_bpe
+
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, intermediate_size=256,
+                     max_seq_len=96)
+    ckpt, draft = tmp_path / "target", tmp_path / "draft"
+    for path, seed in ((ckpt, 0), (draft, 1)):
+        write_float_checkpoint(path, args, seed)
+        train_bytelevel_bpe(512, ["<|endoftext|>"]).save(str(path / "tokenizer.json"))
+    long_prompt = "the " * 80  # ends within a few tokens of the 96-token context
+    for extra in (["--temperature", "0"], ["--temperature", "1", "--seed", "3"],
+                  ["--temperature", "0", "--prompt", long_prompt, "--max-new-tokens", "4"],
+                  ["--temperature", "0", "--draft-checkpoint", str(draft), "--speculate-k", "3"]):
+        argv = ["--checkpoint", str(ckpt), "--device", "cuda", "--max-new-tokens", "12", "--ignore-eos",
+                "--check-graphs", *extra]
+        assert generate.main(argv) == 0, capsys.readouterr().err
+        assert "check-graphs: one graph replay per call" in capsys.readouterr().err
