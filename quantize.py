@@ -111,6 +111,8 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
     spread over the columns to its right through the Cholesky factor of the inverse Hessian, which
     minimises the error of x @ w.T rather than of w. Updates are applied lazily per block of columns."""
     N, K = w.shape
+    if block % groupsize and groupsize % block:
+        raise ValueError(f"gptq_int4: block {block} and group size {groupsize} must divide one another")
     W, H = w.double().clone(), hessian.double().clone()
     dead = torch.diag(H) == 0  # inputs that are always 0: their weights do not matter
     H[dead, dead] = 1
@@ -125,7 +127,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
         for i in range(b1 - b0):
             j = b0 + i
             if j % groupsize == 0:  # a new group: its scale and zero
-                group = torch.cat([Wb[:, i:], W[:, b1:]], dim=1)[:, :groupsize]
+                group = torch.cat([Wb[:, i:], W[:, b1:j + groupsize]], dim=1)[:, :groupsize]
                 _, scale, zero = _fit_int4(group.float().unsqueeze(1))
                 scales.append(scale)
                 zeros.append(zero)
@@ -143,17 +145,18 @@ CALIBRATION_WINDOW = 256  # tokens per calibration sequence
 
 @torch.no_grad()
 def calibrate(model: Transformer, tokens: list[int]) -> dict[str, torch.Tensor]:
-    """Hessians for gptq_int4 (sum of x x^T of each block linear's input, float64), from a forward
-    of the float model over `tokens` in windows of CALIBRATION_WINDOW, keyed by the checkpoint's
-    weight names (q, k, v share one, as do gate and up)."""
-    n = max(1, len(tokens) // CALIBRATION_WINDOW)
-    length = min(len(tokens), CALIBRATION_WINDOW)
+    """Hessians for gptq_int4 (sum of x x^T of each block linear's input, float32: one K x K matrix
+    per distinct input, held all at once), from forwards of the float model over `tokens` in whole
+    windows of CALIBRATION_WINDOW (or the model's context, if shorter; a tail shorter than a window
+    is left out), keyed by the checkpoint's weight names (q, k, v share one, as do gate and up)."""
+    length = min(len(tokens), CALIBRATION_WINDOW, model.args.max_seq_len)
+    n = len(tokens) // length
     hessians, hooks = {}, []
 
     def hook(names):
         def accumulate(module, args, kwargs, out):
             x = args[0] if kwargs.get("norm") is None else kwargs["norm"](args[0])  # the matmul's input
-            x = x.reshape(-1, x.shape[-1]).double()
+            x = x.reshape(-1, x.shape[-1]).float()
             h = hessians.get(names[0], 0) + x.T @ x
             hessians.update(dict.fromkeys(names, h))  # fused q/k/v and gate/up: one input
         return accumulate
@@ -200,7 +203,9 @@ def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, gro
             if K % 32 or N % 16:
                 raise QuantizeError(f"{name}: int4 needs an input dim that is a multiple of 32 and an output "
                                     f"dim that is a multiple of 16 (got {N} x {K})")
-            if hessians and name in hessians:
+            if hessians is not None:
+                if name not in hessians:
+                    raise QuantizeError(f"{name}: no calibration statistics for it (GPTQ)")
                 q, scales, zeros = gptq_int4(t, hessians[name], groupsize)
             else:
                 q, scales, zeros = quantize_int4(t, groupsize)
@@ -333,9 +338,18 @@ def calibration_hessians(checkpoint: Path, text_file: Path) -> dict[str, torch.T
     if len(tokens) < 2:
         raise QuantizeError(f"--calibration {text_file}: no text to calibrate on")
     start = time.time()
-    model = Transformer.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
-    print(f"calibrating on {len(tokens)} tokens of {text_file}", file=sys.stderr)
-    hessians = calibrate(model, tokens)
+    try:
+        model = Transformer.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
+        used = len(tokens) // min(len(tokens), CALIBRATION_WINDOW, model.args.max_seq_len) * \
+            min(len(tokens), CALIBRATION_WINDOW, model.args.max_seq_len)
+        widest = max(model.args.dim, model.args.intermediate_size, model.args.n_heads * model.args.head_dim)
+        print(f"calibrating on {used} tokens of {text_file}", file=sys.stderr)
+        if used < 2 * widest:
+            print(f"warning: {used} calibration tokens are few for inputs {widest} wide (GPTQ can then do "
+                  f"worse than rounding: give {2 * widest} or more)", file=sys.stderr)
+        hessians = calibrate(model, tokens)
+    except ValueError as e:  # an unreadable or mismatched checkpoint
+        raise QuantizeError(str(e)) from None
     print(f"calibrated in {time.time() - start:.1f} s", file=sys.stderr)
     return hessians
 

@@ -292,6 +292,24 @@ def test_cli_errors(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd", "tiny"]  # no output, no temporary directory
 
 
+def test_calibrated_checkpoint_end_to_end(tmp_path):
+    """--calibration writes a checkpoint (GPTQ) that loads like any int4 one and stays near the
+    float model; its weights differ from plain rounding's."""
+    from test_tokenizer import train_bytelevel_bpe
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, intermediate_size=128,
+                     max_seq_len=128)
+    ckpt = tmp_path / "small"
+    write_float_checkpoint(ckpt, args)
+    train_bytelevel_bpe(512).save(str(ckpt / "tokenizer.json"))
+    gptq = quantize_checkpoint(ckpt, "int4", 32, tmp_path / "gptq", calibration=CALIBRATION)
+    rtn = quantize_checkpoint(ckpt, "int4", 32, tmp_path / "rtn")
+    float_model, g, r = (Transformer.from_checkpoint(p, "cpu", torch.float32) for p in (ckpt, gptq, rtn))
+    idx = torch.tensor([load_tokenizer(ckpt).encode(TEXT.read_text()[:400])[:64]])
+    assert rel(logits(g, idx), logits(float_model, idx)) < 0.2
+    assert not torch.equal(g.layers[0].feed_forward.w2.weight, r.layers[0].feed_forward.w2.weight)
+
+
 def test_loading_rejects_a_bad_quantization_entry(tiny_ckpt, tmp_path):
     out = quantize_checkpoint(tiny_ckpt, "int8", None, tmp_path / "q")
     config = json.loads((out / "config.json").read_text())
