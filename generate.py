@@ -261,6 +261,17 @@ def check_graphs(gen: Generator, steps: int = 8) -> dict:
     return expect_one_graph(count_launches(gen, steps), gen.sampling, "decode")
 
 
+def check_decode_graphs(gen: Generator, start: int) -> dict:
+    """check_graphs after a generation: decode again from position `start` (which later tokens
+    rewrite), warming up first if the generation ended before warm-up did."""
+    token, pos, tokens = gen.buffers
+    pos.fill_(start)
+    while not gen.warm:
+        gen._decode_step(token, pos, tokens)
+    pos.fill_(start)
+    return check_graphs(gen)
+
+
 def check_speculative_graphs(gen, start: int) -> dict:
     """The same for a SpeculativeGenerator: its draft loop (K steps) and its verification must each
     be one graph replay. Runs a round's worth of positions from `start`, which a later round rewrites."""
@@ -453,15 +464,8 @@ def run(args) -> None:
     if args.profile and isinstance(gen, Generator):
         profile(gen, first_prompt, args.profile)
     if args.check_graphs:
-        if isinstance(gen, Generator):
-            token, pos, tokens = gen.buffers
-            # decode again from just after the prompt (or as late as leaves 11 steps in the cache)
-            start = max(0, min(len(first_prompt), model.max_seq_length - 12))
-            pos.fill_(start)
-            while not gen.warm:  # (a short generation may have ended before warm-up did)
-                gen._decode_step(token, pos, tokens)
-            pos.fill_(start)
-            counts = check_graphs(gen)
+        if isinstance(gen, Generator):  # from just after the prompt, or as late as leaves 11 steps
+            counts = check_decode_graphs(gen, max(0, min(len(first_prompt), model.max_seq_length - 12)))
         else:
             counts = check_speculative_graphs(gen, len(first_prompt) + 1)
         log(f"check-graphs: one graph replay per call, as expected: {counts}")

@@ -124,7 +124,6 @@ def config(kind: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     return block_n, block_k, split, 4, 4
 
 
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, launch: tuple | None = None) -> torch.Tensor:
