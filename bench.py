@@ -316,6 +316,8 @@ def main(argv=None) -> int:
                         "its opaque custom op (compile-time A/B)")
     p.add_argument("--unfused", action="store_true",
                    help="keep RMSNorm and the residual adds apart from the GEMVs (A/B of the fusion)")
+    p.add_argument("--unfused-attention", action="store_true",
+                   help="decode attention as PyTorch ops instead of kernels.decode_attention (A/B)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
     p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
@@ -334,6 +336,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in a.batch_sizes.split(",")]
     kernels.OPAQUE = not a.traced_gemv
     model_module.FUSE_NORM_AND_RESIDUAL = not a.unfused
+    model_module.FUSE_ATTENTION = not a.unfused_attention
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
@@ -373,7 +376,8 @@ def main(argv=None) -> int:
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
                  date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
-                 inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused)
+                 inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused,
+                 unfused_attention=a.unfused_attention)
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured
             old = json.loads(a.json.read_text()) if a.json.exists() else []

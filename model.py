@@ -209,7 +209,13 @@ class Attention(nn.Module):
     def forward(self, x, input_pos, cos, sin, mask, norm, residual):
         """residual + attention over norm(x)."""
         B, S, _ = x.shape
-        q, k, v = self.wqkv(x, norm=norm).split(self.split, dim=-1)
+        qkv = self.wqkv(x, norm=norm)
+        if S == 1 and FUSE_ATTENTION and kernels.attention_usable(qkv, input_pos) and not hasattr(self, "q_norm"):
+            # Decode on CUDA: RoPE, the cache write and the attention below in one Triton kernel
+            y = kernels.attention(qkv, input_pos, cos, sin, self.kv_cache.k_cache, self.kv_cache.v_cache,
+                                  self.n_heads, self.n_kv_heads)
+            return self.wo(y, residual=residual)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
         v = v.view(B, S, self.n_kv_heads, self.head_dim)
@@ -310,6 +316,7 @@ def unfused(linear, x, norm=None, residual=None):
 
 
 FUSE_NORM_AND_RESIDUAL = True  # False (bench.py --unfused) keeps them apart, to measure what fusing buys
+FUSE_ATTENTION = True  # False (bench.py --unfused-attention): decode attention as PyTorch ops on CUDA too
 
 
 def decode_gemv(x, weight, scales, norm, residual):

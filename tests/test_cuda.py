@@ -67,10 +67,12 @@ def test_compiled_logits_within_bf16_tolerance(model):
 
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 def test_fused_decode_steps_match_unfused(model, mode, monkeypatch):
-    """Batch-1 decode does each RMSNorm and residual add inside a GEMV (kernels.py); its logits
-    match the same model run one PyTorch op at a time (kernels.usable off) within bf16 rounding,
-    and every norm and residual add of the step went through the kernel."""
+    """Batch-1 decode does each RMSNorm and residual add inside a GEMV and each layer's attention in
+    one kernel (kernels.py); its logits match the same model run one PyTorch op at a time
+    (kernels.usable and model.FUSE_ATTENTION off) within bf16 rounding, and every norm, residual
+    add and attention of the step went through the kernels."""
     import kernels
+    import model as model_module
     from quantize import quantize_model
 
     m = model if mode == "bf16" else quantize_model(model, "int8")
@@ -84,14 +86,19 @@ def test_fused_decode_steps_match_unfused(model, mode, monkeypatch):
             return m(idx, pos).float()
 
     calls = []
-    gemv = kernels.gemv
+    gemv, attention = kernels.gemv, kernels.decode_attention
     monkeypatch.setattr(kernels, "gemv", lambda *a, **k: calls.append(a) or gemv(*a, **k))
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append("attention") or attention(*a, **k))
     fused = decode_logits()
     n = ARGS.n_layers
-    assert sum(a[3] is not None for a in calls) == 2 * n + 1  # attention, ffn and final norms
-    assert sum(a[5] is not None for a in calls) == 2 * n  # after attention and after the feed-forward
+    gemvs = [a for a in calls if a != "attention"]
+    assert sum(a[3] is not None for a in gemvs) == 2 * n + 1  # attention, ffn and final norms
+    assert sum(a[5] is not None for a in gemvs) == 2 * n  # after attention and after the feed-forward
+    assert calls.count("attention") == n  # RoPE, cache write and attention in one kernel per layer
     monkeypatch.setattr(kernels, "usable", lambda *a, **k: False)
+    monkeypatch.setattr(model_module, "FUSE_ATTENTION", False)
     plain = decode_logits()
+    assert "attention" not in calls
     rel = ((fused - plain).norm() / plain.norm()).item()
     assert rel < 2e-2, rel  # bf16 rounding at different points (each path is ~0.8% off float32)
 
