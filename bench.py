@@ -318,6 +318,9 @@ def main(argv=None) -> int:
                    help="keep RMSNorm and the residual adds apart from the GEMVs (A/B of the fusion)")
     p.add_argument("--unfused-attention", action="store_true",
                    help="decode attention as PyTorch ops instead of kernels.decode_attention (A/B)")
+    p.add_argument("--unfused-swiglu", action="store_true",
+                   help="SwiGLU as its own kernel after the gate/up GEMV instead of inside it (A/B)")
+    p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
     p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
@@ -337,6 +340,8 @@ def main(argv=None) -> int:
     kernels.OPAQUE = not a.traced_gemv
     model_module.FUSE_NORM_AND_RESIDUAL = not a.unfused
     model_module.FUSE_ATTENTION = not a.unfused_attention
+    model_module.FUSE_SWIGLU = not a.unfused_swiglu
+    kernels.ATTENTION_SPLITS = a.attention_splits
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
@@ -377,7 +382,8 @@ def main(argv=None) -> int:
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
                  date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
                  inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused,
-                 unfused_attention=a.unfused_attention)
+                 unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
+                 attention_splits=a.attention_splits)
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured
             old = json.loads(a.json.read_text()) if a.json.exists() else []

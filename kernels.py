@@ -55,10 +55,11 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, g_ptr, r_ptr, y_ptr, M, N, K, blocks_per_split, eps,
                      INT8: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[split, m, n] = sum over this split's columns k of x[m, k] * W[n, k] (* scale[n]).
         One row per program (BLOCK_M 1) may also apply RMSNorm to x first (NORM: x * g * rsqrt(mean(x^2)
-        + eps), in float32, the mean over all of K, so no split) and add a residual (RESIDUAL)."""
+        + eps), in float32, the mean over all of K, so no split), multiply rows n and N + n of W
+        into silu(a) * b (SWIGLU: W holds 2N rows, gate above up), and add a residual (RESIDUAL)."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -68,23 +69,34 @@ if triton is not None:
         if BLOCK_M == 1:  # one row: elementwise products, one reduction at the end
             x_row = x_ptr + pid_m * K
             acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # SWIGLU only
             squares = tl.zeros((BLOCK_K,), tl.float32)
             for b in range(b_start, b_end):
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
                 k_ok = rk < K
+                w_at = w_ptr + rn[:, None] * K + rk[None, :]
                 if EVEN:
-                    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :])
+                    w = tl.load(w_at)
                     x = tl.load(x_row + rk).to(tl.float32)
                 else:
-                    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+                    w = tl.load(w_at, mask=n_ok[:, None] & k_ok[None, :], other=0)
                     x = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
                 if NORM:  # sum of squares on the way; the rsqrt scales the sums at the end
                     squares += x * x
                     x *= tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)
                 acc += _to_float(w, INT8) * x[None, :]
+                if SWIGLU:  # the up row N + n beside the gate row n
+                    if EVEN:
+                        w = tl.load(w_at + N * K)
+                    else:
+                        w = tl.load(w_at + N * K, mask=n_ok[:, None] & k_ok[None, :], other=0)
+                    acc_up += _to_float(w, INT8) * x[None, :]
             out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+            up = tl.sum(acc_up, axis=1)[None, :]
             if NORM:
-                out *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+                r = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+                out *= r
+                up *= r
         else:  # several rows: tensor-core dot products, rows padded to BLOCK_M
             out = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for b in range(b_start, b_end):
@@ -95,6 +107,10 @@ if triton is not None:
                 out += tl.dot(x.to(tl.float32), tl.trans(_to_float(w, INT8)), input_precision="tf32")
         if INT8:
             out *= tl.load(scale_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
+        if SWIGLU:  # (one row)
+            if INT8:
+                up *= tl.load(scale_ptr + N + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
+            out = out / (1 + tl.exp(-out)) * up
         y_at = rm[:, None] * N + rn[None, :]
         if RESIDUAL:
             out += tl.load(r_ptr + y_at, mask=m_ok[:, None] & n_ok[None, :], other=0).to(tl.float32)
@@ -127,21 +143,26 @@ def config(kind: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None, launch: tuple | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, swiglu: bool = False, launch: tuple | None = None) -> torch.Tensor:
     """x [..., K] times weight [N, K] (bf16, or int8 with `scales` [N]) -> [..., N] in x's dtype.
     For one row of x it can also do, in the same kernel, what decode does around its matmuls:
-    residual + rmsnorm(x, norm_weight, eps) @ W.T. `launch` overrides `config` (for tuning)."""
+    residual + rmsnorm(x, norm_weight, eps) @ W.T, and with `swiglu` silu(a) * b of the two halves
+    a, b of that product (-> [..., N/2]). `launch` overrides `config` (for tuning)."""
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
-    fused = norm_weight is not None or residual is not None
+    fused = norm_weight is not None or residual is not None or swiglu
     if fused and M != 1:
-        raise ValueError(f"gemv: the norm and the residual take one row of x (got {M})")
+        raise ValueError(f"gemv: the norm, SwiGLU and the residual take one row of x (got {M})")
     block_n, block_k, split, warps, stages = launch or config("int8" if scales is not None else "bf16", M, N, K)
     if fused:
         split = 1  # the norm needs all of K in one program; the residual is added once
+    if swiglu:  # each program reads BLOCK_N rows of each half: as many bytes as without
+        if N % 2:
+            raise ValueError(f"gemv: SwiGLU needs an even number of rows (got {N})")
+        N, block_n = N // 2, block_n if launch else max(1, block_n // 2)
     block_m = 1 if M == 1 else 16 if M <= 16 else 64
     y = torch.empty((split, M, N), device=x.device, dtype=x.dtype if split == 1 else torch.float32)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
@@ -151,7 +172,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
                        weight if norm_weight is None else norm_weight,
                        weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K,
                        per_split, eps, INT8=scales is not None, EVEN=even, NORM=norm_weight is not None,
-                       RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                       RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
                        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     y = y[0] if split == 1 else y.sum(0).to(x.dtype)  # split: sum the float32 partials
     return y.view(*x.shape[:-1], N)
@@ -167,21 +188,22 @@ OPAQUE = True
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None,
            norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
     f = gemv_op if OPAQUE else gemv
-    return f(x, weight, scales, norm_weight, eps, residual)
+    return f(x, weight, scales, norm_weight, eps, residual, swiglu)
 
 
 @torch.library.custom_op("graphdecode::gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor],
-            norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor]) -> torch.Tensor:
-    return gemv(x, weight, scales, norm_weight, eps, residual)
+            norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
+            swiglu: bool) -> torch.Tensor:
+    return gemv(x, weight, scales, norm_weight, eps, residual, swiglu)
 
 
 @gemv_op.register_fake
-def _(x, weight, scales, norm_weight, eps, residual):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _(x, weight, scales, norm_weight, eps, residual, swiglu):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 
 # -- decode attention ------------------------------------------------------------------------------
@@ -216,8 +238,8 @@ if triton is not None:
         d_ok = rd < D
         rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)  # rotate-half partner
         sign = tl.where(rd < HALF, -1.0, 1.0)
-        cos = tl.load(cos_ptr + rd, mask=d_ok, other=0).to(tl.float32)
-        sin = tl.load(sin_ptr + rd, mask=d_ok, other=0).to(tl.float32) * sign
+        cos = tl.load(cos_ptr + pos * D + rd, mask=d_ok, other=0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + rd, mask=d_ok, other=0).to(tl.float32) * sign
         rg = tl.arange(0, BLOCK_G)
         g_ok = rg < G
         heads = hkv * G + rg
@@ -251,13 +273,13 @@ if triton is not None:
             kv_at = cache + rl[:, None] * D + rd[None, :]
             kv_ok = l_ok[:, None] & d_ok[None, :]
             k = tl.load(kc_ptr + kv_at, mask=kv_ok, other=0).to(tl.float32)  # [BLOCK_L, BLOCK_D]
+            v = tl.load(vc_ptr + kv_at, mask=kv_ok, other=0).to(tl.float32)  # (both loads in flight at once)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_L]
             scores = tl.where(l_ok[None, :], scores, -float("inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: each block has a valid position
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + kv_at, mask=kv_ok, other=0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new
         if SPLITS == 1:
@@ -297,9 +319,14 @@ def attention(qkv, pos, cos, sin, k_cache, v_cache, n_heads: int, n_kv_heads: in
     return f(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv_heads)
 
 
+ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
+
+
 def attention_splits(batch: int, n_kv_heads: int, length: int) -> int:
     """Slices of the cache: enough programs to fill the GPU (TARGET_PROGRAMS), none shorter than
     64 positions."""
+    if ATTENTION_SPLITS:
+        return ATTENTION_SPLITS
     return max(1, min(triton.cdiv(length, 64), TARGET_PROGRAMS // (batch * n_kv_heads)))
 
 
@@ -308,14 +335,14 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
                      splits: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
-    cos and sin [1, D] the RoPE rows for pos, caches [>= B, Hkv, L, D] (written at pos)
+    cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos)
     -> y [B, 1, H D], the attention output over positions 0..pos, heads side by side."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:
         raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} is not one token of {n_heads}+2x{n_kv_heads} heads of {D}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("decode_attention: the caches must be contiguous")
+    if not all(t.is_contiguous() for t in (k_cache, v_cache, cos, sin)) or cos.shape[-1] != D:
+        raise ValueError("decode_attention: the caches and RoPE tables must be contiguous, D wide")
     splits = splits or attention_splits(B, Hkv, L)
     G = n_heads // n_kv_heads
     block_g = triton.next_power_of_2(G)

@@ -107,10 +107,9 @@ class Transformer(nn.Module):
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches() before forward()")
         x = self.tok_embeddings(idx)
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [S, D]
         mask = self.kv_pos <= input_pos.unsqueeze(-1)  # [S, L]: True where a query may look
         for layer in self.layers:
-            x = layer(x, input_pos, cos, sin, mask)
+            x = layer(x, input_pos, self.rope_cos, self.rope_sin, mask)
         return self.output(x, norm=self.norm)  # = output(norm(x)): see Linear
 
     # -- loading ---------------------------------------------------------------------------
@@ -185,11 +184,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, input_pos, cos, sin, mask):
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask):
         # h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h)). The norm and the
         # residual are handed to the first and the last matmul of each sublayer, so that batch-1
         # decode on CUDA does them inside its GEMVs (Linear).
-        h = self.attention(x, input_pos, cos, sin, mask, norm=self.attention_norm, residual=x)
+        h = self.attention(x, input_pos, rope_cos, rope_sin, mask, norm=self.attention_norm, residual=x)
         return self.feed_forward(h, norm=self.ffn_norm, residual=h)
 
 
@@ -206,13 +205,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, input_pos, cos, sin, mask, norm, residual):
-        """residual + attention over norm(x)."""
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask, norm, residual):
+        """residual + attention over norm(x). rope_cos, rope_sin: the RoPE tables [L, D]."""
         B, S, _ = x.shape
         qkv = self.wqkv(x, norm=norm)
         if S == 1 and FUSE_ATTENTION and kernels.attention_usable(qkv, input_pos) and not hasattr(self, "q_norm"):
             # Decode on CUDA: RoPE, the cache write and the attention below in one Triton kernel
-            y = kernels.attention(qkv, input_pos, cos, sin, self.kv_cache.k_cache, self.kv_cache.v_cache,
+            y = kernels.attention(qkv, input_pos, rope_cos, rope_sin, self.kv_cache.k_cache, self.kv_cache.v_cache,
                                   self.n_heads, self.n_kv_heads)
             return self.wo(y, residual=residual)
         q, k, v = qkv.split(self.split, dim=-1)
@@ -221,6 +220,7 @@ class Attention(nn.Module):
         v = v.view(B, S, self.n_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos[input_pos], rope_sin[input_pos]  # [S, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H or Hkv, S, D]
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, Hkv, L, D]: the whole cache
@@ -261,10 +261,16 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, input_pos, k, v):
-        # input_pos [S], k and v [B, Hkv, S, D]: rows B.. of a larger cache are left alone.
+        # input_pos [S] (or [B, S] per sequence), k and v [B, Hkv, S, D]: rows B.. of a larger
+        # cache are left alone.
         B = k.shape[0]
-        self.k_cache[:B].index_copy_(2, input_pos, k)
-        self.v_cache[:B].index_copy_(2, input_pos, v)
+        if input_pos.dim() == 2:
+            at = input_pos[:, None, :, None].expand_as(k)
+            self.k_cache[:B].scatter_(2, at, k)
+            self.v_cache[:B].scatter_(2, at, v)
+        else:
+            self.k_cache[:B].index_copy_(2, input_pos, k)
+            self.v_cache[:B].index_copy_(2, input_pos, v)
         return self.k_cache, self.v_cache
 
 
@@ -278,8 +284,7 @@ class FeedForward(nn.Module):
         self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x, norm, residual):
-        gate, up = self.w13(x, norm=norm).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up, residual=residual)
+        return self.w2(self.w13(x, norm=norm, swiglu=True), residual=residual)
 
 
 class RMSNorm(nn.Module):
@@ -296,35 +301,48 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that also does the steps around it in decode: forward(x, norm, residual) is
-    residual + linear(norm(x)) (either may be left out). A single row in bf16 on CUDA (batch-1
-    decode) runs all of it as one Triton GEMV of kernels.py, which also reads decode's narrow
-    matrices 10-25% faster than cuBLAS (BENCHMARKS.md); anything else runs PyTorch's ops."""
+    """nn.Linear that also does the steps around it in decode: forward(x, norm, residual, swiglu)
+    is residual + linear(norm(x)) (either may be left out), with swiglu the SwiGLU of the product's
+    two halves in between. A single row in bf16 on CUDA (batch-1 decode) runs all of it as one
+    Triton GEMV of kernels.py, which also reads decode's narrow matrices 10-25% faster than cuBLAS
+    (BENCHMARKS.md); anything else runs PyTorch's ops."""
 
-    def forward(self, x, norm=None, residual=None):
+    def forward(self, x, norm=None, residual=None, swiglu=False):
         if x.dtype == torch.bfloat16 and kernels.usable(x, self.weight, max_rows=1) and (
-                self.bias is None or residual is None):
-            y = decode_gemv(x, self.weight, None, norm, residual)
+                self.bias is None or (residual is None and not swiglu)):
+            y = decode_gemv(x, self.weight, None, norm, residual, swiglu)
             return y if self.bias is None else y + self.bias
-        return unfused(lambda x: F.linear(x, self.weight, self.bias), x, norm, residual)
+        return unfused(lambda x: F.linear(x, self.weight, self.bias), x, norm, residual, swiglu)
 
 
-def unfused(linear, x, norm=None, residual=None):
-    """residual + linear(norm(x)), one PyTorch op at a time."""
+def unfused(linear, x, norm=None, residual=None, swiglu=False):
+    """residual + [swiglu of] linear(norm(x)), one PyTorch op at a time."""
     y = linear(x if norm is None else norm(x))
+    if swiglu:
+        y = silu_and_mul(y)
     return y if residual is None else residual + y
 
 
+def silu_and_mul(y):
+    """SwiGLU's gate: silu(gate) * up, of the gate and up halves of y's last dimension."""
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 FUSE_NORM_AND_RESIDUAL = True  # False (bench.py --unfused) keeps them apart, to measure what fusing buys
+FUSE_SWIGLU = True  # False (bench.py --unfused-swiglu): SwiGLU after the GEMV, not in it
 FUSE_ATTENTION = True  # False (bench.py --unfused-attention): decode attention as PyTorch ops on CUDA too
 
 
-def decode_gemv(x, weight, scales, norm, residual):
-    """kernels.matmul with the norm and the residual add inside the kernel, or around it."""
-    if FUSE_NORM_AND_RESIDUAL:
-        return kernels.matmul(x, weight, scales, norm_weight=None if norm is None else norm.weight,
-                              eps=0.0 if norm is None else norm.eps, residual=residual)
-    return unfused(lambda x: kernels.matmul(x, weight, scales), x, norm, residual)
+def decode_gemv(x, weight, scales, norm, residual, swiglu=False):
+    """kernels.matmul with the norm, SwiGLU and the residual add inside the kernel, or around it."""
+    if not FUSE_NORM_AND_RESIDUAL:
+        return unfused(lambda x: kernels.matmul(x, weight, scales), x, norm, residual, swiglu)
+    normed = dict(norm_weight=None if norm is None else norm.weight, eps=0.0 if norm is None else norm.eps)
+    if swiglu and not FUSE_SWIGLU:
+        y = silu_and_mul(kernels.matmul(x, weight, scales, **normed))
+        return y if residual is None else residual + y
+    return kernels.matmul(x, weight, scales, **normed, residual=residual, swiglu=swiglu)
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -476,11 +494,11 @@ class Int8Linear(nn.Module):
         self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
         self.register_load_state_dict_post_hook(Int8Linear._after_load)
 
-    def forward(self, x, norm=None, residual=None):  # as Linear's
-        if kernels.usable(x, self.weight, max_rows=1) and (self.bias is None or residual is None):
-            y = decode_gemv(x, self.weight, self.scales, norm, residual)
+    def forward(self, x, norm=None, residual=None, swiglu=False):  # as Linear's
+        if kernels.usable(x, self.weight, max_rows=1) and (self.bias is None or (residual is None and not swiglu)):
+            y = decode_gemv(x, self.weight, self.scales, norm, residual, swiglu)
             return y if self.bias is None else y + self.bias
-        return unfused(self.linear, x, norm, residual)
+        return unfused(self.linear, x, norm, residual, swiglu)
 
     def linear(self, x):
         y = int8_linear(x, self.weight, self.scales)
@@ -506,8 +524,8 @@ class Int4Linear(nn.Module):
         self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
         self.register_load_state_dict_post_hook(Int4Linear._after_load)
 
-    def forward(self, x, norm=None, residual=None):  # as Linear's, never fused
-        return unfused(self.linear, x, norm, residual)
+    def forward(self, x, norm=None, residual=None, swiglu=False):  # as Linear's, never fused
+        return unfused(self.linear, x, norm, residual, swiglu)
 
     def linear(self, x):
         y = int4_linear(x, self.weight, self.scales_and_zeros, self.kernel_groupsize)

@@ -67,8 +67,8 @@ def test_compiled_logits_within_bf16_tolerance(model):
 
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
 def test_fused_decode_steps_match_unfused(model, mode, monkeypatch):
-    """Batch-1 decode does each RMSNorm and residual add inside a GEMV and each layer's attention in
-    one kernel (kernels.py); its logits match the same model run one PyTorch op at a time
+    """Batch-1 decode does each RMSNorm, SwiGLU and residual add inside a GEMV and each layer's
+    attention in one kernel (kernels.py); its logits match the same model run one PyTorch op at a time
     (kernels.usable and model.FUSE_ATTENTION off) within bf16 rounding, and every norm, residual
     add and attention of the step went through the kernels."""
     import kernels
@@ -94,6 +94,7 @@ def test_fused_decode_steps_match_unfused(model, mode, monkeypatch):
     gemvs = [a for a in calls if a != "attention"]
     assert sum(a[3] is not None for a in gemvs) == 2 * n + 1  # attention, ffn and final norms
     assert sum(a[5] is not None for a in gemvs) == 2 * n  # after attention and after the feed-forward
+    assert sum(a[6] for a in gemvs) == n  # SwiGLU in the gate/up GEMV
     assert calls.count("attention") == n  # RoPE, cache write and attention in one kernel per layer
     monkeypatch.setattr(kernels, "usable", lambda *a, **k: False)
     monkeypatch.setattr(model_module, "FUSE_ATTENTION", False)

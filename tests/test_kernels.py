@@ -117,6 +117,40 @@ def test_fused_norm_and_residual_match_float64(kind, N, K, launch):
         assert ((y.double().cpu() - reference).abs() <= rounding * reference.abs() + 1e-5 * size).all(), kwargs
 
 
+@pytest.mark.parametrize("launch", [(8, 64, 1, 4, 2), (16, 128, 1, 4, 2), None])
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_fused_swiglu_matches_float64(kind, launch):
+    """One row, swiglu: silu(a) * b of the product's halves a (rows < N/2) and b, alone and with
+    the norm before and the residual after, against float64. Also with halves that leave a partial
+    block (N/2 = 40)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if launch is None and device == "cpu":
+        launch = (16, 64, 1, 4, 2)
+    for N, K in [(128, 256), (80, 320)]:
+        w, scales, reference_w = weights(kind, N, K)
+        w, scales = w.to(device), scales if scales is None else scales.to(device)
+        x = (4 * torch.randn(1, K)).bfloat16()
+        g = (1 + torch.rand(K)).bfloat16()
+        r = torch.randn(1, N // 2).bfloat16()
+        xd = x.double()
+        normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double()
+
+        def swiglu(y):
+            a, b = y.chunk(2, dim=-1)
+            return a * torch.sigmoid(a) * b
+
+        cases = [
+            (dict(), swiglu(xd @ reference_w.T)),
+            (dict(norm_weight=g.to(device), eps=1e-5, residual=r.to(device)), r.double() + swiglu(normed @ reference_w.T)),
+        ]
+        for kwargs, reference in cases:
+            size = reference.abs().max().item()
+            y = kernels.gemv(x.float().to(device), w, scales, swiglu=True, launch=launch,
+                             **{k: v.float() if k == "residual" else v for k, v in kwargs.items()})
+            assert y.shape == (1, N // 2)
+            assert (y.double().cpu() - reference).abs().max().item() <= 1e-4 * size, (N, kwargs)
+
+
 def test_fused_steps_take_one_row():
     with pytest.raises(ValueError, match="one row"):
         kernels.gemv(torch.zeros(2, 16).bfloat16(), torch.zeros(8, 16).bfloat16(),
@@ -165,11 +199,10 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
     v_cache = torch.randn(rows, Hkv, L, D).bfloat16().to(device)
     args = model.ModelArgs(dim=H * D, n_layers=1, n_heads=H, n_kv_heads=Hkv, head_dim=D, vocab_size=8,
                            intermediate_size=8, max_seq_len=L)
-    cos, sin = model.rope_table(args, L, device)
+    cos, sin = (t.bfloat16() for t in model.rope_table(args, L, device))
     p = torch.tensor([pos], device=device)
-    cos, sin = cos[p].bfloat16(), sin[p].bfloat16()
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    expected = reference_attention(qkv, p, cos, sin, k_ref, v_ref, H, Hkv).float()
+    expected = reference_attention(qkv, p, cos[p], sin[p], k_ref, v_ref, H, Hkv).float()
     y = kernels.decode_attention(qkv, p, cos, sin, k_cache, v_cache, H, Hkv, splits)
     assert y.shape == (B, 1, H * D) and y.dtype == torch.bfloat16
     assert (y.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
@@ -184,7 +217,7 @@ def test_decode_attention_rejects_more_than_one_token():
     qkv = torch.zeros(1, 2, 3 * 4 * 16).bfloat16()
     cache = torch.zeros(1, 4, 8, 16).bfloat16()
     with pytest.raises(ValueError, match="not one token"):
-        kernels.decode_attention(qkv, torch.tensor([0]), torch.zeros(1, 16), torch.zeros(1, 16), cache, cache, 4, 4)
+        kernels.decode_attention(qkv, torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache, cache, 4, 4)
 
 
 def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
@@ -196,7 +229,7 @@ def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     H, D, L = 4, 32, 16
     qkv = torch.randn(1, 1, 3 * H * D).bfloat16().to(device)
     k_cache, v_cache = (torch.zeros(1, H, L, D).bfloat16().to(device) for _ in range(2))
-    cos, sin = torch.ones(1, D).bfloat16().to(device), torch.zeros(1, D).bfloat16().to(device)
+    cos, sin = torch.ones(L, D).bfloat16().to(device), torch.zeros(L, D).bfloat16().to(device)
     pos = torch.tensor([0], device=device)
     f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, H, H) * 1,
                       fullgraph=True)
