@@ -210,102 +210,116 @@ def _(x, weight, scales, norm_weight, eps, residual, swiglu):
 #
 # One new token per sequence attends to its cache. Done with PyTorch ops this is ~7 small kernels a
 # layer (RoPE of q and k, the two cache writes, the scores, the softmax, the weighted sum of V), each
-# 1-4 µs of mostly launch latency on the H200 (BENCHMARKS.md). Here it is one kernel (two when the
-# cache is split): each program takes one KV head of one sequence, with its group of query heads,
-# and a slice of the cache ("flash decoding"):
-#   - RoPE on q and the new k (rotate-half, float32, rounded to the cache dtype like the PyTorch path);
-#   - the program of slice 0 writes the new k and v into the cache at `pos` and counts them itself,
-#     so no program reads a cache row written in this launch;
-#   - the positions < pos of its slice, BLOCK_L at a time, with an online softmax (base 2);
-#   - one slice: the normalised output; several: the slice's max, sum and unnormalised output, which
-#     _combine_kernel merges. The slices cover the whole cache (a fixed launch, so it can replay in
-#     a graph); a slice that starts beyond `pos` does nothing.
+# 1-4 µs of mostly launch latency on the H200 (BENCHMARKS.md). Here it is one kernel: each program
+# takes one KV head of one sequence, with its group of query heads, and a slice of the cache
+# ("flash decoding"). The slices cover the whole cache (a fixed launch, so it replays in a graph); a
+# slice that starts beyond `pos` reads nothing. Each program:
+#   - loads its first block of cached K and V at once, then RoPE's q and the new k (rotate-half, in
+#     float32, rounded to the cache dtype like the PyTorch path);
+#   - attends to the positions < pos of its slice, BLOCK_L at a time, with an online softmax (base 2),
+#     and in slice 0 to the new token from registers; then slice 0 writes the new k and v into the
+#     cache at pos (after the reads: no program reads a row written in this launch);
+#   - one slice: writes the normalised output. Several: writes its max, sum and unnormalised output;
+#     the last slice of a sequence and KV head to finish (an atomic count) merges them.
 
 LOG2E = 1.4426950408889634
 
 if triton is not None:
 
     @triton.jit
+    def _attend(q, k, v, ok, m, l, acc):
+        """Online softmax over one block of positions: scores of q [G, D] against k [L, D] (base 2),
+        where ok; (m, l, acc) the running max, sum of weights and weighted sum of v."""
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, L]
+        scores = tl.where(ok[None, :], scores, -float("inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing seen yet: weights stay 0
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+    @triton.jit
     def _attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
-                          qkv_stride, cache_stride_b, cache_stride_h, chunk, qk_scale,
+                          count_ptr, qkv_stride, cache_stride_b, cache_stride_h, chunk, qk_scale,
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                          BLOCK_S: tl.constexpr):
         b, hkv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         G: tl.constexpr = H // HKV
         HALF: tl.constexpr = D // 2
-        pos = tl.load(pos_ptr).to(tl.int32)
         rd = tl.arange(0, BLOCK_D)
         d_ok = rd < D
-        rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)  # rotate-half partner
-        sign = tl.where(rd < HALF, -1.0, 1.0)
+        cache = b * cache_stride_b + hkv * cache_stride_h
+        pos = tl.load(pos_ptr).to(tl.int32)
+        start = s * chunk
+        end = tl.minimum(start + chunk, pos)  # cached positions < pos of this slice
+        # The slice's first block of K and V, loaded before anything waits on the RoPE tables
+        rl = start + tl.arange(0, BLOCK_L)
+        l_ok = rl < end
+        kv_at = cache + rl[:, None] * D + rd[None, :]
+        k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
+        v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
+        # RoPE (rotate-half) of the query heads and the new key, rounded to the cache dtype
+        rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)
         cos = tl.load(cos_ptr + pos * D + rd, mask=d_ok, other=0).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * D + rd, mask=d_ok, other=0).to(tl.float32) * sign
+        sin = tl.load(sin_ptr + pos * D + rd, mask=d_ok, other=0).to(tl.float32) * tl.where(rd < HALF, -1.0, 1.0)
         rg = tl.arange(0, BLOCK_G)
         g_ok = rg < G
         heads = hkv * G + rg
         qd_ok = g_ok[:, None] & d_ok[None, :]
         row = qkv_ptr + b * qkv_stride
         q_at = row + heads[:, None] * D
-        q = tl.load(q_at + rd[None, :], mask=qd_ok, other=0).to(tl.float32)
-        q_rot = tl.load(q_at + rd_rot[None, :], mask=qd_ok, other=0).to(tl.float32)
-        q = (q * cos[None, :] + q_rot * sin[None, :]).to(kc_ptr.dtype.element_ty).to(tl.float32)
-        q = q * qk_scale  # 1/sqrt(D) and log2(e): scores in base 2
+        q = tl.load(q_at + rd[None, :], mask=qd_ok, other=0).to(tl.float32) * cos[None, :] \
+            + tl.load(q_at + rd_rot[None, :], mask=qd_ok, other=0).to(tl.float32) * sin[None, :]
+        q = q.to(kc_ptr.dtype.element_ty).to(tl.float32) * qk_scale  # 1/sqrt(D), log2(e): base 2
         k_at = row + H * D + hkv * D
-        v_at = row + (H + HKV) * D + hkv * D
         k_new = tl.load(k_at + rd, mask=d_ok, other=0).to(tl.float32) * cos \
             + tl.load(k_at + rd_rot, mask=d_ok, other=0).to(tl.float32) * sin
         k_new = k_new.to(kc_ptr.dtype.element_ty)
-        v_new = tl.load(v_at + rd, mask=d_ok, other=0)
-        cache = b * cache_stride_b + hkv * cache_stride_h
-        first = s == 0
-        write = d_ok & (rd * 0 + s == 0)
-        tl.store(kc_ptr + cache + pos * D + rd, k_new, mask=write)
-        tl.store(vc_ptr + cache + pos * D + rd, v_new, mask=write)
-        # Slice 0 starts from the new token (score, weight 1, value); the others from nothing.
-        m = tl.where(first, tl.sum(q * k_new.to(tl.float32)[None, :], axis=1), -float("inf"))
-        l = tl.where(first, 1.0, 0.0) + tl.zeros((BLOCK_G,), tl.float32)
-        acc = tl.where(first, v_new.to(tl.float32)[None, :], 0.0) + tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-        start = s * chunk
-        end = tl.minimum(start + chunk, pos)  # cached positions < pos of this slice
-        for off in range(start, end, BLOCK_L):
+        v_new = tl.load(row + (H + HKV) * D + hkv * D + rd, mask=d_ok, other=0)
+        # Attention over the slice's cached positions, then (slice 0) the new token's own
+        m = tl.zeros((BLOCK_G,), tl.float32) - float("inf")
+        l = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+        m, l, acc = _attend(q, k0, v0, l_ok, m, l, acc)
+        for off in range(start + BLOCK_L, end, BLOCK_L):
             rl = off + tl.arange(0, BLOCK_L)
             l_ok = rl < end
             kv_at = cache + rl[:, None] * D + rd[None, :]
-            kv_ok = l_ok[:, None] & d_ok[None, :]
-            k = tl.load(kc_ptr + kv_at, mask=kv_ok, other=0).to(tl.float32)  # [BLOCK_L, BLOCK_D]
-            v = tl.load(vc_ptr + kv_at, mask=kv_ok, other=0).to(tl.float32)  # (both loads in flight at once)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_L]
-            scores = tl.where(l_ok[None, :], scores, -float("inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: each block has a valid position
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
+            k = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
+            v = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
+            m, l, acc = _attend(q, k, v, l_ok, m, l, acc)
+        first = (tl.arange(0, 1) + s) == 0  # [1]: the new token counts in slice 0 only
+        m, l, acc = _attend(q, k_new.to(tl.float32)[None, :], v_new.to(tl.float32)[None, :],
+                            first, m, l, acc)
+        # Written after the reads above: no program reads position pos from the cache.
+        write = d_ok & (rd * 0 + s == 0)
+        tl.store(kc_ptr + cache + pos * D + rd, k_new, mask=write)
+        tl.store(vc_ptr + cache + pos * D + rd, v_new, mask=write)
+        y_at = y_ptr + (b * H + heads[:, None]) * D + rd[None, :]
         if SPLITS == 1:
-            y = acc / l[:, None]
-            tl.store(y_ptr + (b * H + heads[:, None]) * D + rd[None, :], y.to(y_ptr.dtype.element_ty), mask=qd_ok)
+            tl.store(y_at, (acc / l[:, None]).to(y_ptr.dtype.element_ty), mask=qd_ok)
         else:
+            # Each slice leaves its (max, sum, weighted sum); the last slice of this sequence and
+            # KV head to finish (an atomic count) merges them and resets the count for the next call.
             part = (b * H + heads) * SPLITS + s
             tl.store(m_ptr + part, m, mask=g_ok)
             tl.store(l_ptr + part, l, mask=g_ok)
             tl.store(acc_ptr + part[:, None] * D + rd[None, :], acc, mask=qd_ok)
-
-    @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, y_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        """y[b, h] from the slices' partial softmax sums (one program per sequence and head)."""
-        bh = tl.program_id(0)
-        rs = tl.arange(0, BLOCK_S)
-        rd = tl.arange(0, BLOCK_D)
-        s_ok, d_ok = rs < SPLITS, rd < D
-        m = tl.load(m_ptr + bh * SPLITS + rs, mask=s_ok, other=-float("inf"))
-        l = tl.load(l_ptr + bh * SPLITS + rs, mask=s_ok, other=0)
-        w = tl.exp2(m - tl.max(m, axis=0))  # slice 0 always holds the new token: the max is finite
-        acc = tl.load(acc_ptr + (bh * SPLITS + rs)[:, None] * D + rd[None, :],
-                      mask=s_ok[:, None] & d_ok[None, :], other=0)
-        y = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
-        tl.store(y_ptr + bh * D + rd, y.to(y_ptr.dtype.element_ty), mask=d_ok)
+            tl.debug_barrier()  # every thread's stores are issued before the count (a release)
+            done = tl.atomic_add(count_ptr + b * HKV + hkv, 1)
+            if done == SPLITS - 1:
+                rs = tl.arange(0, BLOCK_S)
+                parts = (b * H + heads)[:, None] * SPLITS + rs[None, :]  # [G, S]
+                gs_ok = g_ok[:, None] & (rs < SPLITS)[None, :]
+                ms = tl.load(m_ptr + parts, mask=gs_ok, other=-float("inf"), cache_modifier=".cg")
+                ls = tl.load(l_ptr + parts, mask=gs_ok, other=0, cache_modifier=".cg")
+                accs = tl.load(acc_ptr + parts[:, :, None] * D + rd[None, None, :],
+                               mask=gs_ok[:, :, None] & d_ok[None, None, :], other=0, cache_modifier=".cg")
+                w = tl.exp2(ms - tl.max(ms, axis=1)[:, None])  # slice 0 has the new token: finite max
+                y = tl.sum(w[:, :, None] * accs, axis=1) / tl.sum(w * ls, axis=1)[:, None]
+                tl.store(y_at, y.to(y_ptr.dtype.element_ty), mask=qd_ok)
+                tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
 
 
 def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
@@ -313,10 +327,10 @@ def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
     return triton is not None and qkv.is_cuda and pos.numel() == 1
 
 
-def attention(qkv, pos, cos, sin, k_cache, v_cache, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int) -> torch.Tensor:
     """decode_attention, through the custom op (OPAQUE) or directly."""
     f = decode_attention_op if OPAQUE else decode_attention
-    return f(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv_heads)
+    return f(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads)
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
@@ -331,11 +345,12 @@ def attention_splits(batch: int, n_kv_heads: int, length: int) -> int:
 
 
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int,
-                     splits: int | None = None) -> torch.Tensor:
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
+                     n_kv_heads: int, splits: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
-    cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos)
+    cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
+    [>= B Hkv] of zeros (the slices' finishing count; left at zero)
     -> y [B, 1, H D], the attention output over positions 0..pos, heads side by side."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
@@ -343,6 +358,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} is not one token of {n_heads}+2x{n_kv_heads} heads of {D}")
     if not all(t.is_contiguous() for t in (k_cache, v_cache, cos, sin)) or cos.shape[-1] != D:
         raise ValueError("decode_attention: the caches and RoPE tables must be contiguous, D wide")
+    if counts.dtype != torch.int32 or counts.numel() < B * Hkv:
+        raise ValueError(f"decode_attention: counts must be int32 with at least {B * Hkv} entries")
     splits = splits or attention_splits(B, Hkv, L)
     G = n_heads // n_kv_heads
     block_g = triton.next_power_of_2(G)
@@ -357,21 +374,19 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         l = torch.empty_like(m)
         acc = torch.empty((B, n_heads, splits, D), device=qkv.device, dtype=torch.float32)
     _attention_kernel[(B, Hkv, splits)](
-        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, qkv.stride(0), k_cache.stride(0),
+        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, qkv.stride(0), k_cache.stride(0),
         k_cache.stride(1), chunk, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, num_warps=4)
-    if splits > 1:
-        _combine_kernel[(B * n_heads,)](m, l, acc, y, D=D, SPLITS=splits,
-                                        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=1)
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return y
 
 
-@torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts"))
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv_heads)
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
+                        n_kv_heads: int) -> torch.Tensor:
+    return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads)
 
 
 @decode_attention_op.register_fake
-def _(qkv, pos, cos, sin, k_cache, v_cache, n_heads, n_kv_heads):
+def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads):
     return qkv.new_empty((qkv.shape[0], 1, n_heads * k_cache.shape[-1]))

@@ -211,7 +211,8 @@ class Attention(nn.Module):
         qkv = self.wqkv(x, norm=norm)
         if S == 1 and FUSE_ATTENTION and kernels.attention_usable(qkv, input_pos) and not hasattr(self, "q_norm"):
             # Decode on CUDA: RoPE, the cache write and the attention below in one Triton kernel
-            y = kernels.attention(qkv, input_pos, rope_cos, rope_sin, self.kv_cache.k_cache, self.kv_cache.v_cache,
+            cache = self.kv_cache
+            y = kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
                                   self.n_heads, self.n_kv_heads)
             return self.wo(y, residual=residual)
         q, k, v = qkv.split(self.split, dim=-1)
@@ -259,6 +260,9 @@ class KVCache(nn.Module):
         shape = (max_batch_size, n_kv_heads, max_seq_length, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # kernels.decode_attention's count of finished cache slices per sequence and KV head
+        self.register_buffer("counts", torch.zeros(max_batch_size * n_kv_heads, dtype=torch.int32, device=device),
+                             persistent=False)
 
     def update(self, input_pos, k, v):
         # input_pos [S] (or [B, S] per sequence), k and v [B, Hkv, S, D]: rows B.. of a larger

@@ -203,7 +203,9 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
     p = torch.tensor([pos], device=device)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     expected = reference_attention(qkv, p, cos[p], sin[p], k_ref, v_ref, H, Hkv).float()
-    y = kernels.decode_attention(qkv, p, cos, sin, k_cache, v_cache, H, Hkv, splits)
+    counts = torch.zeros(rows * Hkv, dtype=torch.int32, device=device)
+    y = kernels.decode_attention(qkv, p, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
+    assert not counts.any()  # left at zero for the next call
     assert y.shape == (B, 1, H * D) and y.dtype == torch.bfloat16
     assert (y.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
     rounding = 2**-8 if device == "cuda" else 2**-7  # the interpreter truncates to bf16
@@ -217,7 +219,8 @@ def test_decode_attention_rejects_more_than_one_token():
     qkv = torch.zeros(1, 2, 3 * 4 * 16).bfloat16()
     cache = torch.zeros(1, 4, 8, 16).bfloat16()
     with pytest.raises(ValueError, match="not one token"):
-        kernels.decode_attention(qkv, torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache, cache, 4, 4)
+        kernels.decode_attention(qkv, torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache, cache,
+                                 torch.zeros(4, dtype=torch.int32), 4, 4)
 
 
 def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
@@ -231,7 +234,8 @@ def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     k_cache, v_cache = (torch.zeros(1, H, L, D).bfloat16().to(device) for _ in range(2))
     cos, sin = torch.ones(L, D).bfloat16().to(device), torch.zeros(L, D).bfloat16().to(device)
     pos = torch.tensor([0], device=device)
-    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, H, H) * 1,
+    counts = torch.zeros(H, dtype=torch.int32, device=device)
+    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H) * 1,
                       fullgraph=True)
     y, code = run_and_get_code(f, qkv)
     assert k_cache[0, :, 0].equal(qkv[0, 0, H * D:2 * H * D].view(H, D))  # RoPE by angle 0
