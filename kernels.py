@@ -125,14 +125,18 @@ TARGET_PROGRAMS = 4 * 132
 
 
 # A launch: (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages).
-def config(kind: str, M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
-    """The launch for an [M, K] x [N, K] product of `kind` ("bf16" or "int8"), from a
-    tuning run on the H200 (benchmarks/gemv.py --tune; BENCHMARKS.md). One row: many narrow
-    programs, no split. Several rows: split K until there are about TARGET_PROGRAMS programs."""
+def config(kind: str, M: int, N: int, K: int, swiglu: bool = False) -> tuple[int, int, int, int, int]:
+    """The launch for an [M, K] x [N, K] product of `kind` ("bf16" or "int8"), from tuning runs on
+    the H200 (benchmarks/gemv.py --tune [--fused]; BENCHMARKS.md). One row: many narrow programs, no
+    split, tuned with what decode fuses in (the residual into the narrow wo and w2, RMSNorm into
+    wqkv and the head, SwiGLU into w13, where BLOCK_N counts rows of each half). Several rows:
+    split K until there are about TARGET_PROGRAMS programs."""
     if M == 1:
         if kind == "bf16":
-            return (4, 1024, 1, 4, 2) if N <= 8192 else (16, 512, 1, 4, 2)
-        return (4, 1024, 1, 4, 4) if N <= 16384 else (8, 512, 1, 4, 2)  # int8
+            return ((2, 1024, 1, 4, 2) if swiglu else (4, 1024, 1, 4, 2) if N <= 8192
+                    else (32, 256, 1, 8, 4) if N <= 16384 else (8, 1024, 1, 4, 4))
+        return ((8, 512, 1, 4, 4) if swiglu else (4, 1024, 1, 4, 4) if N <= 8192  # int8
+                else (32, 256, 1, 8, 4) if N <= 16384 else (32, 128, 1, 4, 4))
     block_n, block_k = 32, 128
     programs, blocks = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
     split = 1
@@ -156,13 +160,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     fused = norm_weight is not None or residual is not None or swiglu
     if fused and M != 1:
         raise ValueError(f"gemv: the norm, SwiGLU and the residual take one row of x (got {M})")
-    block_n, block_k, split, warps, stages = launch or config("int8" if scales is not None else "bf16", M, N, K)
+    if swiglu and N % 2:
+        raise ValueError(f"gemv: SwiGLU needs an even number of rows (got {N})")
+    block_n, block_k, split, warps, stages = launch or config("int8" if scales is not None else "bf16",
+                                                              M, N, K, swiglu)
     if fused:
         split = 1  # the norm needs all of K in one program; the residual is added once
-    if swiglu:  # each program reads BLOCK_N rows of each half: as many bytes as without
-        if N % 2:
-            raise ValueError(f"gemv: SwiGLU needs an even number of rows (got {N})")
-        N, block_n = N // 2, block_n if launch else max(1, block_n // 2)
+    if swiglu:
+        N //= 2  # outputs; each program reads BLOCK_N rows of each half
     block_m = 1 if M == 1 else 16 if M <= 16 else 64
     y = torch.empty((split, M, N), device=x.device, dtype=x.dtype if split == 1 else torch.float32)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))

@@ -76,6 +76,9 @@ def main():
     p.add_argument("--kinds", default="bf16,int8")
     p.add_argument("--rows", default="1,8")
     p.add_argument("--tune", action="store_true")
+    p.add_argument("--fused", action="store_true",
+                   help="one row with what decode fuses into each GEMV: RMSNorm before wqkv, w13 and the head, "
+                        "SwiGLU in w13, the residual add after wo and w2 (no split of K then)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -86,10 +89,26 @@ def main():
                                                       [int(r) for r in a.rows.split(",")]):
         ours, theirs, ref, nbytes = make_weights(kind, N, K, dev)
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        expect = x.float() @ ref.T
+        expect = plain = x.float() @ ref.T
+        fused = {}
+        if a.fused and M == 1:
+            if name in ("wo", "w2"):
+                fused = dict(residual=torch.randn(1, N, device=dev, dtype=torch.bfloat16))
+                expect = expect + fused["residual"].float()
+            else:
+                g = torch.ones(K, device=dev, dtype=torch.bfloat16)
+                fused = dict(norm_weight=g, eps=1e-5)
+                expect = x.float() @ ref.T * torch.rsqrt(x.float().pow(2).mean() + 1e-5)
+                if name == "w13":
+                    fused["swiglu"] = True
+                    gate, up = expect.chunk(2, dim=-1)
+                    expect = torch.nn.functional.silu(gate) * up
+        if fused:  # gemv's arguments after the weight and scales
+            ours = (*ours, fused.get("norm_weight"), fused.get("eps", 0.0), fused.get("residual"),
+                    fused.get("swiglu", False))
         scale = expect.abs().max().item()
         err = (kernels.gemv(x, *ours).float() - expect).abs().max().item() / scale
-        err_base = (baseline(x, theirs).float() - expect).abs().max().item() / scale
+        err_base = (baseline(x, theirs).float() - plain).abs().max().item() / plain.abs().max().item()
         copies = max(2, -(-L2_MULTIPLE_BYTES // nbytes))
         ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
         theirs_c = [theirs] + [tuple(t.clone() if torch.is_tensor(t) else t for t in theirs) for _ in range(copies - 1)]
@@ -100,8 +119,8 @@ def main():
         if a.tune:
             if M == 1:
                 grid = [(bn, bk, s, w, st) for bn, bk in ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512),
-                                                         (32, 128), (32, 256), (4, 2048))
-                        for s in (1, 2, 4, 8) for w in (4, 8) for st in (2, 4)]
+                                                         (32, 128), (32, 256), (4, 2048), (2, 2048), (2, 1024))
+                        for s in ((1,) if fused else (1, 2, 4, 8)) for w in (4, 8) for st in (2, 4)]
             else:
                 grid = [(bn, bk, s, w, st) for bn, bk in ((16, 64), (16, 128), (16, 256), (32, 64), (32, 128),
                                                          (64, 64), (64, 128))
@@ -117,7 +136,7 @@ def main():
                 if t < best[0]:
                     best = (t, launch)
             best = (time_calls([lambda w=w: kernels.gemv(x, *w, launch=best[1]) for w in ours_c]), best[1])
-        rec = {"kind": kind, "layer": name, "N": N, "K": K, "rows": M, "bytes": nbytes,
+        rec = {"kind": kind, "layer": name, "fused": bool(fused), "N": N, "K": K, "rows": M, "bytes": nbytes,
                "base_us": t_base * 1e6, "base_gb_s": nbytes / t_base / 1e9, "ours_us": t_ours * 1e6,
                "ours_gb_s": nbytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
                "best_gb_s": nbytes / best[0] / 1e9, "best": best[1], "err": err, "err_base": err_base,
