@@ -1,5 +1,6 @@
-"""Triton GEMV kernels for decode on CUDA: y = x @ W.T for a few rows of x, with W in bf16 or int8
-(one scale per output row).
+"""Triton kernels for decode on CUDA: GEMVs, y = x @ W.T for a few rows of x, with W in bf16 or int8
+(one scale per output row), and decode attention (RoPE, cache write and attention of one new token
+per sequence in one kernel: the second half of this file).
 
 Decode multiplies one token's activations by every weight matrix, so each matmul is a matrix-vector
 product limited by how fast the weights stream from memory. cuBLAS reaches the copy bandwidth on
@@ -18,8 +19,11 @@ weights, and Triton's CPU interpreter, which the CPU tests use, computes bf16 do
 A split-K launch writes float32 partial sums [SPLIT, M, N]; their sum (one small reduction that
 Inductor fuses into whatever follows) is the result.
 
+For one row the GEMV can also apply the RMSNorm before it, SwiGLU on its two halves, and the
+residual add after it (decode's steps around its matmuls), so that they cost no kernel of their own.
+
 This file needs Triton, which CUDA builds of PyTorch ship and CPU builds do not; model.py calls
-it only for CUDA tensors (`usable`).
+it only for CUDA tensors (`usable`, `attention_usable`).
 """
 import math
 from typing import Optional
