@@ -233,3 +233,51 @@ def test_generate_cli_check_graphs(tmp_path, capsys):
                 "--check-graphs", *extra]
         assert generate.main(argv) == 0, capsys.readouterr().err
         assert "check-graphs: one graph replay per call" in capsys.readouterr().err
+
+
+def test_decode_attention_many_slices_repeated():
+    """kernels.decode_attention with many cache slices (merged by the last slice to finish, an
+    atomic count), batch 8 and grouped heads on a long cache, launched again and again, eagerly
+    and as replays of one captured graph: every output matches the PyTorch path and the counts are
+    back at zero. (The CPU interpreter runs programs one after another, so only a GPU tests the
+    merge's ordering.)"""
+    import kernels
+    from test_kernels import reference_attention
+
+    B, H, Hkv, D, L, splits = 8, 32, 8, 128, 4096, 16
+    torch.manual_seed(0)
+    k_cache = torch.randn(B, Hkv, L, D, device="cuda").bfloat16()
+    v_cache = torch.randn(B, Hkv, L, D, device="cuda").bfloat16()
+    cos = torch.randn(L, D, device="cuda").bfloat16()
+    sin = torch.randn(L, D, device="cuda").bfloat16()
+    counts = torch.zeros(B * Hkv, dtype=torch.int32, device="cuda")
+    qkv = torch.randn(B, 1, (H + 2 * Hkv) * D, device="cuda").bfloat16()
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def expected(p):
+        k, v = k_cache.clone(), v_cache.clone()
+        return reference_attention(qkv, torch.tensor([p], device="cuda"), cos[p:p + 1], sin[p:p + 1], k, v, H, Hkv).float()
+
+    def check(y, p):
+        ref = expected(p)
+        assert (y.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item(), p
+        assert not counts.any()
+
+    for p in (0, 255, 256, 1000, 4095):
+        pos.fill_(p)
+        for _ in range(20):
+            check(kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, splits), p)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        y = kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
+    for p in (17, 3000, 4000):
+        pos.fill_(p)
+        for _ in range(20):
+            graph.replay()
+            torch.cuda.synchronize()
+            check(y, p)

@@ -182,15 +182,20 @@ def test_recompile_after_warm_up_is_an_error_naming_the_guard(tiny):
 
 def test_batched_positions_shape_supported_by_mask_and_rope(tiny):
     """Per-sequence positions [B, S] flow through RoPE, the mask, the cache update (a scatter) and
-    decode attention: the same logits as one position shared by the batch."""
+    decode attention: two rows at different positions give the logits each gets on its own."""
+    idx = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     tiny.setup_caches(2, 64)
     with torch.no_grad():
-        idx = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-        tiny(idx, torch.arange(4))
-        one = tiny(idx[:, -1:], torch.tensor([3]))
-        tiny.layers[0].attention.kv_cache.k_cache[:, :, 3] = 0  # rewritten below
-        per_seq = tiny(idx[:, -1:], torch.tensor([[3], [3]]))
-    assert torch.allclose(one, per_seq, atol=1e-5)
+        # on its own: row 0 decodes its 4th token at position 3, row 1 its 3rd at position 2
+        tiny(idx[0:1, :3], torch.arange(3))
+        alone0 = tiny(idx[0:1, 3:4], torch.tensor([3]))[0]
+        tiny(idx[1:2, :2], torch.arange(2))
+        alone1 = tiny(idx[1:2, 2:3], torch.tensor([2]))[0]
+        # batched: both rows prefilled with 3 tokens (row 1's 3rd is rewritten, with the same token)
+        tiny(idx[:, :3], torch.arange(3))
+        both = tiny(torch.tensor([[4], [7]]), torch.tensor([[3], [2]]))
+    assert torch.allclose(both[0], alone0, atol=1e-5) and torch.allclose(both[1], alone1, atol=1e-5)
+    assert not torch.allclose(both[0], both[1], atol=1e-2)
 
 
 def test_cli_profile_writes_a_trace(default_ckpt, tmp_path):

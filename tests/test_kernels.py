@@ -237,7 +237,14 @@ def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     counts = torch.zeros(H, dtype=torch.int32, device=device)
     f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H) * 1,
                       fullgraph=True)
-    y, code = run_and_get_code(f, qkv)
+    seen = []
+    attention = kernels.decode_attention
+    kernels.decode_attention = lambda *a, **k: seen.append((a[4].data_ptr(), a[5].data_ptr())) or attention(*a, **k)
+    try:
+        y, code = run_and_get_code(f, qkv)
+    finally:
+        kernels.decode_attention = attention
+    assert seen == [(k_cache.data_ptr(), v_cache.data_ptr())]  # the kernel got the buffers themselves
     assert k_cache[0, :, 0].equal(qkv[0, 0, H * D:2 * H * D].view(H, D))  # RoPE by angle 0
     assert v_cache[0, :, 0].equal(qkv[0, 0, 2 * H * D:].view(H, D))
     assert y.view(H, D).equal(qkv[0, 0, 2 * H * D:].view(H, D))  # one position: its v
@@ -258,7 +265,8 @@ def test_model_decode_with_the_attention_kernel_equals_pytorch(mode, monkeypatch
                                   intermediate_size=256, max_seq_len=256)
     torch.manual_seed(0)
     m = random_model(args, device, torch.float32)
-    m.setup_caches(1, 64)
+    m.setup_caches(1, 200)  # 4 cache slices, merged by the kernel
+    assert kernels.attention_splits(1, args.n_kv_heads, m.max_seq_length) == 4
     calls = []
     attention = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
