@@ -315,7 +315,7 @@ def main(argv=None) -> int:
                    help="let torch.compile trace into kernels.py's Triton GEMV instead of calling it through "
                         "its opaque custom op (compile-time A/B)")
     p.add_argument("--unfused", action="store_true",
-                   help="keep RMSNorm and the residual adds apart from the GEMVs (A/B of the fusion)")
+                   help="keep RMSNorm, SwiGLU and the residual adds apart from the GEMVs (A/B of the fusion)")
     p.add_argument("--unfused-attention", action="store_true",
                    help="decode attention as PyTorch ops instead of kernels.decode_attention (A/B)")
     p.add_argument("--unfused-swiglu", action="store_true",

@@ -1,8 +1,9 @@
 """A Llama-family transformer with a static KV cache, written to be compiled and CUDA-graphed.
 
 Read top to bottom: ModelArgs (the config), Transformer (embedding, layers, head, caches,
-checkpoint loading), TransformerBlock, Attention, KVCache, FeedForward, RMSNorm, Linear (a matmul
-that also applies the norm before it and the residual add after it), RoPE helpers.
+checkpoint loading), TransformerBlock, Attention (one-token decode on CUDA: one kernel of
+kernels.py), KVCache, FeedForward, RMSNorm, Linear (a matmul that also applies the norm before it,
+SwiGLU, and the residual add after it), RoPE helpers, then the quantized layers.
 
 Shapes: B batch, S new tokens this call, L cache length (max_seq_length), H query heads,
 Hkv key/value heads, D head_dim. Q and K weight rows use the Hugging Face "rotate-half" layout,
@@ -236,10 +237,11 @@ class Attention(nn.Module):
 def decode_attention(q, k, v, mask):
     """Attention of one new token per sequence, q [B, H, 1, D], over the cache k, v [B, Hkv, L, D].
 
-    Written as broadcast products and sums rather than SDPA: a fused attention kernel has only
-    B*H rows of work for a single query and leaves most of the GPU idle, while Inductor turns
-    these two reductions into kernels spread over the whole cache length (split reductions),
-    and groups of query heads share their K/V head without copying it."""
+    The PyTorch twin of kernels.decode_attention, for where that kernel does not run (the CPU,
+    per-sequence positions, bench.py --unfused-attention). Written as broadcast products and sums
+    rather than SDPA: a fused attention kernel has only B*H rows of work for a single query, while
+    Inductor turns these two reductions into kernels spread over the whole cache length, and
+    groups of query heads share their K/V head without copying it."""
     B, H, _, D = q.shape
     Hkv = k.shape[1]
     q = q.view(B, Hkv, H // Hkv, 1, D)  # query heads grouped under their KV head
