@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The H200 runs behind BENCHMARKS.md's current tables (runs 9, 10 and 11, 2026-11-29), as the device
-# session ran them (five calls: a, b, c1, c2, d). Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d]...
+# The H200 runs behind BENCHMARKS.md's tables (runs 9-11 of session 3: calls a, b, c1, c2, d; runs 12-15
+# of session 4: calls e, f, g, h, i; 2026-11-29), as the device sessions ran them, each part on the code
+# of its own commit. Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i]...
 # Cold first calls use fresh Inductor/Triton cache directories; a second run on the same directory is warm.
 set -u
 export PYTHONUNBUFFERED=1
@@ -10,6 +11,15 @@ bench7b() {  # cache-dir flags...
   local d=$1; shift
   TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton \
     t 170 python3 bench.py --model llama-2-7b --modes graphs --batch-sizes 1 "$@" --json "$OUT/$d.json"
+}
+gpu_tests() { t "$1" python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -30; }
+variants() {  # name:"flags" ... -> one cold 7B batch-1 bench per entry
+  for v in "$@"; do
+    d=${v%%:*}; f=${v#*:}
+    echo "== $d [$f]"
+    # shellcheck disable=SC2086
+    bench7b "$d" $f | grep -E "graphs  |_kernel|triton_" | head -14
+  done
 }
 for part in "${@:-a b c1 c2 d}"; do case $part in
   a)  # run 9 (before the fused GEMVs): first call with the traced kernel and through the custom op
@@ -29,4 +39,23 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   d)  # run 11 (current code: norm and residual fused, custom op): GPU tests, then 7B fused, unfused, int8
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py
       bench7b d1; bench7b d2 --unfused; bench7b d3 --quantize int8 ;;
+  e)  # run 12 (commit 30933a0, the attention kernel with a separate merge kernel): GPU tests, 7B with and
+      # without the attention kernel, int8, 8B, batch 8
+      gpu_tests 230
+      variants e1:"--kernels" e2:"--unfused-attention" e3:"--quantize int8" e4:"--model llama-3.1-8b" e5:"--batch-sizes 8" ;;
+  f)  # run 13 (SwiGLU in the w13 GEMV, RoPE tables read by the kernel): A/Bs of SwiGLU and of the slices
+      gpu_tests 200
+      variants f1:"--kernels" f2:"--unfused-swiglu" f3:"--attention-splits 1" f4:"--attention-splits 2" \
+               f5:"--attention-splits 8" f6:"--quantize int8" ;;
+  g)  # run 14 (slices merged in-kernel): GPU tests, 7B, then the int8 GEMV formulations
+      gpu_tests 200
+      variants g1:"--kernels"
+      t 330 python3 benchmarks/int8_variants.py --budget-s 290 --json "$OUT/int8_variants.json" | tail -40 ;;
+  h)  # GEMV launches with the fusions in place (-> kernels.config)
+      t 280 python3 benchmarks/gemv.py --model llama-2-7b --kinds bf16,int8 --rows 1 --fused --tune --json "$OUT/tune_fused.json" ;;
+  i)  # run 15 (final code of session 4): GPU tests, 7B bf16 cold, 8B, batch 8, int8, int4; then 7B warm
+      gpu_tests 200
+      variants i1:"--kernels" i2:"--model llama-3.1-8b" i3:"--batch-sizes 8" i4:"--quantize int8" \
+               i5:"--quantize int4-g128" i6:"--quantize int4-g32"
+      bench7b i1 | tail -1 ;;
 esac; done
