@@ -143,13 +143,18 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
 CALIBRATION_WINDOW = 256  # tokens per calibration sequence
 
 
+def calibration_window(n_tokens: int, args: ModelArgs) -> int:
+    """Tokens per calibration forward: CALIBRATION_WINDOW, or fewer for a short text or context."""
+    return min(n_tokens, CALIBRATION_WINDOW, args.max_seq_len)
+
+
 @torch.no_grad()
 def calibrate(model: Transformer, tokens: list[int]) -> dict[str, torch.Tensor]:
     """Hessians for gptq_int4 (sum of x x^T of each block linear's input, float32: one K x K matrix
     per distinct input, held all at once), from forwards of the float model over `tokens` in whole
     windows of CALIBRATION_WINDOW (or the model's context, if shorter; a tail shorter than a window
     is left out), keyed by the checkpoint's weight names (q, k, v share one, as do gate and up)."""
-    length = min(len(tokens), CALIBRATION_WINDOW, model.args.max_seq_len)
+    length = calibration_window(len(tokens), model.args)
     n = len(tokens) // length
     hessians, hooks = {}, []
 
@@ -340,8 +345,8 @@ def calibration_hessians(checkpoint: Path, text_file: Path) -> dict[str, torch.T
     start = time.time()
     try:
         model = Transformer.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
-        used = len(tokens) // min(len(tokens), CALIBRATION_WINDOW, model.args.max_seq_len) * \
-            min(len(tokens), CALIBRATION_WINDOW, model.args.max_seq_len)
+        window = calibration_window(len(tokens), model.args)
+        used = len(tokens) // window * window  # whole windows only
         widest = max(model.args.dim, model.args.intermediate_size, model.args.n_heads * model.args.head_dim)
         print(f"calibrating on {used} tokens of {text_file}", file=sys.stderr)
         if used < 2 * widest:
