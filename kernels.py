@@ -221,8 +221,9 @@ def _(x, weight, scales, norm_weight, eps, residual, swiglu):
 # layer (RoPE of q and k, the two cache writes, the scores, the softmax, the weighted sum of V), each
 # 1-4 µs of mostly launch latency on the H200 (BENCHMARKS.md). Here it is one kernel: each program
 # takes one KV head of one sequence, with its group of query heads, and a slice of the cache
-# ("flash decoding"). The slices cover the whole cache (a fixed launch, so it replays in a graph); a
-# slice that starts beyond `pos` reads nothing. Each program:
+# ("flash decoding"). The number of slices is fixed per launch (so it replays in a graph); their
+# length is set from `pos` on the device, so every slice shares the work however long the cache
+# (one that starts beyond `pos` reads nothing). Each program:
 #   - loads its first block of cached K and V at once, then RoPE's q and the new k (rotate-half, in
 #     float32, rounded to the cache dtype like the PyTorch path);
 #   - attends to the positions < pos of its slice, BLOCK_L at a time, with an online softmax (base 2),
@@ -249,7 +250,7 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
-                          count_ptr, qkv_stride, cache_stride_b, cache_stride_h, chunk, qk_scale,
+                          count_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                           BLOCK_S: tl.constexpr):
@@ -260,8 +261,11 @@ if triton is not None:
         d_ok = rd < D
         cache = b * cache_stride_b + hkv * cache_stride_h
         pos = tl.load(pos_ptr).to(tl.int32)
+        inside = (rd * 0 + pos) < L  # callers keep pos < L; if not, nothing is read or written past the cache
+        # Slices sized from pos, so that the work is spread over all of them however long the cache
+        chunk = tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_L) * BLOCK_L
         start = s * chunk
-        end = tl.minimum(start + chunk, pos)  # cached positions < pos of this slice
+        end = tl.minimum(tl.minimum(start + chunk, pos), L)  # cached positions < pos of this slice
         # The slice's first block of K and V, loaded before anything waits on the RoPE tables
         rl = start + tl.arange(0, BLOCK_L)
         l_ok = rl < end
@@ -270,8 +274,8 @@ if triton is not None:
         v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
         # RoPE (rotate-half) of the query heads and the new key, rounded to the cache dtype
         rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)
-        cos = tl.load(cos_ptr + pos * D + rd, mask=d_ok, other=0).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * D + rd, mask=d_ok, other=0).to(tl.float32) * tl.where(rd < HALF, -1.0, 1.0)
+        cos = tl.load(cos_ptr + pos * D + rd, mask=d_ok & inside, other=0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + rd, mask=d_ok & inside, other=0).to(tl.float32) * tl.where(rd < HALF, -1.0, 1.0)
         rg = tl.arange(0, BLOCK_G)
         g_ok = rg < G
         heads = hkv * G + rg
@@ -302,7 +306,7 @@ if triton is not None:
         m, l, acc = _attend(q, k_new.to(tl.float32)[None, :], v_new.to(tl.float32)[None, :],
                             first, m, l, acc)
         # Written after the reads above: no program reads position pos from the cache.
-        write = d_ok & (rd * 0 + s == 0)
+        write = d_ok & (rd * 0 + s == 0) & inside
         tl.store(kc_ptr + cache + pos * D + rd, k_new, mask=write)
         tl.store(vc_ptr + cache + pos * D + rd, v_new, mask=write)
         y_at = y_ptr + (b * H + heads[:, None]) * D + rd[None, :]
@@ -318,6 +322,7 @@ if triton is not None:
             tl.debug_barrier()  # every thread's stores are issued before the count (a release)
             done = tl.atomic_add(count_ptr + b * HKV + hkv, 1)
             if done == SPLITS - 1:
+                tl.debug_barrier()  # every thread of this program reads after the count, not before
                 rs = tl.arange(0, BLOCK_S)
                 parts = (b * H + heads)[:, None] * SPLITS + rs[None, :]  # [G, S]
                 gs_ok = g_ok[:, None] & (rs < SPLITS)[None, :]
@@ -325,7 +330,8 @@ if triton is not None:
                 ls = tl.load(l_ptr + parts, mask=gs_ok, other=0, cache_modifier=".cg")
                 accs = tl.load(acc_ptr + parts[:, :, None] * D + rd[None, None, :],
                                mask=gs_ok[:, :, None] & d_ok[None, None, :], other=0, cache_modifier=".cg")
-                w = tl.exp2(ms - tl.max(ms, axis=1)[:, None])  # slice 0 has the new token: finite max
+                top = tl.max(ms, axis=1)  # finite for real heads: slice 0 has the new token
+                w = tl.exp2(ms - tl.where(top == -float("inf"), 0.0, top)[:, None])  # (padded heads: 0)
                 y = tl.sum(w[:, :, None] * accs, axis=1) / tl.sum(w * ls, axis=1)[:, None]
                 tl.store(y_at, y.to(y_ptr.dtype.element_ty), mask=qd_ok)
                 tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
@@ -343,14 +349,15 @@ def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_h
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
+MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers
 
 
 def attention_splits(batch: int, n_kv_heads: int, length: int) -> int:
-    """Slices of the cache: enough programs to fill the GPU (TARGET_PROGRAMS), none shorter than
-    64 positions."""
+    """Slices of the cache: enough programs to fill the GPU (TARGET_PROGRAMS), at most MAX_SPLITS,
+    and no more than a cache of 64 positions a slice would need."""
     if ATTENTION_SPLITS:
         return ATTENTION_SPLITS
-    return max(1, min(triton.cdiv(length, 64), TARGET_PROGRAMS // (batch * n_kv_heads)))
+    return max(1, min(triton.cdiv(length, 64), TARGET_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
 
 
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -360,7 +367,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
     [>= B Hkv] of zeros (the slices' finishing count; left at zero)
-    -> y [B, 1, H D], the attention output over positions 0..pos, heads side by side."""
+    -> y [B, 1, H D], the attention output over positions 0..pos, heads side by side.
+    pos must be < L; the kernel reads and writes nothing outside the cache if it is not."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:
@@ -374,7 +382,6 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     block_g = triton.next_power_of_2(G)
     block_d = triton.next_power_of_2(D)
     block_l = max(16, 8192 // (block_g * block_d))  # [BLOCK_G, BLOCK_L, BLOCK_D] products per step
-    chunk = triton.cdiv(triton.cdiv(L, splits), block_l) * block_l
     y = qkv.new_empty((B, 1, n_heads * D))
     if splits == 1:
         m = l = acc = y
@@ -384,7 +391,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         acc = torch.empty((B, n_heads, splits, D), device=qkv.device, dtype=torch.float32)
     _attention_kernel[(B, Hkv, splits)](
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, qkv.stride(0), k_cache.stride(0),
-        k_cache.stride(1), chunk, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
+        k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
     return y
 

@@ -183,6 +183,7 @@ ATTENTION_CASES = [
     (2, 3, 8, 2, 64, 130, 129, None),  # grouped heads, last position, cache with a spare row
     (2, 3, 6, 2, 48, 130, 70, 3),  # 3 heads a group, head dim not a power of two
     (1, 1, 4, 1, 32, 300, 200, 5),  # slices past the position do nothing
+    (1, 2, 8, 2, 32, 1024, 100, 16),  # a long cache, an early position: slices sized from it
 ]
 
 
@@ -213,6 +214,21 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
     assert ((new_k - ref_k).abs() <= rounding * ref_k.abs() + 1e-6).all()  # RoPE'd k within one rounding
     k_cache[:B, :, pos] = k_ref[:B, :, pos]
     assert k_cache.equal(k_ref) and v_cache.equal(v_ref)  # v written exactly, nothing else touched
+
+
+def test_decode_attention_at_a_position_past_the_cache_touches_nothing():
+    """pos >= L (which callers prevent) reads and writes nothing outside the cache."""
+    H, D, L = 2, 32, 64
+    torch.manual_seed(0)
+    qkv = torch.randn(1, 1, 3 * H * D).bfloat16()
+    k_cache, v_cache = torch.randn(2, H, L, D).bfloat16(), torch.randn(2, H, L, D).bfloat16()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    table = torch.randn(L, D).bfloat16()
+    counts = torch.zeros(2 * H, dtype=torch.int32)
+    for splits in (1, 3):
+        y = kernels.decode_attention(qkv, torch.tensor([L]), table, table, k_cache, v_cache, counts, H, H, splits)
+        assert y.float().isfinite().all() and not counts.any()
+        assert k_cache.equal(k_ref) and v_cache.equal(v_ref)
 
 
 def test_decode_attention_rejects_more_than_one_token():
