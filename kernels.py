@@ -25,7 +25,9 @@ residual add after it (decode's steps around its matmuls), so that they cost no 
 This file needs Triton, which CUDA builds of PyTorch ship and CPU builds do not; model.py calls
 it only for CUDA tensors (`usable`, `attention_usable`).
 """
+import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -57,14 +59,37 @@ if triton is not None:
         return w.to(tl.float32)
 
     @triton.jit
+    def _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, k_ok, UNMASKED: tl.constexpr, INT8: tl.constexpr,
+                   NORM: tl.constexpr, SWIGLU: tl.constexpr):
+        """One block of columns rk of the one-row GEMV: loads x there (where k_ok, unless UNMASKED) and
+        accumulates w (and w_up) times it."""
+        if UNMASKED:
+            x = tl.load(x_row + rk).to(tl.float32)
+        else:
+            x = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
+        if NORM:  # sum of squares on the way; the rsqrt scales the sums at the end
+            squares += x * x
+            x *= tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)
+        acc += _to_float(w, INT8) * x[None, :]
+        if SWIGLU:  # the up row N + n beside the gate row n
+            acc_up += _to_float(w_up, INT8) * x[None, :]
+        return acc, acc_up, squares
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, g_ptr, r_ptr, y_ptr, M, N, K, blocks_per_split, eps,
                      INT8: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr):
         """y[split, m, n] = sum over this split's columns k of x[m, k] * W[n, k] (* scale[n]).
         One row per program (BLOCK_M 1) may also apply RMSNorm to x first (NORM: x * g * rsqrt(mean(x^2)
         + eps), in float32, the mean over all of K, so no split), multiply rows n and N + n of W
-        into silu(a) * b (SWIGLU: W holds 2N rows, gate above up), and add a residual (RESIDUAL)."""
+        into silu(a) * b (SWIGLU: W holds 2N rows, gate above up), and add a residual (RESIDUAL).
+        PDL (programmatic dependent launch, launched with launch_pdl): the next kernel may start as
+        soon as every program here has; one row loads its first weight block before waiting for the
+        previous kernel (which writes x), so that load overlaps that kernel's last programs."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok, m_ok = rn < N, rm < M
@@ -75,26 +100,30 @@ if triton is not None:
             acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
             acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # SWIGLU only
             squares = tl.zeros((BLOCK_K,), tl.float32)
-            for b in range(b_start, b_end):
+            # The first block's weights (gate and up) before the wait: they do not depend on x
+            rk = b_start * BLOCK_K + tl.arange(0, BLOCK_K)
+            w_at = w_ptr + rn[:, None] * K + rk[None, :]
+            first_ok = (n_ok & (rn * 0 + b_start < b_end))[:, None]  # (an empty split of K: none)
+            if not EVEN:  # (EVEN: a mask constant along K keeps the loads vectorised)
+                first_ok = first_ok & (rk < K)[None, :]
+            w = tl.load(w_at, mask=first_ok, other=0)
+            w_up = tl.load(w_at + N * K, mask=first_ok, other=0) if SWIGLU else w
+            if PDL:
+                tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, the residual) are visible
+            acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk,
+                                              (rk < K) & (rk * 0 + b_start < b_end), False, INT8, NORM, SWIGLU)
+            for b in range(b_start + 1, b_end):
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
-                k_ok = rk < K
                 w_at = w_ptr + rn[:, None] * K + rk[None, :]
                 if EVEN:
                     w = tl.load(w_at)
-                    x = tl.load(x_row + rk).to(tl.float32)
+                    w_up = tl.load(w_at + N * K) if SWIGLU else w
                 else:
-                    w = tl.load(w_at, mask=n_ok[:, None] & k_ok[None, :], other=0)
-                    x = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
-                if NORM:  # sum of squares on the way; the rsqrt scales the sums at the end
-                    squares += x * x
-                    x *= tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)
-                acc += _to_float(w, INT8) * x[None, :]
-                if SWIGLU:  # the up row N + n beside the gate row n
-                    if EVEN:
-                        w = tl.load(w_at + N * K)
-                    else:
-                        w = tl.load(w_at + N * K, mask=n_ok[:, None] & k_ok[None, :], other=0)
-                    acc_up += _to_float(w, INT8) * x[None, :]
+                    w_ok = n_ok[:, None] & (rk < K)[None, :]
+                    w = tl.load(w_at, mask=w_ok, other=0)
+                    w_up = tl.load(w_at + N * K, mask=w_ok, other=0) if SWIGLU else w
+                acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rk < K,
+                                                  EVEN, INT8, NORM, SWIGLU)
             out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
             up = tl.sum(acc_up, axis=1)[None, :]
             if NORM:
@@ -102,6 +131,8 @@ if triton is not None:
                 out *= r
                 up *= r
         else:  # several rows: tensor-core dot products, rows padded to BLOCK_M
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             out = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for b in range(b_start, b_end):
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -121,6 +152,35 @@ if triton is not None:
         tl.store(y_ptr + pid_k * M * N + y_at, out, mask=m_ok[:, None] & n_ok[None, :])
 
 
+# Programmatic dependent launch (sm_90+): each kernel here lets the next one start as soon as all its
+# programs have, and waits for the previous kernel's writes only where it reads them (a GEMV loads
+# its first weight block before). In a graph of decode's ~160 kernels this overlaps each kernel's
+# start with the end of the one before (BENCHMARKS.md; bench.py --no-pdl is the A/B).
+# Triton's CPU interpreter has no such launch.
+PDL = True
+
+
+def pdl(x: torch.Tensor) -> bool:
+    """Whether kernels on x's device are launched with PDL."""
+    return PDL and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and _pdl_capable(x.device.index or 0)
+
+
+@functools.cache
+def _pdl_capable(device: int) -> bool:
+    """sm_90 or newer, and a Triton with the launch option and the wait (3.4 and later have both)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        triton_has = "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
+    except (ImportError, AttributeError):
+        triton_has = False
+    return triton_has and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_pdl(x: torch.Tensor) -> dict:
+    """The launch option that goes with pdl(x) (none where it is off: the interpreter knows no such option)."""
+    return {"launch_pdl": True} if pdl(x) else {}
+
+
 # Several rows: split K until about this many programs: 4 per SM of the H200 (132 SMs), where the
 # launches were measured. A constant rather than a device query, which torch.compile would have
 # to trace (and whose decorator, torch.compiler.assume_constant_result, cost every import 1.7 s
@@ -136,9 +196,10 @@ def config(kind: str, M: int, N: int, K: int, swiglu: bool = False) -> tuple[int
     wqkv and the head, SwiGLU into w13, where BLOCK_N counts rows of each half). Several rows:
     split K until there are about TARGET_PROGRAMS programs."""
     if M == 1:
-        if kind == "bf16":
-            return ((2, 1024, 1, 4, 2) if swiglu else (4, 1024, 1, 4, 2) if N <= 8192
-                    else (32, 256, 1, 8, 4) if N <= 16384 else (8, 1024, 1, 4, 4))
+        if kind == "bf16":  # (N <= 8192 from Llama-3.1-8B's qkv 6144x4096; K > 12288 its down 4096x14336)
+            return ((2, 1024, 1, 4, 2) if swiglu else ((4, 2048, 1, 4, 4) if K > 12288 else (4, 1024, 1, 4, 2))
+                    if N <= 4096 else (16, 512, 1, 4, 2) if N <= 8192 else (32, 256, 1, 8, 4) if N <= 16384
+                    else (8, 1024, 1, 4, 4))
         return ((8, 512, 1, 4, 4) if swiglu else (4, 1024, 1, 4, 4) if N <= 8192  # int8
                 else (32, 256, 1, 8, 4) if N <= 16384 else (32, 128, 1, 4, 4))
     block_n, block_k = 32, 128
@@ -182,7 +243,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
                        weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K,
                        per_split, eps, INT8=scales is not None, EVEN=even, NORM=norm_weight is not None,
                        RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                       BLOCK_K=block_k, PDL=pdl(x), num_warps=warps, num_stages=stages, **launch_pdl(x))
     y = y[0] if split == 1 else y.sum(0).to(x.dtype)  # split: sum the float32 partials
     return y.view(*x.shape[:-1], N)
 
@@ -253,8 +314,10 @@ if triton is not None:
                           count_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_S: tl.constexpr):
+                          BLOCK_S: tl.constexpr, PDL: tl.constexpr):
         b, hkv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PDL:  # as in _gemv_kernel: the next kernel may start once all programs here have
+            tl.extra.cuda.gdc_launch_dependents()
         G: tl.constexpr = H // HKV
         HALF: tl.constexpr = D // 2
         rd = tl.arange(0, BLOCK_D)
@@ -272,6 +335,8 @@ if triton is not None:
         kv_at = cache + rl[:, None] * D + rd[None, :]
         k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
         v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
+        if PDL:  # pos, the cache and the tables are from earlier steps; qkv is the previous kernel's
+            tl.extra.cuda.gdc_wait()
         # RoPE (rotate-half) of the query heads and the new key, rounded to the cache dtype
         rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)
         cos = tl.load(cos_ptr + pos * D + rd, mask=d_ok & inside, other=0).to(tl.float32)
@@ -392,7 +457,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     _attention_kernel[(B, Hkv, splits)](
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, qkv.stride(0), k_cache.stride(0),
         k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=pdl(qkv),
+        num_warps=4, **launch_pdl(qkv))
     return y
 
 
