@@ -322,6 +322,7 @@ def main(argv=None) -> int:
                    help="SwiGLU as its own kernel after the gate/up GEMV instead of inside it (A/B)")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch kernels.py's kernels without programmatic dependent launch (A/B)")
+    p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
@@ -345,6 +346,7 @@ def main(argv=None) -> int:
     model_module.FUSE_SWIGLU = not a.unfused_swiglu
     kernels.ATTENTION_SPLITS = a.attention_splits
     kernels.PDL = not a.no_pdl
+    kernels.ATTENTION_BLOCK_L = a.attention_block_l
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
@@ -387,7 +389,7 @@ def main(argv=None) -> int:
                  date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
                  inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused,
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
-                 attention_splits=a.attention_splits,
+                 attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

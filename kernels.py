@@ -414,6 +414,7 @@ def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_h
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
+ATTENTION_BLOCK_L = None  # cache positions per step of the loop (bench.py --attention-block-l), or the rule
 MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers
 
 
@@ -446,7 +447,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     G = n_heads // n_kv_heads
     block_g = triton.next_power_of_2(G)
     block_d = triton.next_power_of_2(D)
-    block_l = max(16, 8192 // (block_g * block_d))  # [BLOCK_G, BLOCK_L, BLOCK_D] products per step
+    block_l = ATTENTION_BLOCK_L or max(16, 8192 // (block_g * block_d))  # [BLOCK_G, BLOCK_L, BLOCK_D] products a step
     y = qkv.new_empty((B, 1, n_heads * D))
     if splits == 1:
         m = l = acc = y
