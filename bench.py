@@ -320,6 +320,8 @@ def main(argv=None) -> int:
                    help="decode attention as PyTorch ops instead of kernels.decode_attention (A/B)")
     p.add_argument("--unfused-swiglu", action="store_true",
                    help="SwiGLU as its own kernel after the gate/up GEMV instead of inside it (A/B)")
+    p.add_argument("--gemv-max-rows", type=int, default=kernels.MAX_ROWS,
+                   help="rows of bf16 x up to which matmuls run kernels.py's kernels (1: cuBLAS for batches; A/B)")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch kernels.py's kernels without programmatic dependent launch (A/B)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
@@ -346,6 +348,7 @@ def main(argv=None) -> int:
     model_module.FUSE_SWIGLU = not a.unfused_swiglu
     kernels.ATTENTION_SPLITS = a.attention_splits
     kernels.PDL = not a.no_pdl
+    kernels.MAX_ROWS = a.gemv_max_rows
     kernels.ATTENTION_BLOCK_L = a.attention_block_l
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
@@ -390,6 +393,7 @@ def main(argv=None) -> int:
                  inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused,
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
+                 gemv_max_rows=a.gemv_max_rows,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

@@ -12,15 +12,19 @@ they replay inside CUDA graphs. (An int4 kernel written the same way lost to PyT
 by 1.3-2x on every shape: BENCHMARKS.md. int4 stays on tinygemm.)
 
 Launch plan, per program (one block of outputs, one slice of K):
-  1 row of x:     acc[BLOCK_N, BLOCK_K] += W_tile * x   (no reduction inside the loop)
-  2..16+ rows:    acc[BLOCK_M, BLOCK_N] += x_tile @ W_tile.T   (tensor cores; M padded to 16)
-(The dots take float32 operands in TF32: exact for bf16 activations and for bf16 and int8
-weights, and Triton's CPU interpreter, which the CPU tests use, computes bf16 dots wrongly.)
+  1 row of x:        acc[BLOCK_N, BLOCK_K] += W_tile * x   (no reduction inside the loop)
+  2..16 rows, bf16:  acc[BLOCK_N, 16] += W_tile @ x_tile.T   (_rows_kernel: tensor cores, bf16
+                     operands, the weights as the large operand, all of K; 5-20% faster than cuBLAS
+                     at 8 rows with the norm, SwiGLU and residual fused in: BENCHMARKS.md)
+  int8, 2..16+ rows: acc[BLOCK_M, BLOCK_N] += x_tile @ W_tile.T   (tensor cores; M padded to 16)
+(int8's dots take float32 operands in TF32: exact for bf16 activations and int8 weights. Triton's
+CPU interpreter, which the CPU tests use, computes bf16 dots wrongly: float32 there.)
 A split-K launch writes float32 partial sums [SPLIT, M, N]; their sum (one small reduction that
 Inductor fuses into whatever follows) is the result.
 
-For one row the GEMV can also apply the RMSNorm before it, SwiGLU on its two halves, and the
-residual add after it (decode's steps around its matmuls), so that they cost no kernel of their own.
+For one row (and up to 16 of bf16 weights) the GEMV can also apply the RMSNorm before it, SwiGLU
+on its two halves, and the residual add after it (decode's steps around its matmuls), so that they
+cost no kernel of their own.
 
 This file needs Triton, which CUDA builds of PyTorch ship and CPU builds do not; model.py calls
 it only for CUDA tensors (`usable`, `attention_usable`).
@@ -152,11 +156,102 @@ if triton is not None:
         tl.store(y_ptr + pid_k * M * N + y_at, out, mask=m_ok[:, None] & n_ok[None, :])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _rows_step(acc, acc_up, squares, w, w_up, x_rows, m_ok, g_ptr, rk, k_ok, UNMASKED: tl.constexpr,
+                   NORM: tl.constexpr, SWIGLU: tl.constexpr, DOT_F32: tl.constexpr):
+        """One block of columns rk of _rows_kernel: acc[BN, BM] += w [BN, BK] @ x[BM, BK].T."""
+        if UNMASKED:
+            x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None], other=0)
+        else:
+            x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
+        if NORM:  # each row's sum of squares on the way; x * g goes to the tensor cores in bf16
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            x = xf * tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)[None, :]
+        if DOT_F32:  # Triton's CPU interpreter computes bf16 dots wrongly: float32 there, exact
+            xt = tl.trans(x.to(tl.float32))
+            acc = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
+            if SWIGLU:
+                acc_up = tl.dot(w_up.to(tl.float32), xt, acc_up, input_precision="ieee")
+        else:  # (x in the weights' dtype: bf16 operands, float32 sums)
+            xt = tl.trans(x.to(w.dtype))
+            acc = tl.dot(w, xt, acc)
+            if SWIGLU:
+                acc_up = tl.dot(w_up, xt, acc_up)
+        return acc, acc_up, squares
+
+    @triton.jit
+    def _rows_kernel(x_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+                     RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[m, n] = sum_k x[m, k] W[n, k] for a few rows of x (M <= BLOCK_M = 16) and bf16 W, with the
+        same fusions as _gemv_kernel's one row (NORM per row, SWIGLU, RESIDUAL). Each program takes
+        BLOCK_N rows of W over all of K and multiplies them by the rows of x on the tensor cores,
+        weights as the large operand ("swap AB": acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile.T), the
+        weight tiles pipelined through shared memory (num_stages). Rows of W past N are clamped for
+        the loads (never stored). PDL as in _gemv_kernel."""
+        pid = tl.program_id(0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * K
+        rm = tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        x_rows = x_ptr + rm[:, None] * K
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # SWIGLU only
+        squares = tl.zeros((BLOCK_M,), tl.float32)  # NORM only
+        # The first block's weights before the wait (as _gemv_kernel)
+        rk = tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        if EVEN_K:
+            w = tl.load(w_rows + rk[None, :])
+            w_up = tl.load(w_rows + N * K + rk[None, :]) if SWIGLU else w
+        else:
+            w = tl.load(w_rows + rk[None, :], mask=k_ok[None, :], other=0)
+            w_up = tl.load(w_rows + N * K + rk[None, :], mask=k_ok[None, :], other=0) if SWIGLU else w
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        acc, acc_up, squares = _rows_step(acc, acc_up, squares, w, w_up, x_rows, m_ok, g_ptr, rk, k_ok,
+                                          EVEN_K, NORM, SWIGLU, DOT_F32)
+        for b in range(1, tl.cdiv(K, BLOCK_K)):
+            rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            if EVEN_K:
+                w = tl.load(w_rows + rk[None, :])
+                w_up = tl.load(w_rows + N * K + rk[None, :]) if SWIGLU else w
+            else:
+                w = tl.load(w_rows + rk[None, :], mask=k_ok[None, :], other=0)
+                w_up = tl.load(w_rows + N * K + rk[None, :], mask=k_ok[None, :], other=0) if SWIGLU else w
+            acc, acc_up, squares = _rows_step(acc, acc_up, squares, w, w_up, x_rows, m_ok, g_ptr, rk, k_ok,
+                                              EVEN_K, NORM, SWIGLU, DOT_F32)
+        out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+        if NORM:
+            r = tl.rsqrt(squares / K + eps)[:, None]
+            out *= r
+        if SWIGLU:
+            up = tl.trans(acc_up)
+            if NORM:
+                up *= r
+            out = out / (1 + tl.exp(-out)) * up
+        y_at = rm[:, None] * N + rn[None, :]
+        ok = m_ok[:, None] & (rn < N)[None, :]
+        if RESIDUAL:
+            out += tl.load(r_ptr + y_at, mask=ok, other=0).to(tl.float32)
+        tl.store(y_ptr + y_at, out, mask=ok)
+
+
 # Programmatic dependent launch (sm_90+): each kernel here lets the next one start as soon as all its
 # programs have, and waits for the previous kernel's writes only where it reads them (a GEMV loads
 # its first weight block before). In a graph of decode's ~160 kernels this overlaps each kernel's
 # start with the end of the one before (BENCHMARKS.md; bench.py --no-pdl is the A/B).
-# Triton's CPU interpreter has no such launch.
+# Since every kernel here signals at its start, the part of a kernel before its wait may run while
+# any earlier kernel of an unbroken run of ours still does: it reads only what none of them writes
+# (weights, the RoPE tables, pos, cache rows before pos: decode's step ends in PyTorch's sampling
+# kernels, launched normally, which wait for everything before them). Triton's CPU interpreter
+# has no such launch.
 PDL = True
 
 
@@ -181,6 +276,9 @@ def launch_pdl(x: torch.Tensor) -> dict:
     return {"launch_pdl": True} if pdl(x) else {}
 
 
+# Rows of x that _rows_kernel takes (bf16 weights; its BLOCK_M): batched decode, short prefills
+MAX_ROWS = 16  # (at most 16: the kernel pads the rows to 16 for the tensor cores)
+
 # Several rows: split K until about this many programs: 4 per SM of the H200 (132 SMs), where the
 # launches were measured. A constant rather than a device query, which torch.compile would have
 # to trace (and whose decorator, torch.compiler.assume_constant_result, cost every import 1.7 s
@@ -202,6 +300,12 @@ def config(kind: str, M: int, N: int, K: int, swiglu: bool = False) -> tuple[int
                     else (8, 1024, 1, 4, 4))
         return ((8, 512, 1, 4, 4) if swiglu else (4, 1024, 1, 4, 4) if N <= 8192  # int8
                 else (32, 256, 1, 8, 4) if N <= 16384 else (32, 128, 1, 4, 4))
+    if kind == "bf16" and M <= 16:  # _rows_kernel (benchmarks/multirow.py's swap_ab, 8 rows, Llama-2-7B)
+        if swiglu:
+            return 128, 128, 1, 8, 3
+        if N <= 4096:
+            return (32, 256, 1, 4, 4) if K > 8192 else (64, 128, 1, 4, 6)
+        return (128, 128, 1, 8, 4) if N >= 8192 else (64, 128, 1, 4, 4)
     block_n, block_k = 32, 128
     programs, blocks = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
     split = 1
@@ -214,25 +318,37 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, swiglu: bool = False, launch: tuple | None = None) -> torch.Tensor:
     """x [..., K] times weight [N, K] (bf16, or int8 with `scales` [N]) -> [..., N] in x's dtype.
-    For one row of x it can also do, in the same kernel, what decode does around its matmuls:
-    residual + rmsnorm(x, norm_weight, eps) @ W.T, and with `swiglu` silu(a) * b of the two halves
-    a, b of that product (-> [..., N/2]). `launch` overrides `config` (for tuning)."""
+    For one row of x, or up to MAX_ROWS with bf16 weights, it can also do, in the same kernel, what
+    decode does around its matmuls: residual + rmsnorm(x, norm_weight, eps) @ W.T (each row normed
+    on its own), and with `swiglu` silu(a) * b of the two halves a, b of that product (-> [..., N/2]).
+    `launch` overrides `config` (for tuning)."""
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
     fused = norm_weight is not None or residual is not None or swiglu
-    if fused and M != 1:
-        raise ValueError(f"gemv: the norm, SwiGLU and the residual take one row of x (got {M})")
-    if swiglu and N % 2:
-        raise ValueError(f"gemv: SwiGLU needs an even number of rows (got {N})")
     block_n, block_k, split, warps, stages = launch or config("int8" if scales is not None else "bf16",
                                                               M, N, K, swiglu)
+    rows = 1 < M <= MAX_ROWS and scales is None and (split == 1 or fused)  # _rows_kernel
+    if fused and M != 1 and not rows:
+        raise ValueError(f"gemv: the norm, SwiGLU and the residual take one row of x, or up to 16 of bf16 "
+                         f"weights (got {M})")
+    if swiglu and N % 2:
+        raise ValueError(f"gemv: SwiGLU needs an even number of rows (got {N})")
     if fused:
         split = 1  # the norm needs all of K in one program; the residual is added once
     if swiglu:
         N //= 2  # outputs; each program reads BLOCK_N rows of each half
+    if rows:
+        y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+        _rows_kernel[(triton.cdiv(N, block_n),)](
+            x2, weight, weight if norm_weight is None else norm_weight,
+            weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K, eps,
+            EVEN_K=K % block_k == 0, NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
+            DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", PDL=pdl(x), BLOCK_M=16, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages, **launch_pdl(x))
+        return y.view(*x.shape[:-1], N)
     block_m = 1 if M == 1 else 16 if M <= 16 else 64
     y = torch.empty((split, M, N), device=x.device, dtype=x.dtype if split == 1 else torch.float32)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
@@ -415,6 +531,7 @@ def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_h
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
 ATTENTION_BLOCK_L = None  # cache positions per step of the loop (bench.py --attention-block-l), or the rule
+ATTENTION_WARPS = None  # warps of the attention kernel (benchmarks/attention.py), or the rule
 MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers
 
 
@@ -447,7 +564,12 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     G = n_heads // n_kv_heads
     block_g = triton.next_power_of_2(G)
     block_d = triton.next_power_of_2(D)
-    block_l = ATTENTION_BLOCK_L or max(16, 8192 // (block_g * block_d))  # [BLOCK_G, BLOCK_L, BLOCK_D] products a step
+    # Products [BLOCK_G, BLOCK_L, BLOCK_D] a step. One query head a KV head (Llama-2-7B) measured best at
+    # 32 positions a step, with 8 warps while the programs fit one per SM and 4 beyond, where smaller
+    # programs let more of them run at once (benchmarks/attention.py, run 18: batch 1 6.8 -> 5.1 µs,
+    # batch 8 13.8 -> 11.1 µs); grouped heads keep 8192 products (not measured otherwise).
+    block_l = ATTENTION_BLOCK_L or max(16, (4096 if block_g == 1 else 8192) // (block_g * block_d))
+    warps = ATTENTION_WARPS or (8 if block_g == 1 and B * Hkv * splits <= 132 else 4)
     y = qkv.new_empty((B, 1, n_heads * D))
     if splits == 1:
         m = l = acc = y
@@ -459,7 +581,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, qkv.stride(0), k_cache.stride(0),
         k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=pdl(qkv),
-        num_warps=4, **launch_pdl(qkv))
+        num_warps=warps, **launch_pdl(qkv))
     return y
 
 

@@ -187,8 +187,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, input_pos, rope_cos, rope_sin, mask):
         # h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h)). The norm and the
-        # residual are handed to the first and the last matmul of each sublayer, so that batch-1
-        # decode on CUDA does them inside its GEMVs (Linear).
+        # residual are handed to the first and the last matmul of each sublayer, so that decode
+        # on CUDA (up to 16 rows) does them inside its GEMVs (Linear).
         h = self.attention(x, input_pos, rope_cos, rope_sin, mask, norm=self.attention_norm, residual=x)
         return self.feed_forward(h, norm=self.ffn_norm, residual=h)
 
@@ -309,12 +309,12 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """nn.Linear that also does the steps around it in decode: forward(x, norm, residual, swiglu)
     is residual + linear(norm(x)) (either may be left out), with swiglu the SwiGLU of the product's
-    two halves in between. A single row in bf16 on CUDA (batch-1 decode) runs all of it as one
-    Triton GEMV of kernels.py, which also reads decode's narrow matrices 10-25% faster than cuBLAS
-    (BENCHMARKS.md); anything else runs PyTorch's ops."""
+    two halves in between. Up to kernels.MAX_ROWS rows in bf16 on CUDA (decode, batched decode)
+    run all of it as one Triton kernel of kernels.py, which also reads decode's narrow matrices
+    10-25% faster than cuBLAS (BENCHMARKS.md); anything else runs PyTorch's ops."""
 
     def forward(self, x, norm=None, residual=None, swiglu=False):
-        if x.dtype == torch.bfloat16 and kernels.usable(x, self.weight, max_rows=1) and (
+        if x.dtype == torch.bfloat16 and kernels.usable(x, self.weight, max_rows=kernels.MAX_ROWS) and (
                 self.bias is None or (residual is None and not swiglu)):
             y = decode_gemv(x, self.weight, None, norm, residual, swiglu)
             return y if self.bias is None else y + self.bias

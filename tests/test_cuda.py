@@ -104,6 +104,43 @@ def test_fused_decode_steps_match_unfused(model, mode, monkeypatch):
     assert rel < 2e-2, rel  # bf16 rounding at different points (each path is ~0.8% off float32)
 
 
+def test_batched_decode_fuses_the_steps_and_matches_unfused(model, monkeypatch):
+    """Batch-4 decode (bf16) runs each matmul with its norm, SwiGLU and residual in kernels.py's
+    several-row kernel and each layer's attention in one kernel; the logits of every row match the
+    same model run one PyTorch op at a time, within bf16 rounding."""
+    import kernels
+    import model as model_module
+
+    B = 4
+    prompts = torch.tensor([[(7 * b + 3 * i) % ARGS.vocab_size for i in range(8)] for b in range(B)], device="cuda")
+    idx, pos = torch.tensor([[3], [40], [500], [999]], device="cuda"), torch.tensor([8], device="cuda")
+
+    def decode_logits():
+        model.setup_caches(B, 64)
+        with torch.no_grad():
+            model(prompts, torch.arange(8, device="cuda"))
+            calls.clear()
+            return model(idx, pos).float()
+
+    calls = []
+    gemv, attention = kernels.gemv, kernels.decode_attention
+    monkeypatch.setattr(kernels, "gemv", lambda *a, **k: calls.append(a) or gemv(*a, **k))
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append("attention") or attention(*a, **k))
+    fused = decode_logits()
+    n = ARGS.n_layers
+    gemvs = [a for a in calls if a != "attention"]
+    assert all(a[0].numel() // a[0].shape[-1] == B for a in gemvs) and len(gemvs) == 4 * n + 1
+    assert sum(a[3] is not None for a in gemvs) == 2 * n + 1 and sum(a[5] is not None for a in gemvs) == 2 * n
+    assert sum(a[6] for a in gemvs) == n and calls.count("attention") == n
+    monkeypatch.setattr(kernels, "usable", lambda *a, **k: False)
+    monkeypatch.setattr(model_module, "FUSE_ATTENTION", False)
+    plain = decode_logits()
+    assert not calls
+    for b in range(B):
+        rel = ((fused[b] - plain[b]).norm() / plain[b].norm()).item()
+        assert rel < 2e-2, (b, rel)
+
+
 def test_one_graph_replay_per_token(model, graphed):
     tokens_of(graphed, 20)  # warm: compiled and recorded
     counts = check_graphs(graphed, steps=8)

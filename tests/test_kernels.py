@@ -151,10 +151,52 @@ def test_fused_swiglu_matches_float64(kind, launch):
             assert (y.double().cpu() - reference).abs().max().item() <= 1e-4 * size, (N, kwargs)
 
 
-def test_fused_steps_take_one_row():
+def test_fused_steps_take_one_row_or_a_few_of_bf16_weights():
     with pytest.raises(ValueError, match="one row"):
-        kernels.gemv(torch.zeros(2, 16).bfloat16(), torch.zeros(8, 16).bfloat16(),
-                     residual=torch.zeros(2, 8).bfloat16())
+        kernels.gemv(torch.zeros(17, 16).bfloat16(), torch.zeros(8, 16).bfloat16(),
+                     residual=torch.zeros(17, 8).bfloat16())
+    with pytest.raises(ValueError, match="one row"):
+        kernels.gemv(torch.zeros(2, 16).bfloat16(), torch.zeros(8, 16, dtype=torch.int8),
+                     torch.ones(8).bfloat16(), residual=torch.zeros(2, 8).bfloat16())
+
+
+@pytest.mark.parametrize("launch", [(16, 64, 1, 4, 2), (32, 128, 1, 4, 3), None])
+@pytest.mark.parametrize("M", [2, 8, 16])
+def test_several_rows_with_the_fusions_match_float64(M, launch):
+    """Batched decode (2-16 rows, bf16 weights: kernels._rows_kernel): each row's RMSNorm, SwiGLU
+    and residual against float64, on shapes with a K tail (320) and partial blocks of outputs; each
+    row differs in scale, so a norm taken over the wrong row fails."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if launch is None and device == "cpu":
+        launch = (16, 128, 1, 4, 2)
+    for N, K in [(160, 256), (80, 320)]:
+        w, _, reference_w = weights("bf16", N, K)
+        w = w.to(device)
+        x = (torch.randn(M, K) * torch.linspace(0.5, 8, M)[:, None]).bfloat16()
+        g = (1 + torch.rand(K)).bfloat16()
+        xd = x.double()
+        normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double()
+
+        def swiglu(y):
+            a, b = y.chunk(2, dim=-1)
+            return a * torch.sigmoid(a) * b
+
+        r, r_half = torch.randn(M, N).bfloat16(), torch.randn(M, N // 2).bfloat16()
+        cases = [  # (kwargs, reference)
+            (dict(), xd @ reference_w.T),
+            (dict(norm_weight=g, eps=1e-5), normed @ reference_w.T),
+            (dict(residual=r), r.double() + xd @ reference_w.T),
+            (dict(swiglu=True), swiglu(xd @ reference_w.T)),
+            (dict(norm_weight=g, eps=1e-5, residual=r_half, swiglu=True), r_half.double() + swiglu(normed @ reference_w.T)),
+        ]
+        for kwargs, reference in cases:
+            kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+            y = kernels.gemv(x.to(device), w, launch=launch, **kwargs)
+            assert y.dtype == torch.bfloat16 and y.shape == reference.shape
+            err = (y.double().cpu() - reference).abs()
+            # bf16: the output rounded once; with the norm, x * g also goes to the tensor cores in bf16
+            assert err.max().item() <= 2e-2 * reference.abs().max().item(), (N, K, kwargs.keys())
+            assert (err.norm() / reference.norm()).item() <= 8e-3, (N, K, kwargs.keys())
 
 
 # -- decode attention ------------------------------------------------------------------------------
