@@ -91,14 +91,14 @@ def main():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         expect = plain = x.float() @ ref.T
         fused = {}
-        if a.fused and M == 1:
+        if a.fused and (M == 1 or kind == "bf16"):  # (several rows: bf16 weights only)
             if name in ("wo", "w2"):
-                fused = dict(residual=torch.randn(1, N, device=dev, dtype=torch.bfloat16))
+                fused = dict(residual=torch.randn(M, N, device=dev, dtype=torch.bfloat16))
                 expect = expect + fused["residual"].float()
             else:
                 g = torch.ones(K, device=dev, dtype=torch.bfloat16)
                 fused = dict(norm_weight=g, eps=1e-5)
-                expect = plain * torch.rsqrt(x.float().pow(2).mean() + 1e-5)  # norm with g = 1
+                expect = plain * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)  # norm with g = 1
                 if name == "w13":
                     fused["swiglu"] = True
                     gate, up = expect.chunk(2, dim=-1)
@@ -113,7 +113,7 @@ def main():
         ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
         theirs_c = [theirs] + [tuple(t.clone() if torch.is_tensor(t) else t for t in theirs) for _ in range(copies - 1)]
         t_base = time_calls([lambda w=w: baseline(x, w) for w in theirs_c])
-        default = kernels.config(kind, M, N, K)
+        default = kernels.config(kind, M, N, K, bool(fused.get("swiglu")))
         t_ours = time_calls([lambda w=w: kernels.gemv(x, *w) for w in ours_c])
         best = (t_ours, default)
         if a.tune:
