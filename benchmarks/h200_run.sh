@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md's tables (runs 9-11 of session 3: calls a, b, c1, c2, d; runs 12-15
-# of session 4: calls e, f, g, h, i; 2026-11-29), as the device sessions ran them, each part on the code
-# of its own commit. Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i]...
+# of session 4: calls e, f, g, h, i; runs 16-20 of session 5: calls j, k, l, m, n; 2026-11-29), as the
+# device sessions ran them, each part on the code of its own commit.
+# Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n]...
 # Cold first calls use fresh Inductor/Triton cache directories; a second run on the same directory is warm.
 set -u
 export PYTHONUNBUFFERED=1
@@ -58,4 +59,27 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       variants i1:"--kernels" i2:"--model llama-3.1-8b" i3:"--batch-sizes 8" i4:"--quantize int8" \
                i5:"--quantize int4-g128" i6:"--quantize int4-g32"
       bench7b i1 | tail -1 ;;
+  j)  # run 16 (attention hardening; int8-words branch merged for the A/B): GPU tests, 7B b1 and b8 profiles,
+      # int8 words on/off, then the 8B fused tuning
+      gpu_tests 200
+      variants j1:"--kernels" j2:"--batch-sizes 8 --kernels" j3:"--quantize int8" j4:"--quantize int8 --int8-words off"
+      t 340 python3 benchmarks/gemv.py --model llama-3.1-8b --kinds bf16 --rows 1 --fused --tune --json "$OUT/tune8b.json" ;;
+  k)  # run 17 (PDL, 8B launches): GPU tests, PDL on/off for 7B and 8B, batch-8 attention slices, int8
+      gpu_tests 200
+      variants k1:"--kernels" k2:"--no-pdl" k3:"--model llama-3.1-8b" k4:"--model llama-3.1-8b --no-pdl" \
+               k5:"--batch-sizes 8" k6:"--batch-sizes 8 --attention-splits 4" k7:"--batch-sizes 8 --attention-splits 8" \
+               k8:"--quantize int8" ;;
+  l)  # run 18: the attention kernel's launches alone; several-row GEMV formulations
+      t 150 python3 benchmarks/attention.py --batch-sizes 8,1 --positions 108 --json "$OUT/attention.json"
+      t 560 python3 benchmarks/multirow.py --budget-s 300 --json "$OUT/multirow.json" | tail -80 ;;
+  m)  # run 19 (attention launch rule, _rows_kernel with PDL): GPU tests, 7B, batch 8 with and without it, 8B,
+      # int8, int4; then 7B warm
+      gpu_tests 220
+      variants m1:"--kernels" m2:"--batch-sizes 8 --kernels" m3:"--batch-sizes 8 --gemv-max-rows 1" \
+               m4:"--model llama-3.1-8b" m5:"--quantize int8" m6:"--quantize int4-g32" m7:"--quantize int4-g128"
+      bench7b m1 | tail -1 ;;
+  n)  # run 20: several rows alone (PDL on), then batch 8 with PDL off, _rows_kernel and cuBLAS
+      t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds bf16 --rows 8 --json "$OUT/gemv8.json"
+      t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds bf16 --rows 8 --fused --json "$OUT/gemv8f.json"
+      variants n1:"--batch-sizes 8 --no-pdl --kernels" n2:"--batch-sizes 8 --no-pdl --gemv-max-rows 1" ;;
 esac; done
