@@ -183,18 +183,20 @@ if triton is not None:
         return acc, acc_up, squares
 
     @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     SWIGLU: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+    def _rows_kernel(x_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+                     RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[m, n] = sum_k x[m, k] W[n, k] for a few rows of x (M <= BLOCK_M = 16) and bf16 W, with the
         same fusions as _gemv_kernel's one row (NORM per row, SWIGLU, RESIDUAL). Each program takes
         BLOCK_N rows of W over all of K and multiplies them by the rows of x on the tensor cores,
         weights as the large operand ("swap AB": acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile.T), the
-        weight tiles pipelined through shared memory (num_stages): an unmasked loop over the full
-        blocks of K, then one masked step for the rest. Rows of W past N are clamped for the loads
-        (never stored). No PDL: with it, batch-8 decode took 4.68 ms a step instead of 4.13 (run 20;
-        these programs hold most of an SM's shared memory)."""
+        weight tiles pipelined through shared memory (num_stages). Rows of W past N are clamped for
+        the loads (never stored). PDL as in _gemv_kernel, but gemv launches it without (PDL False):
+        with PDL, batch-8 decode took 4.68 ms a step (run 19), without 4.13 (run 20); these programs
+        hold most of an SM's shared memory."""
         pid = tl.program_id(0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * K
         rm = tl.arange(0, BLOCK_M)
@@ -203,20 +205,30 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # SWIGLU only
         squares = tl.zeros((BLOCK_M,), tl.float32)  # NORM only
-        full = K // BLOCK_K
-        for b in range(0, full):
-            rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
+        # The first block's weights before the wait (as _gemv_kernel)
+        rk = tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        if EVEN_K:
             w = tl.load(w_rows + rk[None, :])
             w_up = tl.load(w_rows + N * K + rk[None, :]) if SWIGLU else w
-            acc, acc_up, squares = _rows_step(acc, acc_up, squares, w, w_up, x_rows, m_ok, g_ptr, rk, rk < K,
-                                              True, NORM, SWIGLU, DOT_F32)
-        if full * BLOCK_K < K:  # the rest of K
-            rk = full * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
+        else:
             w = tl.load(w_rows + rk[None, :], mask=k_ok[None, :], other=0)
             w_up = tl.load(w_rows + N * K + rk[None, :], mask=k_ok[None, :], other=0) if SWIGLU else w
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        acc, acc_up, squares = _rows_step(acc, acc_up, squares, w, w_up, x_rows, m_ok, g_ptr, rk, k_ok,
+                                          EVEN_K, NORM, SWIGLU, DOT_F32)
+        for b in range(1, tl.cdiv(K, BLOCK_K)):
+            rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            if EVEN_K:
+                w = tl.load(w_rows + rk[None, :])
+                w_up = tl.load(w_rows + N * K + rk[None, :]) if SWIGLU else w
+            else:
+                w = tl.load(w_rows + rk[None, :], mask=k_ok[None, :], other=0)
+                w_up = tl.load(w_rows + N * K + rk[None, :], mask=k_ok[None, :], other=0) if SWIGLU else w
             acc, acc_up, squares = _rows_step(acc, acc_up, squares, w, w_up, x_rows, m_ok, g_ptr, rk, k_ok,
-                                              False, NORM, SWIGLU, DOT_F32)
+                                              EVEN_K, NORM, SWIGLU, DOT_F32)
         out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         if NORM:
             r = tl.rsqrt(squares / K + eps)[:, None]
@@ -335,9 +347,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
         _rows_kernel[(triton.cdiv(N, block_n),)](
             x2, weight, weight if norm_weight is None else norm_weight,
             weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K, eps,
-            NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
-            DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=16, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+            EVEN_K=K % block_k == 0, NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
+            DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", PDL=False, BLOCK_M=16, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages)  # (no PDL: see _rows_kernel)
         return y.view(*x.shape[:-1], N)
     block_m = 1 if M == 1 else 16 if M <= 16 else 64
     y = torch.empty((split, M, N), device=x.device, dtype=x.dtype if split == 1 else torch.float32)
