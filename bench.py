@@ -348,6 +348,9 @@ def main(argv=None) -> int:
     model_module.FUSE_SWIGLU = not a.unfused_swiglu
     kernels.ATTENTION_SPLITS = a.attention_splits
     kernels.PDL = not a.no_pdl
+    if not 1 <= a.gemv_max_rows <= 16:
+        print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)
+        return 1
     kernels.MAX_ROWS = a.gemv_max_rows
     kernels.ATTENTION_BLOCK_L = a.attention_block_l
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \

@@ -32,6 +32,7 @@ it only for CUDA tensors (`usable`, `attention_usable`).
 import functools
 import math
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -258,8 +259,15 @@ PDL = True
 
 
 def pdl(x: torch.Tensor) -> bool:
-    """Whether kernels on x's device are launched with PDL."""
-    return PDL and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and _pdl_capable(x.device.index or 0)
+    """Whether kernels on x's device are launched with PDL: not in Triton's interpreter, not while
+    torch.compile traces into kernels.py (bench.py --traced-gemv: its kernel wrapper knows no such
+    launch option), and not if Inductor launches its own kernels with PDL (triton.enable_pdl), which
+    would break the rule above (its kernels would no longer wait for ours)."""
+    inductor = sys.modules.get("torch._inductor.config")  # (only if already imported: it is slow to import)
+    if inductor is not None and getattr(inductor.triton, "enable_pdl", False):
+        return False
+    return (PDL and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and not torch.compiler.is_compiling()
+            and _pdl_capable(x.device.index or 0))
 
 
 @functools.cache
@@ -270,7 +278,7 @@ def _pdl_capable(device: int) -> bool:
         triton_has = "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
     except (ImportError, AttributeError):
         triton_has = False
-    return triton_has and torch.cuda.get_device_capability(device)[0] >= 9
+    return triton_has and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def launch_pdl(x: torch.Tensor) -> dict:
@@ -332,7 +340,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     fused = norm_weight is not None or residual is not None or swiglu
     block_n, block_k, split, warps, stages = launch or config("int8" if scales is not None else "bf16",
                                                               M, N, K, swiglu)
-    rows = 1 < M <= MAX_ROWS and scales is None and (split == 1 or fused)  # _rows_kernel
+    rows = 1 < M <= min(MAX_ROWS, 16) and scales is None and (split == 1 or fused)  # _rows_kernel (16 rows a program)
     if fused and M != 1 and not rows:
         raise ValueError(f"gemv: the norm, SwiGLU and the residual take one row of x, or up to 16 of bf16 "
                          f"weights (got {M})")

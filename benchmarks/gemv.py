@@ -91,7 +91,7 @@ def main():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         expect = plain = x.float() @ ref.T
         fused = {}
-        if a.fused and (M == 1 or kind == "bf16"):  # (several rows: bf16 weights only)
+        if a.fused and (M == 1 or (kind == "bf16" and M <= 16)):  # (several rows: bf16 weights, <= 16)
             if name in ("wo", "w2"):
                 fused = dict(residual=torch.randn(M, N, device=dev, dtype=torch.bfloat16))
                 expect = expect + fused["residual"].float()
@@ -121,6 +121,9 @@ def main():
                 grid = [(bn, bk, s, w, st) for bn, bk in ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512),
                                                          (32, 128), (32, 256), (4, 2048), (2, 2048), (2, 1024))
                         for s in ((1,) if fused else (1, 2, 4, 8)) for w in (4, 8) for st in (2, 4)]
+            elif kind == "bf16":  # several rows: kernels._rows_kernel, which takes all of K (no split)
+                grid = [(bn, bk, 1, w, st) for bn, bk in ((32, 256), (64, 128), (64, 256), (128, 64), (128, 128))
+                        for w in (4, 8) for st in (3, 4, 6)]
             else:
                 grid = [(bn, bk, s, w, st) for bn, bk in ((16, 64), (16, 128), (16, 256), (32, 64), (32, 128),
                                                          (64, 64), (64, 128))

@@ -160,6 +160,17 @@ def test_fused_steps_take_one_row_or_a_few_of_bf16_weights():
                      torch.ones(8).bfloat16(), residual=torch.zeros(2, 8).bfloat16())
 
 
+def test_more_rows_than_the_several_row_kernel_takes_go_elsewhere(monkeypatch):
+    """_rows_kernel computes 16 rows a program: 20 rows go to the other kernel, whatever MAX_ROWS says."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(kernels, "MAX_ROWS", 32)
+    w, _, reference_w = weights("bf16", 64, 256)
+    x = torch.randn(20, 256).bfloat16()
+    y = kernels.gemv(x.to(device), w.to(device), launch=(16, 64, 1, 4, 2))
+    reference = x.double() @ reference_w.T
+    assert (y.double().cpu() - reference).abs().max().item() <= 2e-2 * reference.abs().max().item()
+
+
 @pytest.mark.parametrize("launch", [(16, 64, 1, 4, 2), (32, 128, 1, 4, 3), None])
 @pytest.mark.parametrize("M", [2, 8, 16])
 def test_several_rows_with_the_fusions_match_float64(M, launch):
