@@ -246,12 +246,14 @@ if triton is not None:
         tl.store(y_ptr + y_at, out, mask=ok)
 
 
-# Programmatic dependent launch (sm_90+): each kernel here lets the next one start as soon as all its
-# programs have, and waits for the previous kernel's writes only where it reads them (a GEMV loads
-# its first weight block before). In a graph of decode's ~160 kernels this overlaps each kernel's
-# start with the end of the one before (BENCHMARKS.md; bench.py --no-pdl is the A/B).
-# Since every kernel here signals at its start, the part of a kernel before its wait may run while
-# any earlier kernel of an unbroken run of ours still does: it reads only what none of them writes
+# Programmatic dependent launch (sm_90+) of the one-row GEMVs and the attention kernel: each lets the
+# next kernel start as soon as all its programs have, and waits for the previous kernel's writes
+# only where it reads them (a GEMV loads its first weight block before, the attention kernel its
+# first K/V block). In a graph of decode's ~160 kernels this overlaps each kernel's start with the
+# end of the one before (BENCHMARKS.md; bench.py --no-pdl is the A/B). Several-row launches go
+# without: with it, batch-8 decode was slower (BENCHMARKS.md).
+# Since each of these kernels signals at its start, the part of one before its wait may run while
+# any earlier kernel of an unbroken run of them still does: it reads only what none of them writes
 # (weights, the RoPE tables, pos, cache rows before pos: decode's step ends in PyTorch's sampling
 # kernels, launched normally, which wait for everything before them). Triton's CPU interpreter
 # has no such launch.
@@ -272,7 +274,7 @@ def pdl(x: torch.Tensor) -> bool:
 
 @functools.cache
 def _pdl_capable(device: int) -> bool:
-    """sm_90 or newer, and a Triton with the launch option and the wait (3.4 and later have both)."""
+    """sm_90 or newer (NVIDIA), and a Triton with the launch option and the wait (3.6 and 3.9 have both)."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
         triton_has = "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
