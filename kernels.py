@@ -135,9 +135,7 @@ if triton is not None:
                 r = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
                 out *= r
                 up *= r
-        else:  # several rows: tensor-core dot products, rows padded to BLOCK_M
-            if PDL:
-                tl.extra.cuda.gdc_wait()
+        else:  # several rows (launched without PDL): tensor-core dot products, rows padded to BLOCK_M
             out = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for b in range(b_start, b_end):
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -185,19 +183,16 @@ if triton is not None:
 
     @triton.jit
     def _rows_kernel(x_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K, eps, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-                     RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+                     RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, DOT_F32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[m, n] = sum_k x[m, k] W[n, k] for a few rows of x (M <= BLOCK_M = 16) and bf16 W, with the
         same fusions as _gemv_kernel's one row (NORM per row, SWIGLU, RESIDUAL). Each program takes
         BLOCK_N rows of W over all of K and multiplies them by the rows of x on the tensor cores,
         weights as the large operand ("swap AB": acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile.T), the
         weight tiles pipelined through shared memory (num_stages). Rows of W past N are clamped for
-        the loads (never stored). PDL as in _gemv_kernel, but gemv launches it without (PDL False):
-        with PDL, batch-8 decode took 4.68 ms a step (run 19), without 4.13 (run 20); these programs
-        hold most of an SM's shared memory."""
+        the loads (never stored). No PDL: with it, batch-8 decode took 4.68 ms a step (run 19),
+        without 4.13 (run 20); these programs hold most of an SM's shared memory."""
         pid = tl.program_id(0)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * K
         rm = tl.arange(0, BLOCK_M)
@@ -206,20 +201,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # SWIGLU only
         squares = tl.zeros((BLOCK_M,), tl.float32)  # NORM only
-        # The first block's weights before the wait (as _gemv_kernel)
-        rk = tl.arange(0, BLOCK_K)
-        k_ok = rk < K
-        if EVEN_K:
-            w = tl.load(w_rows + rk[None, :])
-            w_up = tl.load(w_rows + N * K + rk[None, :]) if SWIGLU else w
-        else:
-            w = tl.load(w_rows + rk[None, :], mask=k_ok[None, :], other=0)
-            w_up = tl.load(w_rows + N * K + rk[None, :], mask=k_ok[None, :], other=0) if SWIGLU else w
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        acc, acc_up, squares = _rows_step(acc, acc_up, squares, w, w_up, x_rows, m_ok, g_ptr, rk, k_ok,
-                                          EVEN_K, NORM, SWIGLU, DOT_F32)
-        for b in range(1, tl.cdiv(K, BLOCK_K)):
+        for b in range(0, tl.cdiv(K, BLOCK_K)):
             rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = rk < K
             if EVEN_K:
@@ -281,11 +263,6 @@ def _pdl_capable(device: int) -> bool:
     except (ImportError, AttributeError):
         triton_has = False
     return triton_has and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def launch_pdl(x: torch.Tensor) -> dict:
-    """The launch option that goes with pdl(x) (none where it is off: the interpreter knows no such option)."""
-    return {"launch_pdl": True} if pdl(x) else {}
 
 
 # Rows of x that _rows_kernel takes (bf16 weights; its BLOCK_M): batched decode, short prefills
@@ -358,21 +335,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
             x2, weight, weight if norm_weight is None else norm_weight,
             weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K, eps,
             EVEN_K=K % block_k == 0, NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
-            DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", PDL=False, BLOCK_M=16, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages)  # (no PDL: see _rows_kernel)
+            DOT_F32=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=16, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages)
         return y.view(*x.shape[:-1], N)
     block_m = 1 if M == 1 else 16 if M <= 16 else 64
     y = torch.empty((split, M, N), device=x.device, dtype=x.dtype if split == 1 else torch.float32)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     per_split = triton.cdiv(triton.cdiv(K, block_k), split)
     even = K % block_k == 0 and N % block_n == 0
+    use_pdl = M == 1 and pdl(x)  # (PDL measured for one row only)
     _gemv_kernel[grid](x2, weight, weight if scales is None else scales,
                        weight if norm_weight is None else norm_weight,
                        weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K,
                        per_split, eps, INT8=scales is not None, EVEN=even, NORM=norm_weight is not None,
                        RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=block_k, PDL=M == 1 and pdl(x), num_warps=warps, num_stages=stages,
-                       **(launch_pdl(x) if M == 1 else {}))  # (PDL measured for one row only)
+                       BLOCK_K=block_k, PDL=use_pdl, num_warps=warps, num_stages=stages,
+                       **({"launch_pdl": True} if use_pdl else {}))  # (the interpreter knows no such option)
     y = y[0] if split == 1 else y.sum(0).to(x.dtype)  # split: sum the float32 partials
     return y.view(*x.shape[:-1], N)
 
@@ -584,6 +562,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     block_l = ATTENTION_BLOCK_L or max(16, (4096 if block_g == 1 else 8192) // (block_g * block_d))
     warps = ATTENTION_WARPS or (8 if block_g == 1 and B * Hkv * splits <= 132 else 4)
     y = qkv.new_empty((B, 1, n_heads * D))
+    use_pdl = pdl(qkv)
     if splits == 1:
         m = l = acc = y
     else:
@@ -593,8 +572,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     _attention_kernel[(B, Hkv, splits)](
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, qkv.stride(0), k_cache.stride(0),
         k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=pdl(qkv),
-        num_warps=warps, **launch_pdl(qkv))
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
+        num_warps=warps, **({"launch_pdl": True} if use_pdl else {}))
     return y
 
 
