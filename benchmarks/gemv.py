@@ -79,6 +79,7 @@ def main():
     p.add_argument("--fused", action="store_true",
                    help="one row with what decode fuses into each GEMV: RMSNorm before wqkv, w13 and the head, "
                         "SwiGLU in w13, the residual add after wo and w2 (no split of K then)")
+    p.add_argument("--layers", help="comma-separated subset of wqkv,wo,w13,w2,output (default: all)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -87,6 +88,8 @@ def main():
     records = []
     for kind, (name, (N, K)), M in itertools.product(a.kinds.split(","), shapes(PRESETS[a.model]).items(),
                                                       [int(r) for r in a.rows.split(",")]):
+        if a.layers and name not in a.layers.split(","):
+            continue
         ours, theirs, ref, nbytes = make_weights(kind, N, K, dev)
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         expect = plain = x.float() @ ref.T
@@ -122,7 +125,8 @@ def main():
                                                          (32, 128), (32, 256), (4, 2048), (2, 2048), (2, 1024))
                         for s in ((1,) if fused else (1, 2, 4, 8)) for w in (4, 8) for st in (2, 4)]
             elif kind == "bf16":  # several rows: kernels._rows_kernel, which takes all of K (no split)
-                grid = [(bn, bk, 1, w, st) for bn, bk in ((32, 256), (64, 128), (64, 256), (128, 64), (128, 128))
+                grid = [(bn, bk, 1, w, st) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128),
+                                                         (64, 256), (128, 64), (128, 128))
                         for w in (4, 8) for st in (3, 4, 6)]
             else:
                 grid = [(bn, bk, s, w, st) for bn, bk in ((16, 64), (16, 128), (16, 256), (32, 64), (32, 128),

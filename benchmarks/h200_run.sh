@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md's tables (runs 9-11 of session 3: calls a, b, c1, c2, d; runs 12-15
-# of session 4: calls e, f, g, h, i; runs 16-20 of session 5: calls j, k, l, m, n; 2026-11-29), as the
+# of session 4: calls e, f, g, h, i; runs 16-20 of session 5: calls j, k, l, m, n;
+# runs 21-22 of session 6: calls p, q; 2026-11-29), as the
 # device sessions ran them, each part on the code of its own commit.
-# Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n]...
+# Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n|p|q]...
 # Cold first calls use fresh Inductor/Triton cache directories; a second run on the same directory is warm.
 set -u
 export PYTHONUNBUFFERED=1
@@ -82,4 +83,16 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds bf16 --rows 8 --json "$OUT/gemv8.json"
       t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds bf16 --rows 8 --fused --json "$OUT/gemv8f.json"
       variants n1:"--batch-sizes 8 --no-pdl --kernels" n2:"--batch-sizes 8 --no-pdl --gemv-max-rows 1" ;;
+  p)  # run 21 (session 5's final code, commit 216bf60): GPU tests, 7B batch 1 and 8, several rows tuned, int4 variants
+      gpu_tests 200
+      variants p1:"--batch-sizes 1,8"
+      t 170 python3 benchmarks/gemv.py --model llama-2-7b --kinds bf16 --rows 8 --fused --tune --layers w13,wqkv,wo,w2 \
+        --json "$OUT/tune8.json"
+      t 300 python3 benchmarks/int4_variants.py --budget-s 280 --json "$OUT/int4v.json" | tail -40 ;;
+  q)  # run 22 (w2 at several rows re-tuned): the several-row GPU tests, 7B batch 1 and 8 cold then warm, 8B,
+      # int8, int4
+      t 120 python3 -m pytest -q -m cuda -p no:logging -p no:warnings tests/test_cuda.py tests/test_kernels.py \
+        -k "fused or rows or one_graph" | tail -5
+      variants q1:"--batch-sizes 1,8" q1:"--batch-sizes 1,8" q2:"--model llama-3.1-8b" q3:"--quantize int8" \
+               q4:"--quantize int4-g32" q5:"--quantize int4-g128" ;;
 esac; done
