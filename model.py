@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cpu_kernels
 import kernels
 
 
@@ -454,6 +455,20 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales_and_zeros: torch.T
     return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
+def int4_linear_cpu(x: torch.Tensor, weight: torch.Tensor, block_scales: torch.Tensor,
+                    block_zeros: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ W.T on the CPU, W in the file's layout with a scale and zero per block of 32
+    columns (cpu_kernels.block_params): decode rows through cpu_kernels.cpp (activations rounded
+    to int8 per block), more rows (prefill) through the dequantized weight and F.linear."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= CPU_KERNEL_MAX_ROWS:
+        y = cpu_kernels.int4_linear(x.reshape(rows, -1).float().contiguous(), weight, block_scales, block_zeros)
+        return y.view(*x.shape[:-1], -1).to(x.dtype)
+    blocks = weight.shape[1] // 16
+    w = dequantize_int4(weight, block_scales[:, :blocks].float(), block_zeros[:, :blocks].float(), 32)
+    return F.linear(x, w.to(x.dtype))
+
+
 def unpack_int4(weight: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] (column 2j in the low nibble) -> int32 [N, K] in 0..15."""
     return torch.stack([weight & 15, weight >> 4], dim=-1).view(weight.shape[0], -1).int()
@@ -534,14 +549,25 @@ class Int4Linear(nn.Module):
         return unfused(self.linear, x, norm, residual, swiglu)
 
     def linear(self, x):
-        y = int4_linear(x, self.weight, self.scales_and_zeros, self.kernel_groupsize)
+        if hasattr(self, "block_scales"):
+            y = int4_linear_cpu(x, self.weight, self.block_scales, self.block_zeros)
+        else:
+            y = int4_linear(x, self.weight, self.scales_and_zeros, self.kernel_groupsize)
         return y if self.bias is None else y + self.bias
 
     def _after_load(self, incompatible_keys):
-        """Repack the loaded file layout for the kernel: `weight` becomes the packed weight, and
-        `scales`, `zeros` become `scales_and_zeros`."""
+        """Repack the loaded file layout for the kernel. On a CPU that runs cpu_kernels.cpp,
+        `weight` stays as it is and `scales`, `zeros` become `block_scales`, `block_zeros`;
+        elsewhere `weight` becomes PyTorch's packed weight and `scales`, `zeros` `scales_and_zeros`."""
         if not hasattr(self, "scales") or any(t.is_meta for t in (self.weight, self.scales, self.zeros)):
             return  # not (fully) loaded: load_state_dict reports what is missing
+        if self.weight.is_cpu and self.weight.shape[1] % 32 == 0 and cpu_kernels.available():  # (K % 64)
+            block_scales, block_zeros = cpu_kernels.block_params(self.scales, self.zeros, self.groupsize,
+                                                                 2 * self.weight.shape[1])
+            del self.scales, self.zeros
+            self.block_scales = nn.Parameter(block_scales, requires_grad=False)
+            self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
+            return
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cpu_kernels
 from convert_hf_checkpoint import write_safetensors
 from eval import perplexity
 from generate import Generator, Sampling
@@ -128,17 +129,74 @@ def test_quantized_linear_is_close_to_float(mode, groupsize, rows):
     x = torch.randn(rows, 576)
     y = layer(x.view(1, rows, 576)).view(rows, 256)
     assert y.dtype == torch.float32
-    # Against its own dequantized weight, the only error is the kernels' bf16 activations and
+    # Against its own dequantized weight, the only error is PyTorch's kernels' bf16 activations and
     # output (unit roundoff 2^-9 on each: ~0.25% on a long dot product of random terms), or none
-    # at all where int8 prefill (more than 32 rows) dequantizes and runs in fp32.
+    # at all where prefill (more than 32 rows) dequantizes and runs in fp32. int4 decode through
+    # cpu_kernels.cpp carries x to ~1/16000 of each block's largest value (measured ~3e-5).
     exact = F.linear(x, deq, b)
-    assert rel(y, exact) < (1e-5 if mode == "int8" and rows > 32 else 5e-3)  # measured ~2.5e-3
+    if rows > 32 and (mode == "int8" or hasattr(layer, "block_scales")):
+        assert rel(y, exact) < 1e-5
+    else:
+        assert rel(y, exact) < (2e-4 if hasattr(layer, "block_scales") else 5e-3)  # measured ~2.5e-3
     # The weight's relative error is that of rounding to nearest on the grid: step^2 / 12 per weight
     # (measured: int8 1.00x that, int4 0.9x, its fit beating min/max). For inputs in random
     # directions the output's relative error is the weight's, plus the bf16 part.
     weight_err = rel(deq, w)
     assert weight_err < 1.05 * rounding_noise(w, mode, groupsize)
     assert rel(y, F.linear(x, w, b)) < 1.3 * weight_err + 5e-3
+
+
+# -- the CPU int4 kernel (cpu_kernels.cpp) ----------------------------------------------------------
+
+needs_cpu_kernel = pytest.mark.skipif(cpu_kernels._unsupported() is not None,
+                                      reason=f"cpu_kernels.cpp does not run here: {cpu_kernels._unsupported()}")
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_builds_and_int4_layers_use_it():
+    assert cpu_kernels.available()  # a failed build would otherwise pass unseen, through PyTorch's op
+    layer, _ = quantized_linear(weights(32, 64), "int4", 32)
+    assert hasattr(layer, "block_scales") and layer.weight.shape == (32, 32)  # the file's layout, kept
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("N,K,groupsize", [(48, 64, 32), (256, 576, 32), (256, 576, 128), (96, 1536, 64),
+                                           (64, 512, 256)])
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_cpu_int4_kernel_matches_float64(N, K, groupsize, rows):
+    q, scales, zeros = quantize_int4(weights(N, K, seed=N + K), groupsize)
+    deq = dequantize_int4(q, scales.float(), zeros.float(), groupsize).double()
+    block_scales, block_zeros = cpu_kernels.block_params(scales.float(), zeros.float(), groupsize, K)
+    plain = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    x = plain.clone()
+    x[0, 5] = 40.0  # an outlier: the other values of its block keep their precision (the second int8 part)
+    x[-1, 32:64] = 0.0  # a block of zeros
+    for xs in (plain, x):
+        y = cpu_kernels.int4_linear(xs, q, block_scales, block_zeros)
+        ref = xs.double() @ deq.T
+        assert y.shape == (rows, N) and y.dtype == torch.float32
+        # x is carried to ~1/32000 of its block's largest value: measured 4e-5-1.3e-4 (max 1.8e-4).
+        assert ((y - ref).abs().max() / ref.abs().max()).item() < 4e-4
+        assert rel(y.double(), ref) < 2.5e-4
+    # Without outliers, 10-30x closer than x merely rounded to bf16 (PyTorch's int4 op's input).
+    y = cpu_kernels.int4_linear(plain, q, block_scales, block_zeros)
+    ref = plain.double() @ deq.T
+    assert rel(y.double(), ref) < rel(plain.bfloat16().double() @ deq.T, ref) / 8
+    assert torch.equal(cpu_kernels.int4_linear(torch.zeros(rows, K), q, block_scales, block_zeros),
+                       torch.zeros(rows, N))
+
+
+@needs_cpu_kernel
+def test_cpu_int4_kernel_compiles_and_refuses_bad_shapes():
+    q, scales, zeros = quantize_int4(weights(64, 128), 32)
+    block_scales, block_zeros = cpu_kernels.block_params(scales.float(), zeros.float(), 32, 128)
+    x = torch.randn(2, 128)
+    compiled = torch.compile(cpu_kernels.int4_linear, fullgraph=True)  # an opaque op to Inductor
+    assert torch.equal(compiled(x, q, block_scales, block_zeros), cpu_kernels.int4_linear(x, q, block_scales, block_zeros))
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        cpu_kernels.int4_linear(torch.randn(2, 96), q[:, :48], block_scales, block_zeros)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.int4_linear(x.bfloat16(), q, block_scales, block_zeros)
 
 
 def rounding_noise(w, mode, groupsize):
