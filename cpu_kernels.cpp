@@ -31,6 +31,49 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// x [M, K] per block of 32 columns, in two int8 parts: x = d * (hi + lo / 128), hi = round(x / d)
+// with d = max |x| / 127, lo the remainder (|lo| <= 64), so x is carried to ~1/32000 of the
+// block's largest value (bf16 carries ~1/512 of each value). Block b of row m: `d` (here d / 128,
+// the unit of 128 * hi + lo), the exact `sum` of x and `sum8` = 8 * the sum of the quantized x, at
+// m * Bp + b. The values: 64 bytes a block, its 32 hi then its 32 lo; with `nibble_order`, a pair of blocks is
+// stored as the even columns of both (32 bytes) then their odd columns, hi and then lo, the order
+// in which a 32-byte load of an int4 weight gives its low and its high nibbles.
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum, sum8;
+};
+
+QuantizedX quantize_x(const at::Tensor& x, int64_t Bp, bool nibble_order) {
+  const int64_t M = x.size(0), K = x.size(1), B = K / 32;
+  QuantizedX out{std::vector<int8_t>(2 * M * K), std::vector<float>(M * Bp, 0.f), std::vector<float>(M * Bp, 0.f),
+                 std::vector<float>(M * Bp, 0.f)};
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = xp + m * K + 32 * b;
+      float amax = 0.f, sum = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        sum += xb[i];
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t* block = out.q.data() + 2 * m * K + (nibble_order ? 128 * (b / 2) + 16 * (b % 2) : 64 * b);
+      int32_t total = 0;  // the quantized sum, in units of d / 128
+      for (int j = 0; j < 32; ++j) {
+        const float v = xb[j] * inv, hi = std::nearbyint(v), lo = std::nearbyint((v - hi) * 128.f);
+        const int at = nibble_order ? (j % 2) * 32 + j / 2 : j;
+        block[at] = static_cast<int8_t>(hi);
+        block[(nibble_order ? 64 : 32) + at] = static_cast<int8_t>(lo);
+        total += 128 * static_cast<int32_t>(hi) + static_cast<int32_t>(lo);
+      }
+      out.d[m * Bp + b] = amax / (127.f * 128.f);
+      out.sum[m * Bp + b] = sum;
+      out.sum8[m * Bp + b] = 8.f * out.d[m * Bp + b] * static_cast<float>(total);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 // x [M, K] float32; w uint8 [N, K/2], column 2j in the low nibble of byte j, 2j+1 in the high one;
@@ -46,47 +89,17 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == N * Bp && zeros.numel() == N * Bp,
               "int4_linear: scales and zeros must be contiguous bf16 [N, K/32 rounded up to a multiple of 8]");
 
-  // x per block of 32, in two int8 parts: x = d * (hi + lo / 128), hi = round(x / d) with d =
-  // max |x| / 127, lo the remainder (|lo| <= 64), so x is carried to ~1/16000 of the block's
-  // largest value (bf16 carries ~1/256 of each value); also the exact sum of x and 8 * sum(x'). A pair of blocks is
-  // stored as the even columns of both (32 bytes), then their odd columns, for hi and then lo: the
-  // order in which a 32-byte load of the weight gives its low and its high nibbles.
-  std::vector<int8_t> xq(2 * M * K);
-  std::vector<float> xd(M * Bp, 0.f), xs(M * Bp, 0.f), x8(M * Bp, 0.f);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < B; ++b) {
-      const float* xb = xp + m * K + 32 * b;
-      float amax = 0.f, sum = 0.f;
-      for (int i = 0; i < 32; ++i) {
-        amax = std::max(amax, std::fabs(xb[i]));
-        sum += xb[i];
-      }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* even = xq.data() + 2 * m * K + 128 * (b / 2) + 16 * (b % 2);
-      int32_t total = 0;  // sum(x') in units of d / 128
-      for (int j = 0; j < 32; ++j) {
-        const float v = xb[j] * inv, hi = std::nearbyint(v), lo = std::nearbyint((v - hi) * 128.f);
-        const int at = (j % 2) * 32 + j / 2;  // even columns first, then odd
-        even[at] = static_cast<int8_t>(hi);
-        even[64 + at] = static_cast<int8_t>(lo);
-        total += 128 * static_cast<int32_t>(hi) + static_cast<int32_t>(lo);
-      }
-      xd[m * Bp + b] = amax / (127.f * 128.f);
-      xs[m * Bp + b] = sum;
-      x8[m * Bp + b] = 8.f * xd[m * Bp + b] * static_cast<float>(total);
-    }
-  }
+  const QuantizedX xq = quantize_x(x, Bp, true);
 
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const uint16_t* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
-  const int8_t* xqp = xq.data();
-  const float* xdp = xd.data();
-  const float* xsp = xs.data();
-  const float* x8p = x8.data();
+  const int8_t* xqp = xq.q.data();
+  const float* xdp = xq.d.data();
+  const float* xsp = xq.sum.data();
+  const float* x8p = xq.sum8.data();
   const int64_t pairs = B / 2;
   // Threads only for products big enough to pay for the hand-off (the model's smallest, 576x576, does).
 #pragma omp parallel for schedule(static) if (N * K >= 262144)
@@ -125,10 +138,50 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
+// x [M, K] float32 (K a multiple of 32); w int8 [N, K]; scales float32 [N]: W = w * scales[:, None].
+// Returns y [M, N] float32. vpmaddubsw wants one unsigned operand: |w| times x with w's sign.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8_linear: x must be contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), B = K / 32;
+  TORCH_CHECK(K % 32 == 0 && w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(1) == K,
+              "int8_linear: w must be contiguous int8 [N, K], K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "int8_linear: scales must be contiguous float32 [N]");
+  const QuantizedX xq = quantize_x(x, B, false);
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+#pragma omp parallel for schedule(static) if (N * K >= 262144)
+  for (int64_t n = 0; n < N; ++n) {
+    const int8_t* wn = wp + n * K;
+    const __m256i ones = _mm256_set1_epi16(1), x128 = _mm256_set1_epi16(128);
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xqm = xq.q.data() + 2 * m * K;
+      const float* xdm = xq.d.data() + m * B;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t b = 0; b < B; ++b) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + 32 * b));
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xqm + 64 * b);  // hi, then lo
+        const __m256i a = _mm256_abs_epi8(v);  // |w| <= 128: pairs of products fit int16 (2 * 128 * 127)
+        const __m256i p = _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_loadu_si256(xv), v)), x128),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_loadu_si256(xv + 1), v)), ones));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xdm[b]), acc);
+      }
+      yp[m * N + n] = sp[n] * hsum(acc);
+    }
+  }
+  return y;
+}
+
 TORCH_LIBRARY(graphdecode, m) {
   m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphdecode, CPU, m) {
   m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
 }

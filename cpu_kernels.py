@@ -1,13 +1,15 @@
-"""The CPU int4 decode matmul (cpu_kernels.cpp), built with the system C++ compiler on first use.
+"""The CPU decode matmuls for int4 and int8 weights (cpu_kernels.cpp), built with the system C++
+compiler on first use.
 
-`int4_linear(x, weight, scales, zeros)` multiplies float32 rows by 4-bit weights (file layout:
-uint8 [N, K/2], column 2j in the low nibble) with the activations quantized to int8 per block of
-32 columns, in integer instructions (AVX2): ~2.7x PyTorch's `_weight_int4pack_mm_for_cpu` on the
-default model's shapes (BENCHMARKS.md). `available()` builds the library once into
-~/.cache/graphdecode/cpu_kernels/ (~15 s; keyed by the source, torch version and flags), loads it
-and registers the op for torch.compile; it returns False, after saying why on stderr once, on a
-CPU without AVX2, without a compiler, or with GRAPHDECODE_CPU_KERNELS=0, and callers then use
-PyTorch's op.
+`int4_linear(x, weight, scales, zeros)` (weight in the file layout: uint8 [N, K/2], column 2j in
+the low nibble) and `int8_linear(x, weight, scales)` multiply float32 rows by the quantized
+weights in integer instructions (AVX2), with x carried in two int8 parts per block of 32 columns
+(~1/32000 of the block's largest value: closer than bf16). On the default model's shapes int4 runs
+at ~2.2x PyTorch's `_weight_int4pack_mm_for_cpu` (BENCHMARKS.md). `available()` builds the
+library once into ~/.cache/graphdecode/cpu_kernels/ (~15 s; keyed by the source, torch version
+and flags), loads it and registers the ops for torch.compile; it returns False, after saying why
+on stderr once, on a CPU without AVX2, without a compiler, or with GRAPHDECODE_CPU_KERNELS=0, and
+callers then use PyTorch's ops.
 """
 import hashlib
 import os
@@ -33,7 +35,8 @@ def available() -> bool:
         if why is None:
             try:
                 torch.ops.load_library(str(_build()))
-                torch.library.register_fake("graphdecode::int4_linear")(_int4_linear_fake)
+                torch.library.register_fake("graphdecode::int4_linear")(_linear_fake)
+                torch.library.register_fake("graphdecode::int8_linear")(_linear_fake)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 why = f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         if why is not None:
@@ -76,7 +79,7 @@ def _build() -> Path:
     return out
 
 
-def _int4_linear_fake(x, weight, scales, zeros):
+def _linear_fake(x, weight, *scales_and_zeros):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -95,3 +98,10 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
     if not _loaded and not available():
         raise RuntimeError("cpu_kernels.cpp cannot run here (see the note above)")
     return torch.ops.graphdecode.int4_linear(x, weight, scales, zeros)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ (weight * scales[:, None]).T -> [M, N] float32; weight int8, scales float32."""
+    if not _loaded and not available():
+        raise RuntimeError("cpu_kernels.cpp cannot run here (see the note above)")
+    return torch.ops.graphdecode.int8_linear(x, weight, scales)

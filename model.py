@@ -434,8 +434,11 @@ def check_quantization(quantization) -> tuple[str, int | None]:
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ (weight * scales[:, None]).T -> [..., N]."""
     rows = x.numel() // x.shape[-1]
-    if x.is_cpu and rows <= CPU_KERNEL_MAX_ROWS:  # scales are bf16 here (cast when loading)
-        y = torch._weight_int8pack_mm(x.reshape(rows, -1).to(torch.bfloat16), weight, scales)
+    if x.is_cpu and rows <= CPU_KERNEL_MAX_ROWS:  # Int8Linear chose the kernel when loading:
+        if scales.dtype == torch.float32:  # cpu_kernels.cpp
+            y = cpu_kernels.int8_linear(x.reshape(rows, -1).float().contiguous(), weight, scales)
+        else:  # PyTorch's, with bf16 scales and activations
+            y = torch._weight_int8pack_mm(x.reshape(rows, -1).to(torch.bfloat16), weight, scales)
         return y.view(*x.shape[:-1], -1).to(x.dtype)
     # Decode on CUDA: dequantized in registers, 2.5-5x Inductor's. (Several float32 rows would go
     # through a TF32 dot: those take the exact path below.)
@@ -526,8 +529,9 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _after_load(self, incompatible_keys):
-        if self.scales.is_cpu:  # the CPU kernel wants bf16 scales
-            self.scales = nn.Parameter(self.scales.to(torch.bfloat16), requires_grad=False)
+        if self.scales.is_cpu:  # cpu_kernels.cpp wants float32 scales, PyTorch's CPU kernel bf16 ones
+            ours = self.weight.shape[1] % 32 == 0 and cpu_kernels.available()
+            self.scales = nn.Parameter(self.scales.to(torch.float32 if ours else torch.bfloat16), requires_grad=False)
 
 
 class Int4Linear(nn.Module):

@@ -131,13 +131,14 @@ def test_quantized_linear_is_close_to_float(mode, groupsize, rows):
     assert y.dtype == torch.float32
     # Against its own dequantized weight, the only error is PyTorch's kernels' bf16 activations and
     # output (unit roundoff 2^-9 on each: ~0.25% on a long dot product of random terms), or none
-    # at all where prefill (more than 32 rows) dequantizes and runs in fp32. int4 decode through
-    # cpu_kernels.cpp carries x to ~1/16000 of each block's largest value (measured ~3e-5).
+    # at all where prefill (more than 32 rows) dequantizes and runs in fp32. Decode through
+    # cpu_kernels.cpp carries x to ~1/32000 of each block's largest value.
     exact = F.linear(x, deq, b)
-    if rows > 32 and (mode == "int8" or hasattr(layer, "block_scales")):
+    ours = hasattr(layer, "block_scales") or (mode == "int8" and layer.scales.dtype == torch.float32)
+    if rows > 32 and (mode == "int8" or ours):
         assert rel(y, exact) < 1e-5
     else:
-        assert rel(y, exact) < (2e-4 if hasattr(layer, "block_scales") else 5e-3)  # measured ~2.5e-3
+        assert rel(y, exact) < (2.5e-4 if ours else 5e-3)  # measured ~5e-5 and ~2.5e-3
     # The weight's relative error is that of rounding to nearest on the grid: step^2 / 12 per weight
     # (measured: int8 1.00x that, int4 0.9x, its fit beating min/max). For inputs in random
     # directions the output's relative error is the weight's, plus the bf16 part.
@@ -157,6 +158,8 @@ def test_cpu_kernel_builds_and_int4_layers_use_it():
     assert cpu_kernels.available()  # a failed build would otherwise pass unseen, through PyTorch's op
     layer, _ = quantized_linear(weights(32, 64), "int4", 32)
     assert hasattr(layer, "block_scales") and layer.weight.shape == (32, 32)  # the file's layout, kept
+    layer, _ = quantized_linear(weights(32, 64), "int8")
+    assert layer.scales.dtype == torch.float32  # (PyTorch's CPU kernel would take bf16 scales)
 
 
 @needs_cpu_kernel
@@ -184,6 +187,24 @@ def test_cpu_int4_kernel_matches_float64(N, K, groupsize, rows):
     assert rel(y.double(), ref) < rel(plain.bfloat16().double() @ deq.T, ref) / 8
     assert torch.equal(cpu_kernels.int4_linear(torch.zeros(rows, K), q, block_scales, block_zeros),
                        torch.zeros(rows, N))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("N,K", [(48, 64), (256, 576), (96, 1536), (40, 96)])
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_cpu_int8_kernel_matches_float64(N, K, rows):
+    q, scales = quantize_int8(weights(N, K, seed=N + K))
+    deq = dequantize_int8(q, scales.float()).double()
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    ref = x.double() @ deq.T
+    y = cpu_kernels.int8_linear(x, q, scales.float())
+    assert y.shape == (rows, N) and y.dtype == torch.float32
+    assert rel(y.double(), ref) < min(2.5e-4, rel(x.bfloat16().double() @ deq.T, ref) / 8)  # measured 4e-5
+    x[0, 5] = 40.0
+    ref = x.double() @ deq.T
+    assert rel(cpu_kernels.int8_linear(x, q, scales.float()).double(), ref) < 2.5e-4
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_kernels.int8_linear(x[:, :K - 16].contiguous(), q[:, :K - 16].contiguous(), scales.float())
 
 
 @needs_cpu_kernel
