@@ -406,13 +406,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # (Transformer._load_hook does `weight`, _fuse_quantized the rest). Int4Linear repacks its weight
 # into the kernel's layout after loading, on the device it runs on.
 #
-# Kernels: PyTorch's weight-only ops, which take bf16 activations (their fp32 paths on the CPU are
-# 5-20x slower), so x is cast to bf16 around the matmul and back. On the CPU, decode (<= 32 rows)
-# uses them; int8 prefill dequantizes and calls F.linear (2x faster there). On CUDA, int8 decode
-# (<= 16 rows) is kernels.py's Triton GEMV, which dequantizes in registers (2.5-5x the speed of
-# gpt-fast's F.linear(x, w.to(x.dtype)) * scales fused by Inductor, used for prefill; aten's CUDA
-# _weight_int8pack_mm is slower still), and int4 is tinygemm (_weight_int4pack_mm), which beat our
-# Triton int4 kernel. No op here syncs with the host: all of it can be captured in a CUDA graph.
+# Kernels. On the CPU, decode (<= 32 rows): on x86 with AVX2, cpu_kernels.cpp's integer kernels
+# (x quantized per block of 32 in two int8 parts: closer than bf16; 2-3.6x PyTorch's ops);
+# elsewhere PyTorch's weight-only ops, which take bf16 activations (their fp32 paths are 5-20x
+# slower), so x is cast to bf16 around the matmul and back. CPU prefill dequantizes and calls
+# F.linear (2x faster there). On CUDA, int8 decode (<= 16 rows) is kernels.py's Triton GEMV, which
+# dequantizes in registers (2.5-5x the speed of gpt-fast's F.linear(x, w.to(x.dtype)) * scales
+# fused by Inductor, used for prefill; aten's CUDA _weight_int8pack_mm is slower still), and int4
+# is tinygemm (_weight_int4pack_mm), which beat our Triton int4 kernels. No op here syncs with the
+# host: all of it can be captured in a CUDA graph.
 
 INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 CPU_KERNEL_MAX_ROWS = 32  # up to this many tokens the CPU int8 kernel beats dequantize + F.linear

@@ -271,6 +271,15 @@ def default_out(checkpoint: Path, mode: str, groupsize: int | None) -> Path:
     return checkpoint.parent / f"{checkpoint.resolve().name}-{suffix}"
 
 
+def prepare_default_int4(checkpoint: Path) -> Path:
+    """The default model's int4 form (groups of 32), next to its float checkpoint, made once: what
+    generate.py runs on the CPU (README: the GGUF it comes from is Q4_1, so g32 costs nothing)."""
+    out = default_out(checkpoint, "int4", 32)
+    if (out / "config.json").is_file():
+        return out
+    return quantize_checkpoint(checkpoint, "int4", 32, out)
+
+
 def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = None, out: Path | None = None,
                         calibration: Path | None = None) -> Path:
     """Write the quantized checkpoint (int4 by GPTQ on the text file `calibration`, if given)."""

@@ -1,11 +1,16 @@
 """The default model (SmolLM2-135M-Instruct), converted from its GGUF, against transformers'
-own loading of the same GGUF file: logits, and greedy generation token for token."""
+own loading of the same GGUF file: logits, and greedy generation token for token. Then its int4
+form (what generate.py runs on the CPU) against transformers on the same, dequantized, weights."""
+import copy
+
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from generate import Generator, Sampling
-from model import Transformer
+from model import Transformer, dequantize_int4, dequantize_int8, read_config
+from quantize import prepare_default_int4
 from tokenizer import load_tokenizer
 
 TEXT = (
@@ -68,5 +73,55 @@ def test_greedy_generation_matches_transformers(ckpt, ours, hf_model, compiled):
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
                                     pad_token_id=2)[0, len(ids):].tolist()
+        got = [t for chunk in gen.generate([ids], 64) for t in chunk[0]]
+        assert got == ref, f"{prompt!r}: first difference at {next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)}"
+
+
+@pytest.fixture(scope="module")
+def int4_ckpt(ckpt, tmp_path_factory):
+    float_ckpt = tmp_path_factory.mktemp("int4") / ckpt.name  # (the int4 form is written next to it)
+    float_ckpt.symlink_to(ckpt, target_is_directory=True)
+    return prepare_default_int4(float_ckpt)
+
+
+@pytest.fixture(scope="module")
+def hf_int4(int4_ckpt, hf_model):
+    """transformers' Llama with the int4 checkpoint's weights, dequantized to float32 (the int8
+    head too, so untied): the very weights our int4 model multiplies by."""
+    f = {k: v.float() if v.is_floating_point() else v for k, v in load_file(int4_ckpt / "model.safetensors").items()}
+
+    def weight(name):
+        if name + ".zeros" in f:
+            return dequantize_int4(f[name + ".weight"], f[name + ".scales"], f[name + ".zeros"], 32)
+        return dequantize_int8(f[name + ".weight"], f[name + ".scales"]) if name + ".scales" in f else f[name + ".weight"]
+
+    state = {"model.embed_tokens.weight": f["tok_embeddings.weight"], "model.norm.weight": f["norm.weight"],
+             "lm_head.weight": weight("output")}
+    hf_names = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+                "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+                "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+                "ffn_norm": "post_attention_layernorm"}
+    for i in range(hf_model.config.num_hidden_layers):
+        for ours_name, theirs in hf_names.items():
+            state[f"model.layers.{i}.{theirs}.weight"] = weight(f"layers.{i}.{ours_name}")
+    config = copy.deepcopy(hf_model.config)
+    config.tie_word_embeddings = False
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    model.load_state_dict(state, strict=True)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_int4_default_greedy_matches_transformers_on_its_weights(int4_ckpt, hf_int4, compiled):
+    assert read_config(int4_ckpt)["quantization"] == {"mode": "int4", "groupsize": 32}
+    model = Transformer.from_checkpoint(int4_ckpt, device="cpu", dtype=torch.float32)
+    tok = load_tokenizer(int4_ckpt)
+    gen = Generator(model, Sampling(temperature=0), "compile" if compiled else "eager")
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            ref = hf_int4.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+                                   pad_token_id=2)[0, len(ids):].tolist()
         got = [t for chunk in gen.generate([ids], 64) for t in chunk[0]]
         assert got == ref, f"{prompt!r}: first difference at {next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)}"
