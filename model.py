@@ -70,7 +70,12 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Embedding's own init, N(0, 1), but not on the meta device of from_checkpoint, where
+        # normal_ would import PyTorch's reference ops first: 2 s of every CPU start.
+        embedding = torch.empty(args.vocab_size, args.dim)
+        if not embedding.is_meta:
+            nn.init.normal_(embedding)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=embedding)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = Linear(args.dim, args.vocab_size, bias=False)
