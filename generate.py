@@ -440,6 +440,9 @@ def run(args) -> None:
     length = context if args.interactive else len(first_prompt) + args.max_new_tokens + extra
     if args.check_graphs:  # it decodes 8 more steps (or a round) after the prompt, 3 more to warm up
         length = min(context, max(length, len(first_prompt) + 12 + extra))
+    # The cache length is part of the compiled step's shapes: rounded up to a multiple of 64, prompts
+    # of about the same length reuse a compiled step from Inductor's cache (CPU: ~12 s against ~85 s).
+    length = min(context, -(-length // 64) * 64)
     check_memory(config, checkpoint, 1, length, dtype, device)
     model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
     synchronize(device)
