@@ -12,6 +12,7 @@ The decode path, in reading order:
 import argparse
 import contextlib
 import math
+import os
 import resource
 import sys
 import time
@@ -100,8 +101,8 @@ def decode_one_token(model: Transformer, token: torch.Tensor, pos: torch.Tensor,
 class Generator:
     """Holds the model, its static decode buffers and the compiled step."""
 
-    # How decode_one_token runs, and how many first calls are warm-up (compile, record).
-    MODES = {"eager": 0, "compile": 1, "graphs": 3}
+    # How decode_one_token runs, and how many first calls are warm-up (compile, record, build).
+    MODES = {"eager": 0, "compile": 1, "graphs": 3, "aot": 1, "aot-cached": 1}
 
     def __init__(self, model: Transformer, sampling: Sampling, mode: str = "eager",
                  compile_prefill: bool = False, stop_check_interval: int = 8):
@@ -121,6 +122,10 @@ class Generator:
             if self.device.type != "cuda":
                 raise ValueError("mode 'graphs' needs a CUDA device")
             self.step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+        elif mode in ("aot", "aot-cached"):  # the CPU: compiled ahead of time, cached on disk (AotStep);
+            if self.device.type != "cpu":  # aot-cached: only if already built, else eager
+                raise ValueError(f"mode {mode!r} is for the CPU")
+            self.step = AotStep(build=mode == "aot")
         else:
             raise ValueError(f"unknown decode mode {mode!r}")
         self.warmup_calls = self.MODES[mode]
@@ -143,9 +148,11 @@ class Generator:
             token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
             pos = torch.zeros(1, dtype=torch.long, device=self.device)
             tokens = torch.zeros(batch, L, dtype=torch.long, device=self.device)
-            if self.mode != "eager":  # (eager decode needs no marks, nor the 1.3 s import of torch._dynamo)
+            if self.mode in ("compile", "graphs"):  # (eager and aot need no marks, nor the 1.3 s import of torch._dynamo)
                 for t in (token, pos, tokens):
                     torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
+            if self.mode.startswith("aot"):  # new shapes: a step built for them (or loaded) at the next call
+                self.step, self.calls = AotStep(build=self.mode == "aot"), 0
             self.buffers = (token, pos, tokens)
         return self.buffers
 
@@ -200,7 +207,7 @@ class Generator:
     def no_recompiles(self):
         """After warm-up a recompile is an error naming the guard that failed, never a silent
         slowdown (dynamo raises with the failed guard in its message)."""
-        if self.mode == "eager":
+        if self.mode in ("eager", "aot", "aot-cached"):  # (nothing traces at run time)
             yield
             return
         with torch._dynamo.config.patch(error_on_recompile=True):
@@ -208,6 +215,98 @@ class Generator:
                 yield
             except torch._dynamo.exc.RecompileError as e:
                 raise RuntimeError(f"decode recompiled after warm-up: {str(e).strip().splitlines()[-1]}") from e
+
+
+# -- the CPU decode step compiled ahead of time -------------------------------------------------
+
+AOT_CACHE = Path.home() / ".cache" / "graphdecode" / "aot"
+AOT_SOURCES = ("generate.py", "model.py", "kernels.py", "cpu_kernels.cpp")  # what the compiled step runs
+
+
+class _Step(torch.nn.Module):
+    def __init__(self, model: Transformer, s: Sampling):
+        super().__init__()
+        self.model, self.s = model, s
+
+    def forward(self, token, pos, tokens):
+        decode_one_token(self.model, token, pos, tokens, self.s)
+
+
+class AotStep:
+    """decode_one_token through torch.export and AOTInductor, for the CPU. torch.compile traces
+    the model again in every new process (~11 s for the default model, ~85 s cold); this
+    compiles once, into a package under ~/.cache/graphdecode/aot/ keyed by what the compiled code
+    depends on (the model's architecture and parameter shapes, batch, cache length, sampling,
+    torch version, the source files), and a later process loads it in ~2 s. The package holds no
+    weights: its constants (weights, KV cache, RoPE tables) are the model's own tensors, handed
+    over at load (user-managed), so the prefill's cache writes are the ones decode reads, and any
+    checkpoint of the same shapes reuses it. Falls back to torch.compile, with a note, if
+    exporting or compiling fails. With build=False a missing package means eager decode."""
+
+    def __init__(self, build: bool = True):
+        self.runner, self.build = None, build
+
+    def __call__(self, model, token, pos, tokens, s):
+        if self.runner is None:
+            self.runner = self._load_or_build(model, token, pos, tokens, s)
+        self.runner(model, token, pos, tokens, s)
+
+    @staticmethod
+    def key(model, token, tokens, s) -> str:
+        import hashlib
+        import json
+
+        here = Path(__file__).resolve().parent
+        h = hashlib.sha256(b"".join((here / f).read_bytes() for f in AOT_SOURCES))
+        state = [(n, list(t.shape), str(t.dtype)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+        h.update(json.dumps([model.args.to_dict(), state, list(token.shape), list(tokens.shape), repr(s),
+                             torch.__version__, torch.backends.cpu.get_cpu_capability()]).encode())
+        return h.hexdigest()[:20]
+
+    def _load_or_build(self, model, token, pos, tokens, s):
+        path = AOT_CACHE / f"decode-{self.key(model, token, tokens, s)}.pt2"
+        if not path.is_file() and not self.build:
+            print("decode: eager (run once with --compile to build a compiled step for this model, batch "
+                  "and cache length, ~80 s; later runs then use it)", file=sys.stderr)
+            return decode_one_token
+        try:
+            if not path.is_file():
+                self._build(model, token, pos, tokens, s, path)
+            # PyTorch's C++ loader: torch._inductor.aoti_load_package would first import Inductor,
+            # 2.6 s of every start; this takes milliseconds.
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+            constants = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            constants = {n: constants[n.removeprefix("model.")] for n in loader.get_constant_fqns()}
+            try:  # (constants_map, use_inactive, check_full_update, user_managed[, allow_h2d_copy])
+                loader.load_constants(constants, False, True, True)
+            except TypeError:
+                loader.load_constants(constants, False, True, True, False)
+        except Exception as e:  # noqa: BLE001 (whatever export or the compiler raised: decode still runs)
+            print(f"note: compiling decode ahead of time failed ({type(e).__name__}: "
+                  f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); using torch.compile",
+                  file=sys.stderr)
+            return torch.compile(decode_one_token, fullgraph=True, options={"cpp.min_chunk_size": 65536})
+        return lambda model, token, pos, tokens, s: loader.boxed_run([token, pos, tokens])
+
+    @staticmethod
+    def _build(model, token, pos, tokens, s, path: Path):
+        import tempfile
+
+        print(f"compiling the decode step ahead of time, once for this model, batch and cache length "
+              f"(~80 s for the default model) into {path.parent}", file=sys.stderr, flush=True)
+        exported = torch.export.export(_Step(model, s), (token, pos, tokens))  # (on fake tensors: nothing written)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".pt2")  # renamed when complete
+        os.close(fd)
+        try:
+            torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs={
+                "cpp.min_chunk_size": 65536,  # (as for torch.compile on the CPU: see Generator)
+                "fallback_random": True,  # sampling draws from PyTorch's generator: --seed holds
+                "aot_inductor.package_constants_in_so": False})  # the weights come from the model
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 # -- graph verification (--check-graphs) ---------------------------------------------------------
@@ -398,8 +497,10 @@ def run(args) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    compile_decode = args.compile if args.compile is not None else device.type == "cuda"
-    mode = ("graphs" if device.type == "cuda" else "compile") if compile_decode else "eager"
+    if device.type == "cuda":
+        mode = "eager" if args.compile is False else "graphs"
+    else:  # compiled ahead of time with --compile; by default that step if built before, else eager (README)
+        mode = {True: "aot", False: "eager", None: "aot-cached"}[args.compile]
     if args.check_graphs and (mode != "graphs" or args.interactive):
         raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile) and a --prompt "
                          "(not --interactive)")

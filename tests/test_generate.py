@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import generate
 from generate import Generator, Sampling, sample
 from model import ModelArgs, Transformer
 
@@ -92,6 +93,35 @@ def test_batch_rows_stop_independently(tiny):
 
 def test_compiled_decode_equals_eager(tiny):
     assert run_gen(tiny, Sampling(temperature=0), compiled=True) == run_gen(tiny, Sampling(temperature=0))
+
+
+def test_ahead_of_time_step_equals_eager_and_is_reused(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(generate, "AOT_CACHE", tmp_path)
+
+    def aot(model, sampling, mode="aot", seed=None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        gen = Generator(model, sampling, mode)
+        out = [t for chunk in gen.generate([[1, 2, 3]], 40) for t in chunk[0]]
+        return out, gen
+
+    greedy, sampled = Sampling(temperature=0), Sampling(temperature=1.0, top_k=20)
+    # A missing package with aot-cached (generate.py's CPU default): eager decode, and a hint.
+    out, gen = aot(tiny, greedy, "aot-cached")
+    assert out == run_gen(tiny, greedy) and gen.step.runner is generate.decode_one_token
+    assert "run once with --compile" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    out, gen = aot(tiny, greedy)  # builds the package
+    assert out == run_gen(tiny, greedy) and gen.step.runner is not generate.decode_one_token
+    assert aot(tiny, sampled, seed=7)[0] == run_gen(tiny, sampled, seed=7)  # --seed holds (PyTorch's generator)
+    assert len(list(tmp_path.glob("*.pt2"))) == 2  # one per sampling setting
+    # Another model of the same shapes loads the package (it holds no weights) and follows its own.
+    torch.manual_seed(1)
+    other = Transformer(tiny.args).eval().requires_grad_(False)
+    for p in other.parameters():
+        p.normal_(0, 0.3)
+    out, gen = aot(other, greedy, "aot-cached")
+    assert out == run_gen(other, greedy) != run_gen(tiny, greedy)
+    assert gen.step.runner is not generate.decode_one_token and len(list(tmp_path.glob("*.pt2"))) == 2
 
 
 # -- the command line -------------------------------------------------------------------------
