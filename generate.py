@@ -420,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: bf16 on CUDA, fp32 on the CPU (see README)")
     p.add_argument("--compile", dest="compile", action="store_true", default=None,
-                   help="compile decode (default on CUDA: CUDA graphs; see README for the CPU)")
+                   help="compile decode (CUDA: CUDA graphs, the default there; the CPU: ahead of time, "
+                        "built once and cached, then used by default: see README)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--compile-prefill", action="store_true", help="compile prefill with dynamic shapes")
     p.add_argument("--stop-check-interval", type=int, default=8, metavar="K",
