@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md's tables (runs 9-11 of session 3: calls a, b, c1, c2, d; runs 12-15
 # of session 4: calls e, f, g, h, i; runs 16-20 of session 5: calls j, k, l, m, n;
-# runs 21-22 of session 6: calls p, q; 2026-11-29), as the
+# runs 21-23 of session 6: calls p, q, r; 2026-11-29/30), as the
 # device sessions ran them, each part on the code of its own commit.
-# Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n|p|q]...
+# Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n|p|q|r]...
 # Cold first calls use fresh Inductor/Triton cache directories; a second run on the same directory is warm.
 set -u
 export PYTHONUNBUFFERED=1
@@ -95,4 +95,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         -k "fused or rows or one_graph" | tail -5
       variants q1:"--batch-sizes 1,8" q1:"--batch-sizes 1,8" q2:"--model llama-3.1-8b" q3:"--quantize int8" \
                q4:"--quantize int4-g32" q5:"--quantize int4-g128" ;;
+  r)  # run 23 (the session's final code): GPU tests, 7B batch 1 and 8
+      gpu_tests 240
+      variants r1:"--batch-sizes 1,8" ;;
 esac; done
