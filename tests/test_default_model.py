@@ -8,6 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+import generate
 from generate import Generator, Sampling
 from model import Transformer, dequantize_int4, dequantize_int8, read_config
 from quantize import prepare_default_int4
@@ -72,7 +73,8 @@ def test_greedy_generation_matches_transformers(ckpt, ours, hf_model, compiled):
 def assert_greedy_matches(ckpt, ours, hf_model, compiled):
     """64 greedy tokens of ours equal transformers' generate on each of PROMPTS."""
     tok = load_tokenizer(ckpt)
-    gen = Generator(ours, Sampling(temperature=0), "compile" if compiled else "eager")
+    mode = compiled if isinstance(compiled, str) else "compile" if compiled else "eager"
+    gen = Generator(ours, Sampling(temperature=0), mode)
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         with torch.no_grad():
@@ -117,8 +119,11 @@ def hf_int4(int4_ckpt, hf_model):
     return model
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_int4_default_greedy_matches_transformers_on_its_weights(int4_ckpt, hf_int4, compiled):
+@pytest.mark.parametrize("compiled", [False, True, "aot"], ids=["eager", "compiled", "ahead-of-time"])
+def test_int4_default_greedy_matches_transformers_on_its_weights(int4_ckpt, hf_int4, compiled, tmp_path,
+                                                                 monkeypatch):
+    """Eager, torch.compile, and the step compiled ahead of time (generate.py --compile on the CPU)."""
+    monkeypatch.setattr(generate, "AOT_CACHE", tmp_path)
     assert read_config(int4_ckpt)["quantization"] == {"mode": "int4", "groupsize": 32}
     assert_greedy_matches(int4_ckpt, Transformer.from_checkpoint(int4_ckpt, device="cpu", dtype=torch.float32),
                           hf_int4, compiled)

@@ -98,6 +98,13 @@ def test_compiled_decode_equals_eager(tiny):
 def test_ahead_of_time_step_equals_eager_and_is_reused(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(generate, "AOT_CACHE", tmp_path)
 
+    def fresh(seed):  # (not `tiny` itself: other tests grow its cache, and the cache's shape is in the key)
+        torch.manual_seed(seed)
+        model = Transformer(tiny.args).eval().requires_grad_(False)
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        return model
+
     def aot(model, sampling, mode="aot", seed=None):
         if seed is not None:
             torch.manual_seed(seed)
@@ -105,22 +112,19 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tiny, tmp_path, monkeypat
         out = [t for chunk in gen.generate([[1, 2, 3]], 40) for t in chunk[0]]
         return out, gen
 
+    one, other = fresh(0), fresh(1)
     greedy, sampled = Sampling(temperature=0), Sampling(temperature=1.0, top_k=20)
     # A missing package with aot-cached (generate.py's CPU default): eager decode, and a hint.
-    out, gen = aot(tiny, greedy, "aot-cached")
-    assert out == run_gen(tiny, greedy) and gen.step.runner is generate.decode_one_token
+    out, gen = aot(one, greedy, "aot-cached")
+    assert out == run_gen(one, greedy) and gen.step.runner is generate.decode_one_token
     assert "run once with --compile" in capsys.readouterr().err and not list(tmp_path.iterdir())
-    out, gen = aot(tiny, greedy)  # builds the package
-    assert out == run_gen(tiny, greedy) and gen.step.runner is not generate.decode_one_token
-    assert aot(tiny, sampled, seed=7)[0] == run_gen(tiny, sampled, seed=7)  # --seed holds (PyTorch's generator)
+    out, gen = aot(one, greedy)  # builds the package
+    assert out == run_gen(one, greedy) and gen.step.runner is not generate.decode_one_token
+    assert aot(one, sampled, seed=7)[0] == run_gen(one, sampled, seed=7)  # --seed holds (PyTorch's generator)
     assert len(list(tmp_path.glob("*.pt2"))) == 2  # one per sampling setting
     # Another model of the same shapes loads the package (it holds no weights) and follows its own.
-    torch.manual_seed(1)
-    other = Transformer(tiny.args).eval().requires_grad_(False)
-    for p in other.parameters():
-        p.normal_(0, 0.3)
     out, gen = aot(other, greedy, "aot-cached")
-    assert out == run_gen(other, greedy) != run_gen(tiny, greedy)
+    assert out == run_gen(other, greedy) != run_gen(one, greedy)
     assert gen.step.runner is not generate.decode_one_token and len(list(tmp_path.glob("*.pt2"))) == 2
 
 
