@@ -219,7 +219,7 @@ class Generator:
 
 # -- the CPU decode step compiled ahead of time -------------------------------------------------
 
-AOT_CACHE = Path.home() / ".cache" / "graphdecode" / "aot"
+AOT_CACHE = Path(os.environ.get("GRAPHDECODE_CACHE", Path.home() / ".cache" / "graphdecode")) / "aot"
 AOT_SOURCES = ("generate.py", "model.py", "kernels.py", "cpu_kernels.cpp")  # what the compiled step runs
 
 
@@ -235,7 +235,7 @@ class _Step(torch.nn.Module):
 class AotStep:
     """decode_one_token through torch.export and AOTInductor, for the CPU. torch.compile traces
     the model again in every new process (~11 s for the default model, ~85 s cold); this
-    compiles once, into a package under ~/.cache/graphdecode/aot/ keyed by what the compiled code
+    compiles once, into a package under ~/.cache/graphdecode/aot/ (or $GRAPHDECODE_CACHE/aot/) keyed by what the compiled code
     depends on (the model's architecture and parameter shapes, batch, cache length, sampling,
     torch version, the source files), and a later process loads it in ~2 s. The package holds no
     weights: its constants (weights, KV cache, RoPE tables) are the model's own tensors, handed
