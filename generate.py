@@ -234,14 +234,15 @@ class _Step(torch.nn.Module):
 
 class AotStep:
     """decode_one_token through torch.export and AOTInductor, for the CPU. torch.compile traces
-    the model again in every new process (~11 s for the default model, ~85 s cold); this
-    compiles once, into a package under ~/.cache/graphdecode/aot/ (or $GRAPHDECODE_CACHE/aot/) keyed by what the compiled code
-    depends on (the model's architecture and parameter shapes, batch, cache length, sampling,
-    torch version, the source files), and a later process loads it in ~2 s. The package holds no
-    weights: its constants (weights, KV cache, RoPE tables) are the model's own tensors, handed
-    over at load (user-managed), so the prefill's cache writes are the ones decode reads, and any
-    checkpoint of the same shapes reuses it. Falls back to torch.compile, with a note, if
-    exporting or compiling fails. With build=False a missing package means eager decode."""
+    the model again in every new process (~11 s for the default model, ~85 s cold); this compiles
+    once, into a package in AOT_CACHE ($GRAPHDECODE_CACHE/aot/, by default ~/.cache/graphdecode/aot/)
+    keyed by what the compiled code depends on (the model's architecture and parameter shapes,
+    batch, cache length, sampling, torch version, the source files), and a later process loads it
+    in milliseconds. The package holds no weights: its constants (weights, KV cache, RoPE tables)
+    are the model's own tensors, handed over at load (user-managed), so the prefill's cache writes
+    are the ones decode reads, and any checkpoint of the same shapes reuses it. Falls back to
+    torch.compile, with a note, if exporting or compiling fails. With build=False a missing package
+    means eager decode."""
 
     def __init__(self, build: bool = True):
         self.runner, self.build = None, build
