@@ -1,5 +1,6 @@
 """Generate text with a Llama-family model: prefill eagerly, then decode one token per step
-through a compiled (on CUDA: CUDA-graphed) step that never waits for the host.
+through a compiled step that never waits for the host (on CUDA: CUDA-graphed; on the CPU:
+compiled ahead of time, see AotStep).
 
     python generate.py --prompt "Tell me about CUDA graphs" [--checkpoint DIR] [--chat]
 
@@ -8,6 +9,7 @@ The decode path, in reading order:
   prefill()                  the prompt in one forward (dynamic shape: eager or compiled dynamic)
   decode_one_token()         one step on static buffers: the unit that is compiled and graphed
   Generator.generate()       the host loop: runs steps, reads tokens back every K steps, stops
+  AotStep                    the CPU's step through torch.export + AOTInductor, cached on disk
 """
 import argparse
 import contextlib
