@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-CACHE = Path(os.environ.get("GRAPHDECODE_CACHE", Path.home() / ".cache" / "graphdecode")) / "cpu_kernels"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w"]
 _loaded: bool | None = None  # None: not tried yet
 
@@ -61,12 +60,14 @@ def _build() -> Path:
     command = [os.environ.get("CXX", "g++"), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *[f"-I{p}" for p in cpp_extension.include_paths()], str(SOURCE),
                *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu", *[f"-Wl,-rpath,{p}" for p in libs]]
+    from convert_hf_checkpoint import cache_dir  # (imported only when a build is needed)
+
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, *command]).encode()).hexdigest()[:16]
-    out = CACHE / f"cpu_kernels-{key}.so"
+    out = cache_dir() / "cpu_kernels" / f"cpu_kernels-{key}.so"
     if not out.is_file():
         print(f"building {SOURCE.name} (once, ~15 s) into {out.parent}", file=sys.stderr, flush=True)
-        CACHE.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=CACHE, suffix=".so")  # then renamed: never a half-written library
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")  # then renamed: never a half-written library
         os.close(fd)
         try:
             result = subprocess.run([*command, "-o", tmp], capture_output=True, text=True)

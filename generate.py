@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from convert_hf_checkpoint import cache_dir
 from model import Transformer, read_config
 from tokenizer import load_tokenizer
 
@@ -221,7 +222,7 @@ class Generator:
 
 # -- the CPU decode step compiled ahead of time -------------------------------------------------
 
-AOT_CACHE = Path(os.environ.get("GRAPHDECODE_CACHE", Path.home() / ".cache" / "graphdecode")) / "aot"
+AOT_CACHE = cache_dir() / "aot"
 AOT_SOURCES = ("generate.py", "model.py", "kernels.py", "cpu_kernels.cpp")  # what the compiled step runs
 
 
@@ -280,10 +281,7 @@ class AotStep:
             loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
             constants = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             constants = {n: constants[n.removeprefix("model.")] for n in loader.get_constant_fqns()}
-            try:  # (constants_map, use_inactive, check_full_update, user_managed[, allow_h2d_copy])
-                loader.load_constants(constants, False, True, True)
-            except TypeError:
-                loader.load_constants(constants, False, True, True, False)
+            loader.load_constants(constants, False, True, True)  # (use_inactive, check_full_update, user_managed)
         except Exception as e:  # noqa: BLE001 (whatever export or the compiler raised: decode still runs)
             print(f"note: compiling decode ahead of time failed ({type(e).__name__}: "
                   f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); using torch.compile",
