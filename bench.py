@@ -324,6 +324,8 @@ def main(argv=None) -> int:
                    help="rows of bf16 x up to which matmuls run kernels.py's kernels (1: cuBLAS for batches; A/B)")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch kernels.py's kernels without programmatic dependent launch (A/B)")
+    p.add_argument("--int8-float32", action="store_true",
+                   help="one-row int8 GEMVs in float32 arithmetic instead of float16 pairs (A/B)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -348,6 +350,7 @@ def main(argv=None) -> int:
     model_module.FUSE_SWIGLU = not a.unfused_swiglu
     kernels.ATTENTION_SPLITS = a.attention_splits
     kernels.PDL = not a.no_pdl
+    kernels.INT8_HALF = not a.int8_float32
     if not 1 <= a.gemv_max_rows <= 16:
         print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)
         return 1
@@ -396,7 +399,7 @@ def main(argv=None) -> int:
                  inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused,
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
-                 gemv_max_rows=a.gemv_max_rows,
+                 gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

@@ -81,17 +81,66 @@ if triton is not None:
         return acc, acc_up, squares
 
     @triton.jit
+    def _int8_half_fma(w, x, acc, EMULATE: tl.constexpr):
+        """acc + (w / 128) * x for int8 w and float16 x and acc (tensors of one shape), in float16
+        pairs: 8 + (w + 128) / 128 is built exactly by placing w's byte, shifted by 128, under
+        float16's exponent of 8 (one xor for 4 weights, one prmt for 2), then 9 is subtracted and
+        the product added (one sub and one fma for 2): 7 instructions for 4 weights, against ~20
+        for int-to-float conversions and float32 FMAs. EMULATE (Triton's CPU interpreter, which runs
+        no PTX): the same numbers through float32, rounded to float16."""
+        if EMULATE:
+            return (w.to(tl.float32) / 128 * x.to(tl.float32) + acc.to(tl.float32)).to(tl.float16)
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 u, a, b, nine;
+            mov.b32 nine, 0x48804880;
+            xor.b32 u, $2, 0x80808080;
+            prmt.b32 a, u, 0x48484848, 0x4140;
+            prmt.b32 b, u, 0x48484848, 0x4342;
+            sub.f16x2 a, a, nine;
+            sub.f16x2 b, b, nine;
+            fma.rn.f16x2 $0, a, $3, $5;
+            fma.rn.f16x2 $1, b, $4, $6;
+            }
+            """,
+            constraints="=r,=r,r,r,r,r,r", args=[w, x, acc], dtype=tl.float16, is_pure=True, pack=4)
+
+    @triton.jit
+    def _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
+                    NORM: tl.constexpr, SWIGLU: tl.constexpr, EMULATE: tl.constexpr):
+        """_row_block for int8 weights in float16 pairs (HALF): x is loaded in the weight tile's own
+        layout (a [BN, BK] load of row stride 0, which each thread reads once for all its rows), so
+        it never moves between threads; the sum of squares comes from a 1D load of the same x. These
+        tile loads take no mask (masked loads are not merged across a thread's rows, and the work
+        would be repeated per row): past K they read x at K - 1, where the weights are masked to 0."""
+        cols = rk if UNMASKED else tl.minimum(rk, K - 1)
+        if NORM:  # (normed in 1D, then moved into the tile's layout: the tile form repeated work per row)
+            xs = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
+            squares += xs * xs
+            x = (xs * tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)).to(tl.float16)[None, :]
+        else:
+            x = tl.load(x_row + cols[None, :] + 0 * rn[:, None]).to(tl.float16)
+        acc = _int8_half_fma(w, x, acc, EMULATE)
+        if SWIGLU:
+            acc_up = _int8_half_fma(w_up, x, acc_up, EMULATE)
+        return acc, acc_up, squares
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, g_ptr, r_ptr, y_ptr, M, N, K, blocks_per_split, eps,
                      INT8: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                      SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, HALF: tl.constexpr, EMULATE: tl.constexpr):
         """y[split, m, n] = sum over this split's columns k of x[m, k] * W[n, k] (* scale[n]).
         One row per program (BLOCK_M 1) may also apply RMSNorm to x first (NORM: x * g * rsqrt(mean(x^2)
         + eps), in float32, the mean over all of K, so no split), multiply rows n and N + n of W
         into silu(a) * b (SWIGLU: W holds 2N rows, gate above up), and add a residual (RESIDUAL).
         PDL (programmatic dependent launch, launched with launch_pdl): the next kernel may start as
         soon as every program here has; one row loads its first weight block before waiting for the
-        previous kernel (which writes x), so that load overlaps that kernel's last programs."""
+        previous kernel (which writes x), so that load overlaps that kernel's last programs.
+        HALF (int8, one row): products and sums in float16 pairs (_int8_half_fma), each lane of the
+        tile summing K / BLOCK_K products before the float32 sum across lanes; EMULATE: the
+        interpreter's stand-in for its PTX."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -102,8 +151,9 @@ if triton is not None:
         b_end = tl.minimum(b_start + blocks_per_split, tl.cdiv(K, BLOCK_K))
         if BLOCK_M == 1:  # one row: elementwise products, one reduction at the end
             x_row = x_ptr + pid_m * K
-            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-            acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # SWIGLU only
+            ACC: tl.constexpr = tl.float16 if HALF else tl.float32
+            acc = tl.zeros((BLOCK_N, BLOCK_K), ACC)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_K), ACC)  # SWIGLU only
             squares = tl.zeros((BLOCK_K,), tl.float32)
             # The first block's weights (gate and up) before the wait: they do not depend on x
             rk = b_start * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -115,8 +165,13 @@ if triton is not None:
             w_up = tl.load(w_at + N * K, mask=first_ok, other=0) if SWIGLU else w
             if PDL:
                 tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, the residual) are visible
-            acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk,
-                                              (rk < K) & (rk * 0 + b_start < b_end), False, INT8, NORM, SWIGLU)
+            if HALF:
+                acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
+                                                   (rk < K) & (rk * 0 + b_start < b_end), K, False, NORM, SWIGLU,
+                                                   EMULATE)
+            else:
+                acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk,
+                                                  (rk < K) & (rk * 0 + b_start < b_end), False, INT8, NORM, SWIGLU)
             for b in range(b_start + 1, b_end):
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
                 w_at = w_ptr + rn[:, None] * K + rk[None, :]
@@ -127,10 +182,17 @@ if triton is not None:
                     w_ok = n_ok[:, None] & (rk < K)[None, :]
                     w = tl.load(w_at, mask=w_ok, other=0)
                     w_up = tl.load(w_at + N * K, mask=w_ok, other=0) if SWIGLU else w
-                acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rk < K,
-                                                  EVEN, INT8, NORM, SWIGLU)
-            out = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-            up = tl.sum(acc_up, axis=1)[None, :]
+                if HALF:
+                    acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, rk < K,
+                                                       K, EVEN, NORM, SWIGLU, EMULATE)
+                else:
+                    acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rk < K,
+                                                      EVEN, INT8, NORM, SWIGLU)
+            out = tl.sum(acc.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
+            up = tl.sum(acc_up.to(tl.float32), axis=1)[None, :]
+            if HALF:  # (the products were of w / 128)
+                out *= 128.0
+                up *= 128.0
             if NORM:
                 r = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
                 out *= r
@@ -265,6 +327,12 @@ def _pdl_capable(device: int) -> bool:
     return triton_has and torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# int8 weights, one row of bf16 or fp16 x: products and sums in float16 pairs (_int8_half_fma),
+# ~2.7 instructions a weight against ~5.2 through float32 (SASS of the loops, sm_90); False
+# (bench.py --int8-float32) keeps float32 arithmetic, to measure what this buys. Float32 x always
+# takes float32 arithmetic (its products are exact there).
+INT8_HALF = True
+
 # Rows of x that _rows_kernel takes (bf16 weights; its BLOCK_M): batched decode, short prefills
 MAX_ROWS = 16  # (at most 16: the kernel pads the rows to 16 for the tensor cores)
 
@@ -344,12 +412,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     per_split = triton.cdiv(triton.cdiv(K, block_k), split)
     even = K % block_k == 0 and N % block_n == 0
     use_pdl = M == 1 and pdl(x)  # (PDL measured for one row only)
+    half = INT8_HALF and scales is not None and M == 1 and x.dtype != torch.float32
     _gemv_kernel[grid](x2, weight, weight if scales is None else scales,
                        weight if norm_weight is None else norm_weight,
                        weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K,
                        per_split, eps, INT8=scales is not None, EVEN=even, NORM=norm_weight is not None,
                        RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=block_k, PDL=use_pdl, num_warps=warps, num_stages=stages,
+                       BLOCK_K=block_k, PDL=use_pdl, HALF=half, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+                       num_warps=warps, num_stages=stages,
                        **({"launch_pdl": True} if use_pdl else {}))  # (the interpreter knows no such option)
     y = y[0] if split == 1 else y.sum(0).to(x.dtype)  # split: sum the float32 partials
     return y.view(*x.shape[:-1], N)

@@ -80,8 +80,10 @@ def main():
                    help="one row with what decode fuses into each GEMV: RMSNorm before wqkv, w13 and the head, "
                         "SwiGLU in w13, the residual add after wo and w2 (no split of K then)")
     p.add_argument("--layers", help="comma-separated subset of wqkv,wo,w13,w2,output (default: all)")
+    p.add_argument("--int8-float32", action="store_true", help="one-row int8 in float32 arithmetic (kernels.INT8_HALF off)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    kernels.INT8_HALF = not a.int8_float32
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)
@@ -122,7 +124,8 @@ def main():
         if a.tune:
             if M == 1:
                 grid = [(bn, bk, s, w, st) for bn, bk in ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512),
-                                                         (32, 128), (32, 256), (4, 2048), (2, 2048), (2, 1024))
+                                                         (32, 128), (32, 256), (4, 2048), (2, 2048), (2, 1024),
+                                                         (16, 1024), (8, 2048))
                         for s in ((1,) if fused else (1, 2, 4, 8)) for w in (4, 8) for st in (2, 4)]
             elif kind == "bf16":  # several rows: kernels._rows_kernel, which takes all of K (no split)
                 grid = [(bn, bk, 1, w, st) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128),
@@ -147,7 +150,7 @@ def main():
                "base_us": t_base * 1e6, "base_gb_s": nbytes / t_base / 1e9, "ours_us": t_ours * 1e6,
                "ours_gb_s": nbytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
                "best_gb_s": nbytes / best[0] / 1e9, "best": best[1], "err": err, "err_base": err_base,
-               "ceiling_gb_s": ceiling}
+               "ceiling_gb_s": ceiling, "int8_half": kernels.INT8_HALF}
         records.append(rec)
         print(f"{kind:9s} {name:6s} {N:6d}x{K:<6d} M={M:<2d} base {t_base*1e6:7.1f} us {rec['base_gb_s']:5.0f} GB/s | "
               f"ours {t_ours*1e6:7.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | best {best[0]*1e6:7.1f} us "

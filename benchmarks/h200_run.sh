@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs behind BENCHMARKS.md's tables (runs 9-11 of session 3: calls a, b, c1, c2, d; runs 12-15
 # of session 4: calls e, f, g, h, i; runs 16-20 of session 5: calls j, k, l, m, n;
-# runs 21-23 of session 6: calls p, q, r; 2026-11-29/30), as the
+# runs 21-23 of session 6: calls p, q, r; 2026-11-29/30; runs 24- of session 7: calls s, ...; 2026-12-01), as the
 # device sessions ran them, each part on the code of its own commit.
-# Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n|p|q|r]...
+# Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n|p|q|r|s]...
 # Cold first calls use fresh Inductor/Triton cache directories; a second run on the same directory is warm.
 set -u
 export PYTHONUNBUFFERED=1
@@ -98,4 +98,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   r)  # run 23 (the session's final code): GPU tests, 7B batch 1 and 8
       gpu_tests 240
       variants r1:"--batch-sizes 1,8" ;;
+  s)  # run 24 (int8 one-row GEMVs in float16 pairs, kernels.INT8_HALF): the kernel tests, the int8 launches
+      # tuned with the fusions (and the float32 arithmetic at its tuned launches for the A/B), 7B int8 and bf16
+      t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py | tail -5
+      t 300 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --tune --json "$OUT/tune_half.json"
+      t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --int8-float32 --json "$OUT/f32.json"
+      variants s1:"--quantize int8" s2:"--quantize int8 --int8-float32" s3:"" ;;
 esac; done
