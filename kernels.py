@@ -328,10 +328,21 @@ def _pdl_capable(device: int) -> bool:
 
 
 # int8 weights, one row of bf16 or fp16 x: products and sums in float16 pairs (_int8_half_fma),
-# ~2.7 instructions a weight against ~5.2 through float32 (SASS of the loops, sm_90); False
-# (bench.py --int8-float32) keeps float32 arithmetic, to measure what this buys. Float32 x always
-# takes float32 arithmetic (its products are exact there).
+# ~2.7 instructions a weight against ~5.2 through float32 (SASS of the loops, sm_90), where it is
+# faster (use_half); False (bench.py --int8-float32) keeps float32 arithmetic, to measure what this
+# buys. Float32 x always takes float32 arithmetic (its products are exact there).
 INT8_HALF = True
+
+def use_half(x: torch.Tensor, scales: torch.Tensor | None, M: int, norm_weight: torch.Tensor | None) -> bool:
+    """Whether a one-row int8 GEMV runs in float16 pairs: where it measured faster, the GEMVs with the
+    RMSNorm before them (Llama-2-7B, tuned, run 24: wqkv 15.0 against 16.6 µs, gate/up with SwiGLU 23.5
+    against 30.5, the head 34.8 against 38.4); not wo and down, the narrow ones with the residual after
+    them (6.9 against 6.1, 27.7 against 14.4)."""
+    return (INT8_HALF and scales is not None and M == 1 and x.dtype != torch.float32
+            and (norm_weight is not None or HALF_EVERYWHERE))
+
+
+HALF_EVERYWHERE = False  # (tests and benchmarks/gemv.py: float16 pairs on every one-row int8 GEMV)
 
 # Rows of x that _rows_kernel takes (bf16 weights; its BLOCK_M): batched decode, short prefills
 MAX_ROWS = 16  # (at most 16: the kernel pads the rows to 16 for the tensor cores)
@@ -344,7 +355,7 @@ TARGET_PROGRAMS = 4 * 132
 
 
 # A launch: (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages).
-def config(kind: str, M: int, N: int, K: int, swiglu: bool = False) -> tuple[int, int, int, int, int]:
+def config(kind: str, M: int, N: int, K: int, swiglu: bool = False, half: bool = False) -> tuple[int, int, int, int, int]:
     """The launch for an [M, K] x [N, K] product of `kind` ("bf16" or "int8"), from tuning runs on
     the H200 (benchmarks/gemv.py --tune [--fused]; BENCHMARKS.md). One row: many narrow programs, no
     split, tuned with what decode fuses in (the residual into the narrow wo and w2, RMSNorm into
@@ -355,6 +366,8 @@ def config(kind: str, M: int, N: int, K: int, swiglu: bool = False) -> tuple[int
             return ((2, 1024, 1, 4, 2) if swiglu else ((4, 2048, 1, 4, 4) if K > 12288 else (4, 1024, 1, 4, 2))
                     if N <= 4096 else (16, 512, 1, 4, 2) if N <= 8192 else (32, 256, 1, 8, 4) if N <= 16384
                     else (8, 1024, 1, 4, 4))
+        if half:  # int8 in float16 pairs (run 24: benchmarks/gemv.py --kinds int8 --rows 1 --fused --tune)
+            return (16, 256, 1, 4, 4) if swiglu or N > 16384 else (16, 1024, 1, 4, 4)
         return ((8, 512, 1, 4, 4) if swiglu else (4, 1024, 1, 4, 4) if N <= 8192  # int8
                 else (32, 256, 1, 8, 4) if N <= 16384 else (32, 128, 1, 4, 4))
     if kind == "bf16" and M <= 16:  # _rows_kernel (benchmarks/multirow.py's swap_ab, 8 rows, Llama-2-7B)
@@ -385,8 +398,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
         x2 = x2.contiguous()
     M = x2.shape[0]
     fused = norm_weight is not None or residual is not None or swiglu
+    half = use_half(x, scales, M, norm_weight)
     block_n, block_k, split, warps, stages = launch or config("int8" if scales is not None else "bf16",
-                                                              M, N, K, swiglu)
+                                                              M, N, K, swiglu, half)
     rows = 1 < M <= min(MAX_ROWS, 16) and scales is None and (split == 1 or fused)  # _rows_kernel (16 rows a program)
     if fused and M != 1 and not rows:
         raise ValueError(f"gemv: the norm, SwiGLU and the residual take one row of x, or up to 16 of bf16 "
@@ -412,7 +426,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     per_split = triton.cdiv(triton.cdiv(K, block_k), split)
     even = K % block_k == 0 and N % block_n == 0
     use_pdl = M == 1 and pdl(x)  # (PDL measured for one row only)
-    half = INT8_HALF and scales is not None and M == 1 and x.dtype != torch.float32
     _gemv_kernel[grid](x2, weight, weight if scales is None else scales,
                        weight if norm_weight is None else norm_weight,
                        weight if residual is None else residual.reshape(M, N).contiguous(), y, M, N, K,

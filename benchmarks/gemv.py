@@ -81,9 +81,12 @@ def main():
                         "SwiGLU in w13, the residual add after wo and w2 (no split of K then)")
     p.add_argument("--layers", help="comma-separated subset of wqkv,wo,w13,w2,output (default: all)")
     p.add_argument("--int8-float32", action="store_true", help="one-row int8 in float32 arithmetic (kernels.INT8_HALF off)")
+    p.add_argument("--half-everywhere", action="store_true",
+                   help="one-row int8 in float16 pairs also where kernels.use_half does not choose them")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     kernels.INT8_HALF = not a.int8_float32
+    kernels.HALF_EVERYWHERE = a.half_everywhere
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)
@@ -118,7 +121,8 @@ def main():
         ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
         theirs_c = [theirs] + [tuple(t.clone() if torch.is_tensor(t) else t for t in theirs) for _ in range(copies - 1)]
         t_base = time_calls([lambda w=w: baseline(x, w) for w in theirs_c])
-        default = kernels.config(kind, M, N, K, bool(fused.get("swiglu")))
+        default = kernels.config(kind, M, N, K, bool(fused.get("swiglu")),
+                                 kernels.use_half(x, ours[1], M, fused.get("norm_weight")))
         t_ours = time_calls([lambda w=w: kernels.gemv(x, *w) for w in ours_c])
         best = (t_ours, default)
         if a.tune:
@@ -150,7 +154,7 @@ def main():
                "base_us": t_base * 1e6, "base_gb_s": nbytes / t_base / 1e9, "ours_us": t_ours * 1e6,
                "ours_gb_s": nbytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
                "best_gb_s": nbytes / best[0] / 1e9, "best": best[1], "err": err, "err_base": err_base,
-               "ceiling_gb_s": ceiling, "int8_half": kernels.INT8_HALF}
+               "ceiling_gb_s": ceiling, "int8_half": kernels.INT8_HALF, "half_everywhere": kernels.HALF_EVERYWHERE}
         records.append(rec)
         print(f"{kind:9s} {name:6s} {N:6d}x{K:<6d} M={M:<2d} base {t_base*1e6:7.1f} us {rec['base_gb_s']:5.0f} GB/s | "
               f"ours {t_ours*1e6:7.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | best {best[0]*1e6:7.1f} us "

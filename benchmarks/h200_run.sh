@@ -101,7 +101,13 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   s)  # run 24 (int8 one-row GEMVs in float16 pairs, kernels.INT8_HALF): the kernel tests, the int8 launches
       # tuned with the fusions (and the float32 arithmetic at its tuned launches for the A/B), 7B int8 and bf16
       t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py | tail -5
-      t 300 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --tune --json "$OUT/tune_half.json"
+      t 300 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --tune --half-everywhere \
+        --json "$OUT/tune_half.json"
       t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --int8-float32 --json "$OUT/f32.json"
       variants s1:"--quantize int8" s2:"--quantize int8 --int8-float32" s3:"" ;;
+  t)  # run 25 (float16 pairs only where they won in run 24, kernels.use_half, at their tuned launches): GPU
+      # tests, the int8 GEMVs at their launches, 7B int8 (and with float32 arithmetic), bf16, int8 warm
+      gpu_tests 240
+      t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --json "$OUT/gemv_int8.json"
+      variants t1:"--quantize int8" t2:"--quantize int8 --int8-float32" t3:"" t1:"--quantize int8" ;;
 esac; done
