@@ -159,7 +159,7 @@ if triton is not None:
             rk = b_start * BLOCK_K + tl.arange(0, BLOCK_K)
             w_at = w_ptr + rn[:, None] * K + rk[None, :]
             first_ok = (n_ok & (rn * 0 + b_start < b_end))[:, None]  # (an empty split of K: none)
-            if not EVEN:  # (EVEN: a mask constant along K keeps the loads vectorised)
+            if not EVEN:
                 first_ok = first_ok & (rk < K)[None, :]
             w = tl.load(w_at, mask=first_ok, other=0)
             w_up = tl.load(w_at + N * K, mask=first_ok, other=0) if SWIGLU else w
@@ -172,22 +172,33 @@ if triton is not None:
             else:
                 acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk,
                                                   (rk < K) & (rk * 0 + b_start < b_end), False, INT8, NORM, SWIGLU)
-            for b in range(b_start + 1, b_end):
+            # The blocks wholly inside K with no masks (rows past N read row N - 1 and are not
+            # stored), then the block K ends in, if it ends in one: a mask on every block would cost
+            # its loads their vector width (down, 4096x11008, 14.4 µs at 1024 columns a block, run 25)
+            full_end = tl.minimum(b_end, K // BLOCK_K)
+            w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * K
+            for b in range(b_start + 1, full_end):
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
-                w_at = w_ptr + rn[:, None] * K + rk[None, :]
-                if EVEN:
-                    w = tl.load(w_at)
-                    w_up = tl.load(w_at + N * K) if SWIGLU else w
-                else:
-                    w_ok = n_ok[:, None] & (rk < K)[None, :]
-                    w = tl.load(w_at, mask=w_ok, other=0)
-                    w_up = tl.load(w_at + N * K, mask=w_ok, other=0) if SWIGLU else w
+                w = tl.load(w_rows + rk[None, :])
+                w_up = tl.load(w_rows + N * K + rk[None, :]) if SWIGLU else w
                 if HALF:
                     acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, rk < K,
-                                                       K, EVEN, NORM, SWIGLU, EMULATE)
+                                                       K, True, NORM, SWIGLU, EMULATE)
                 else:
                     acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rk < K,
-                                                      EVEN, INT8, NORM, SWIGLU)
+                                                      True, INT8, NORM, SWIGLU)
+            if not EVEN:  # (EVEN: K is a multiple of BLOCK_K)
+                if (b_end > full_end) & (full_end > b_start):
+                    rk = full_end * BLOCK_K + tl.arange(0, BLOCK_K)
+                    w_ok = (rk < K)[None, :]
+                    w = tl.load(w_rows + rk[None, :], mask=w_ok, other=0)
+                    w_up = tl.load(w_rows + N * K + rk[None, :], mask=w_ok, other=0) if SWIGLU else w
+                    if HALF:
+                        acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
+                                                           rk < K, K, False, NORM, SWIGLU, EMULATE)
+                    else:
+                        acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rk < K,
+                                                          False, INT8, NORM, SWIGLU)
             out = tl.sum(acc.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
             up = tl.sum(acc_up.to(tl.float32), axis=1)[None, :]
             if HALF:  # (the products were of w / 128)
@@ -424,7 +435,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
     y = torch.empty((split, M, N), device=x.device, dtype=x.dtype if split == 1 else torch.float32)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     per_split = triton.cdiv(triton.cdiv(K, block_k), split)
-    even = K % block_k == 0 and N % block_n == 0
+    even = K % block_k == 0  # (no partly filled block of K: the one-row loop needs no tail)
     use_pdl = M == 1 and pdl(x)  # (PDL measured for one row only)
     _gemv_kernel[grid](x2, weight, weight if scales is None else scales,
                        weight if norm_weight is None else norm_weight,

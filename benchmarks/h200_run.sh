@@ -110,4 +110,11 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       gpu_tests 240
       t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --json "$OUT/gemv_int8.json"
       variants t1:"--quantize int8" t2:"--quantize int8 --int8-float32" t3:"" t1:"--quantize int8" ;;
+  u)  # run 26 (the one-row loop without masks but in its last block): GPU tests, float16 pairs tuned on wo and
+      # down, the GEMVs at their launches (int8, bf16), 7B int8 (and with float32 arithmetic), bf16
+      gpu_tests 240
+      t 120 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --tune --half-everywhere \
+        --layers wo,w2 --json "$OUT/tune_narrow.json"
+      t 90 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8,bf16 --rows 1 --fused --json "$OUT/gemv1.json"
+      variants u1:"--quantize int8" u2:"--quantize int8 --int8-float32" u3:"" ;;
 esac; done
