@@ -83,6 +83,9 @@ def main():
     p.add_argument("--int8-float32", action="store_true", help="one-row int8 in float32 arithmetic (kernels.INT8_HALF off)")
     p.add_argument("--half-everywhere", action="store_true",
                    help="one-row int8 in float16 pairs also where kernels.use_half does not choose them")
+    p.add_argument("--grid", help="one-row tuning: BLOCK_N:BLOCK_K pairs, comma-separated (default: a built-in grid)")
+    p.add_argument("--warps", default="4,8", help="one-row tuning: num_warps values")
+    p.add_argument("--stages", default="2,4", help="one-row tuning: num_stages values")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     kernels.INT8_HALF = not a.int8_float32
@@ -127,10 +130,11 @@ def main():
         best = (t_ours, default)
         if a.tune:
             if M == 1:
-                grid = [(bn, bk, s, w, st) for bn, bk in ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512),
-                                                         (32, 128), (32, 256), (4, 2048), (2, 2048), (2, 1024),
-                                                         (16, 1024), (8, 2048))
-                        for s in ((1,) if fused else (1, 2, 4, 8)) for w in (4, 8) for st in (2, 4)]
+                pairs = ([tuple(int(v) for v in pair.split(":")) for pair in a.grid.split(",")] if a.grid else
+                         ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 128), (32, 256), (4, 2048),
+                          (2, 2048), (2, 1024), (16, 1024), (8, 2048)))
+                grid = [(bn, bk, s, w, st) for bn, bk in pairs for s in ((1,) if fused else (1, 2, 4, 8))
+                        for w in (int(v) for v in a.warps.split(",")) for st in (int(v) for v in a.stages.split(","))]
             elif kind == "bf16":  # several rows: kernels._rows_kernel, which takes all of K (no split)
                 grid = [(bn, bk, 1, w, st) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128),
                                                          (64, 256), (128, 64), (128, 128))

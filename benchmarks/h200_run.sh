@@ -117,4 +117,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --layers wo,w2 --json "$OUT/tune_narrow.json"
       t 90 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8,bf16 --rows 1 --fused --json "$OUT/gemv1.json"
       variants u1:"--quantize int8" u2:"--quantize int8 --int8-float32" u3:"" ;;
+  v)  # run 27: the int8 launches of wqkv (float16 pairs) and of wo and down (float32) on a finer grid
+      t 200 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --tune --layers wqkv \
+        --grid 8:512,8:1024,8:2048,16:512,16:1024,16:2048,32:512,32:1024 --warps 4,8 --stages 2,3,4 --json "$OUT/tune_wqkv.json"
+      t 250 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --tune --layers wo,w2 \
+        --grid 1:2048,1:4096,2:1024,2:2048,2:4096,4:512,4:1024,4:2048,8:512,8:1024 --warps 2,4,8 --stages 2,3,4 \
+        --json "$OUT/tune_narrow.json" ;;
 esac; done
