@@ -377,8 +377,8 @@ def config(kind: str, M: int, N: int, K: int, swiglu: bool = False, half: bool =
             return ((2, 1024, 1, 4, 2) if swiglu else ((4, 2048, 1, 4, 4) if K > 12288 else (4, 1024, 1, 4, 2))
                     if N <= 4096 else (16, 512, 1, 4, 2) if N <= 8192 else (32, 256, 1, 8, 4) if N <= 16384
                     else (8, 1024, 1, 4, 4))
-        if half:  # int8 in float16 pairs (run 24: benchmarks/gemv.py --kinds int8 --rows 1 --fused --tune)
-            return (16, 256, 1, 4, 4) if swiglu or N > 16384 else (16, 1024, 1, 4, 4)
+        if half:  # int8 in float16 pairs (runs 24, 27: benchmarks/gemv.py --kinds int8 --rows 1 --fused --tune)
+            return (16, 256, 1, 4, 4) if swiglu or N > 16384 else (32, 512, 1, 4, 3)  # (wqkv 14.9 -> 13.8 µs)
         return ((8, 512, 1, 4, 4) if swiglu else (4, 1024, 1, 4, 4) if N <= 8192  # int8
                 else (32, 256, 1, 8, 4) if N <= 16384 else (32, 128, 1, 4, 4))
     if kind == "bf16" and M <= 16:  # _rows_kernel (benchmarks/multirow.py's swap_ab, 8 rows, Llama-2-7B)

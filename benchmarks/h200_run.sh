@@ -123,4 +123,6 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 250 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --tune --layers wo,w2 \
         --grid 1:2048,1:4096,2:1024,2:2048,2:4096,4:512,4:1024,4:2048,8:512,8:1024 --warps 2,4,8 --stages 2,3,4 \
         --json "$OUT/tune_narrow.json" ;;
+  w)  # run 28 (wqkv's launch from run 27): 7B int8, bf16, int8 again
+      variants w1:"--quantize int8" w2:"" w1:"--quantize int8" ;;
 esac; done
