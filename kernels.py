@@ -12,7 +12,8 @@ they replay inside CUDA graphs. (An int4 kernel written the same way lost to PyT
 by 1.3-2x on every shape: BENCHMARKS.md. int4 stays on tinygemm.)
 
 Launch plan, per program (one block of outputs, one slice of K):
-  1 row of x:        acc[BLOCK_N, BLOCK_K] += W_tile * x   (no reduction inside the loop)
+  1 row of x:        acc[BLOCK_N, BLOCK_K] += W_tile * x   (no reduction inside the loop; int8 with
+                     the norm fused: in float16 pairs, 7 instructions for 4 weights: use_half)
   2..16 rows, bf16:  acc[BLOCK_N, 16] += W_tile @ x_tile.T   (_rows_kernel: tensor cores, bf16
                      operands, the weights as the large operand, all of K; 5-20% faster than cuBLAS
                      at 8 rows with the norm, SwiGLU and residual fused in: BENCHMARKS.md)

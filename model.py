@@ -417,7 +417,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # slower), so x is cast to bf16 around the matmul and back. CPU prefill dequantizes and calls
 # F.linear (2x faster there). On CUDA, int8 decode (<= 16 rows) is kernels.py's Triton GEMV, which
 # dequantizes in registers (2.5-5x the speed of gpt-fast's F.linear(x, w.to(x.dtype)) * scales
-# fused by Inductor, used for prefill; aten's CUDA _weight_int8pack_mm is slower still), and int4
+# fused by Inductor, used for prefill; aten's CUDA _weight_int8pack_mm is slower still; one row of
+# bf16 x with the norm fused runs in float16 pairs, kernels.use_half), and int4
 # is tinygemm (_weight_int4pack_mm), which beat our Triton int4 kernels. No op here syncs with the
 # host: all of it can be captured in a CUDA graph.
 
