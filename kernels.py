@@ -7,7 +7,8 @@ product limited by how fast the weights stream from memory. cuBLAS reaches the c
 wide matrices but not on narrow ones (4096 outputs: too few blocks to fill the GPU), and PyTorch
 has no fast CUDA kernel for int8 weights at all. These kernels give each program a few output
 rows (many programs, no split, for one row of x; a split of the input dimension for several),
-dequantize in registers, and accumulate in float32. Everything they launch has fixed shapes:
+dequantize in registers, and accumulate in float32 (but for the one-row int8 GEMVs with the norm
+fused, which multiply and sum in float16 pairs first: use_half). Everything they launch has fixed shapes:
 they replay inside CUDA graphs. (An int4 kernel written the same way lost to PyTorch's tinygemm
 by 1.3-2x on every shape: BENCHMARKS.md. int4 stays on tinygemm.)
 
@@ -110,11 +111,16 @@ if triton is not None:
     @triton.jit
     def _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
                     NORM: tl.constexpr, SWIGLU: tl.constexpr, EMULATE: tl.constexpr):
-        """_row_block for int8 weights in float16 pairs (HALF): x is loaded in the weight tile's own
-        layout (a [BN, BK] load of row stride 0, which each thread reads once for all its rows), so
-        it never moves between threads; the sum of squares comes from a 1D load of the same x. These
-        tile loads take no mask (masked loads are not merged across a thread's rows, and the work
-        would be repeated per row): past K they read x at K - 1, where the weights are masked to 0."""
+        """_row_block for int8 weights in float16 pairs (HALF). Without the norm, x is loaded in the
+        weight tile's own layout (a [BN, BK] load of row stride 0, which each thread reads once for
+        all its rows), so it never moves between threads; that load takes no mask (masked loads are
+        not merged across a thread's rows, and the work would be repeated per row): past K it reads
+        x at K - 1, where the weights are masked to 0. With the norm, x is loaded, squared and
+        multiplied by g in 1D (masked), then moved into the tile's layout.
+        Range: x (times g, before the norm's rsqrt, which is applied at the end) must fit float16,
+        and the products are of w / 128: |x g| up to ~6e4 before overflow, and below ~6e-5 they are
+        subnormal and lose relative precision. The default model's activations span 1e-3 (median
+        |x g| at layer 0) to 1.3e4 (max, layer 28's gate/up), measured on the CPU (BENCHMARKS.md)."""
         cols = rk if UNMASKED else tl.minimum(rk, K - 1)
         if NORM:  # (normed in 1D, then moved into the tile's layout: the tile form repeated work per row)
             xs = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
@@ -134,7 +140,7 @@ if triton is not None:
                      PDL: tl.constexpr, HALF: tl.constexpr, EMULATE: tl.constexpr):
         """y[split, m, n] = sum over this split's columns k of x[m, k] * W[n, k] (* scale[n]).
         One row per program (BLOCK_M 1) may also apply RMSNorm to x first (NORM: x * g * rsqrt(mean(x^2)
-        + eps), in float32, the mean over all of K, so no split), multiply rows n and N + n of W
+        + eps), the mean over all of K, so no split), multiply rows n and N + n of W
         into silu(a) * b (SWIGLU: W holds 2N rows, gate above up), and add a residual (RESIDUAL).
         PDL (programmatic dependent launch, launched with launch_pdl): the next kernel may start as
         soon as every program here has; one row loads its first weight block before waiting for the
@@ -175,7 +181,8 @@ if triton is not None:
                                                   (rk < K) & (rk * 0 + b_start < b_end), False, INT8, NORM, SWIGLU)
             # The blocks wholly inside K with no masks (rows past N read row N - 1 and are not
             # stored), then the block K ends in, if it ends in one: a mask on every block would cost
-            # its loads their vector width (down, 4096x11008, 14.4 µs at 1024 columns a block, run 25)
+            # its loads their vector width (down, 4096x11008, int8 at 1024 columns a block: 14.4 µs
+            # with a mask on every block, run 25; 14.0 µs so, run 26)
             full_end = tl.minimum(b_end, K // BLOCK_K)
             w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * K
             for b in range(b_start + 1, full_end):
@@ -344,17 +351,17 @@ def _pdl_capable(device: int) -> bool:
 # faster (use_half); False (bench.py --int8-float32) keeps float32 arithmetic, to measure what this
 # buys. Float32 x always takes float32 arithmetic (its products are exact there).
 INT8_HALF = True
+HALF_EVERYWHERE = False  # (tests and benchmarks/gemv.py: float16 pairs on every one-row int8 GEMV)
 
 def use_half(x: torch.Tensor, scales: torch.Tensor | None, M: int, norm_weight: torch.Tensor | None) -> bool:
     """Whether a one-row int8 GEMV runs in float16 pairs: where it measured faster, the GEMVs with the
     RMSNorm before them (Llama-2-7B, tuned, run 24: wqkv 15.0 against 16.6 µs, gate/up with SwiGLU 23.5
     against 30.5, the head 34.8 against 38.4); not wo and down, the narrow ones with the residual after
-    them (6.9 against 6.1, 27.7 against 14.4)."""
+    them (run 24: 6.9 against 6.1, 27.7 against 14.4; run 26, re-tuned after the loop lost its
+    masks: 7.0 against 6.2, 15.8 against 14.0)."""
     return (INT8_HALF and scales is not None and M == 1 and x.dtype != torch.float32
             and (norm_weight is not None or HALF_EVERYWHERE))
 
-
-HALF_EVERYWHERE = False  # (tests and benchmarks/gemv.py: float16 pairs on every one-row int8 GEMV)
 
 # Rows of x that _rows_kernel takes (bf16 weights; its BLOCK_M): batched decode, short prefills
 MAX_ROWS = 16  # (at most 16: the kernel pads the rows to 16 for the tensor cores)
@@ -372,7 +379,7 @@ def config(kind: str, M: int, N: int, K: int, swiglu: bool = False, half: bool =
     the H200 (benchmarks/gemv.py --tune [--fused]; BENCHMARKS.md). One row: many narrow programs, no
     split, tuned with what decode fuses in (the residual into the narrow wo and w2, RMSNorm into
     wqkv and the head, SwiGLU into w13, where BLOCK_N counts rows of each half). Several rows:
-    split K until there are about TARGET_PROGRAMS programs."""
+    split K until there are about TARGET_PROGRAMS programs. `half`: int8 in float16 pairs (use_half)."""
     if M == 1:
         if kind == "bf16":  # (N <= 8192 from Llama-3.1-8B's qkv 6144x4096; K > 12288 its down 4096x14336)
             return ((2, 1024, 1, 4, 2) if swiglu else ((4, 2048, 1, 4, 4) if K > 12288 else (4, 1024, 1, 4, 2))
