@@ -99,7 +99,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       gpu_tests 240
       variants r1:"--batch-sizes 1,8" ;;
   s)  # run 24 (int8 one-row GEMVs in float16 pairs, kernels.INT8_HALF): the kernel tests, the int8 launches
-      # tuned with the fusions (and the float32 arithmetic at its tuned launches for the A/B), 7B int8 and bf16
+      # tuned with the fusions (and the float32 arithmetic at its tuned launches for the A/B), 7B int8 and bf16.
+      # (Run 24 predates kernels.use_half: float16 pairs ran on every one-row int8 GEMV, which
+      # --half-everywhere now asks for; s1's bench, on later code, would take use_half's choice.)
       t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py | tail -5
       t 300 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --tune --half-everywhere \
         --json "$OUT/tune_half.json"
