@@ -348,9 +348,10 @@ def _pdl_capable(device: int) -> bool:
 
 # int8 weights, one row of bf16 or fp16 x: products and sums in float16 pairs (_int8_half_fma),
 # ~2.7 instructions a weight against ~5.2 through float32 (SASS of the loops, sm_90), where it is
-# faster (use_half); False (bench.py --int8-float32) keeps float32 arithmetic, to measure what this
-# buys. Float32 x always takes float32 arithmetic (its products are exact there).
-INT8_HALF = True
+# faster (use_half); False (bench.py --int8-float32, or GRAPHDECODE_INT8_HALF=0 for any program, e.g.
+# for a model whose norm inputs leave float16's range: _half_block) keeps float32 arithmetic. Float32
+# x always takes float32 arithmetic (its products are exact there).
+INT8_HALF = os.environ.get("GRAPHDECODE_INT8_HALF", "1") != "0"
 HALF_EVERYWHERE = False  # (tests and benchmarks/gemv.py: float16 pairs on every one-row int8 GEMV)
 
 def use_half(x: torch.Tensor, scales: torch.Tensor | None, M: int, norm_weight: torch.Tensor | None) -> bool:

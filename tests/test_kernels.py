@@ -2,6 +2,9 @@
 several, shapes that do and do not fill the blocks, with and without a split of K. Without a GPU
 they run in Triton's CPU interpreter (conftest.py sets TRITON_INTERPRET); `pytest -m cuda` also
 runs them on the GPU with the tuned launches."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -200,6 +203,19 @@ def test_int8_half_pairs_match_float64_in_float16(N, K, launch, fused, monkeypat
         assert y.dtype == torch.float16
         errors[half] = (y.double().cpu() - reference).abs().max().item() / size
     assert errors[True] <= 2e-3 and errors[False] <= 1e-3, errors
+
+
+def test_int8_half_pairs_can_be_turned_off_from_the_environment():
+    """GRAPHDECODE_INT8_HALF=0: every int8 GEMV in float32 (the way out for a model whose norm inputs
+    leave float16's range)."""
+    import subprocess
+    import sys
+
+    code = "import kernels; print(kernels.INT8_HALF)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "GRAPHDECODE_INT8_HALF": value}, cwd=Path(kernels.__file__).parent)
+        assert out.stdout.strip() == expected
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0])
