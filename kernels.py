@@ -121,16 +121,29 @@ if triton is not None:
         and the products are of w / 128: |x g| up to ~6e4 before overflow, and below ~6e-5 they are
         subnormal and lose relative precision. The default model's activations span 1e-3 (median
         |x g| at layer 0) to 1.3e4 (max, layer 28's gate/up), measured on the CPU (BENCHMARKS.md)."""
-        cols = rk if UNMASKED else tl.minimum(rk, K - 1)
         if NORM:  # (normed in 1D, then moved into the tile's layout: the tile form repeated work per row)
             xs = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
             squares += xs * xs
             x = (xs * tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)).to(tl.float16)[None, :]
         else:
+            cols = rk if UNMASKED else tl.minimum(rk, K - 1)
             x = tl.load(x_row + cols[None, :] + 0 * rn[:, None]).to(tl.float16)
         acc = _int8_half_fma(w, x, acc, EMULATE)
         if SWIGLU:
             acc_up = _int8_half_fma(w_up, x, acc_up, EMULATE)
+        return acc, acc_up, squares
+
+    @triton.jit
+    def _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
+                       INT8: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, HALF: tl.constexpr,
+                       EMULATE: tl.constexpr):
+        """One block of the one-row loop: _half_block (HALF) or _row_block."""
+        if HALF:  # (one return for both: Triton wants one return type, and acc's differs between them)
+            acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K,
+                                               UNMASKED, NORM, SWIGLU, EMULATE)
+        else:
+            acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, k_ok, UNMASKED,
+                                              INT8, NORM, SWIGLU)
         return acc, acc_up, squares
 
     @triton.jit
@@ -172,13 +185,9 @@ if triton is not None:
             w_up = tl.load(w_at + N * K, mask=first_ok, other=0) if SWIGLU else w
             if PDL:
                 tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, the residual) are visible
-            if HALF:
-                acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
-                                                   (rk < K) & (rk * 0 + b_start < b_end), K, False, NORM, SWIGLU,
-                                                   EMULATE)
-            else:
-                acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk,
-                                                  (rk < K) & (rk * 0 + b_start < b_end), False, INT8, NORM, SWIGLU)
+            acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
+                                                  (rk < K) & (rk * 0 + b_start < b_end), K, False, INT8, NORM,
+                                                  SWIGLU, HALF, EMULATE)
             # The blocks wholly inside K with no masks (rows past N read row N - 1 and are not
             # stored), then the block K ends in, if it ends in one: a mask on every block would cost
             # its loads their vector width (down, 4096x11008, int8 at 1024 columns a block: 14.4 µs
@@ -189,24 +198,16 @@ if triton is not None:
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
                 w = tl.load(w_rows + rk[None, :])
                 w_up = tl.load(w_rows + N * K + rk[None, :]) if SWIGLU else w
-                if HALF:
-                    acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, rk < K,
-                                                       K, True, NORM, SWIGLU, EMULATE)
-                else:
-                    acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rk < K,
-                                                      True, INT8, NORM, SWIGLU)
+                acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, rk < K,
+                                                      K, True, INT8, NORM, SWIGLU, HALF, EMULATE)
             if not EVEN:  # (EVEN: K is a multiple of BLOCK_K)
                 if (b_end > full_end) & (full_end > b_start):
                     rk = full_end * BLOCK_K + tl.arange(0, BLOCK_K)
                     w_ok = (rk < K)[None, :]
                     w = tl.load(w_rows + rk[None, :], mask=w_ok, other=0)
                     w_up = tl.load(w_rows + N * K + rk[None, :], mask=w_ok, other=0) if SWIGLU else w
-                    if HALF:
-                        acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
-                                                           rk < K, K, False, NORM, SWIGLU, EMULATE)
-                    else:
-                        acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rk < K,
-                                                          False, INT8, NORM, SWIGLU)
+                    acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
+                                                          rk < K, K, False, INT8, NORM, SWIGLU, HALF, EMULATE)
             out = tl.sum(acc.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
             up = tl.sum(acc_up.to(tl.float32), axis=1)[None, :]
             if HALF:  # (the products were of w / 128)
