@@ -109,22 +109,24 @@ if triton is not None:
             constraints="=r,=r,r,r,r,r,r", args=[w, x, acc], dtype=tl.float16, is_pure=True, pack=4)
 
     @triton.jit
-    def _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
+    def _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
                     NORM: tl.constexpr, SWIGLU: tl.constexpr, EMULATE: tl.constexpr):
         """_row_block for int8 weights in float16 pairs (HALF). Without the norm, x is loaded in the
         weight tile's own layout (a [BN, BK] load of row stride 0, which each thread reads once for
         all its rows), so it never moves between threads; that load takes no mask (masked loads are
         not merged across a thread's rows, and the work would be repeated per row): past K it reads
         x at K - 1, where the weights are masked to 0. With the norm, x is loaded, squared and
-        multiplied by g in 1D (masked), then moved into the tile's layout.
-        Range: x (times g, before the norm's rsqrt, which is applied at the end) must fit float16,
-        and the products are of w / 128: |x g| up to ~6e4 before overflow, and below ~6e-5 they are
-        subnormal and lose relative precision. The default model's activations span 1e-3 (median
-        |x g| at layer 0) to 1.3e4 (max, layer 28's gate/up), measured on the CPU (BENCHMARKS.md)."""
+        multiplied by g and x_scale in 1D (masked), then moved into the tile's layout.
+        Range: with the norm, what goes into float16 is x g x_scale, x_scale the rsqrt of the mean
+        square of the program's first block of x (_first_block_scale): scale-free, so the residual
+        stream's size does not matter, only how far one element of x g stands above the first
+        block's root mean square (overflow past ~6e4 times it; the residual stream's outliers are
+        ~1e2-1e3 times). Without the norm (HALF_EVERYWHERE: tests and benchmarks only) x itself must
+        fit float16."""
         if NORM:  # (normed in 1D, then moved into the tile's layout: the tile form repeated work per row)
             xs = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
             squares += xs * xs
-            x = (xs * tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)).to(tl.float16)[None, :]
+            x = (xs * (tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32) * x_scale)).to(tl.float16)[None, :]
         else:
             cols = rk if UNMASKED else tl.minimum(rk, K - 1)
             x = tl.load(x_row + cols[None, :] + 0 * rn[:, None]).to(tl.float16)
@@ -134,12 +136,21 @@ if triton is not None:
         return acc, acc_up, squares
 
     @triton.jit
-    def _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
+    def _first_block_scale(x_row, rk, k_ok, K, BLOCK_K: tl.constexpr):
+        """1 / the root mean square of x over the first block (rk, where k_ok; 1 if that is all zeros),
+        the scale x takes on its way into float16 (_half_block, _int4_block): one more load of a block
+        the loop reads anyway, and one sum."""
+        x0 = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
+        mean_square = tl.sum(x0 * x0, axis=0) / tl.minimum(K, BLOCK_K)
+        return tl.where(mean_square > 0, tl.rsqrt(mean_square), 1.0)
+
+    @triton.jit
+    def _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
                        INT8: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, HALF: tl.constexpr,
                        EMULATE: tl.constexpr):
         """One block of the one-row loop: _half_block (HALF) or _row_block."""
         if HALF:  # (one return for both: Triton wants one return type, and acc's differs between them)
-            acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K,
+            acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn, k_ok, K,
                                                UNMASKED, NORM, SWIGLU, EMULATE)
         else:
             acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, k_ok, UNMASKED,
@@ -185,7 +196,10 @@ if triton is not None:
             w_up = tl.load(w_at + N * K, mask=first_ok, other=0) if SWIGLU else w
             if PDL:
                 tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, the residual) are visible
-            acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
+            x_scale = 1.0  # float16 pairs with the norm: x enters float16 scaled by the first block's 1 / rms
+            if HALF and NORM:
+                x_scale = _first_block_scale(x_row, rk, rk < K, K, BLOCK_K)
+            acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn,
                                                   (rk < K) & (rk * 0 + b_start < b_end), K, False, INT8, NORM,
                                                   SWIGLU, HALF, EMULATE)
             # The blocks wholly inside K with no masks (rows past N read row N - 1 and are not
@@ -198,7 +212,7 @@ if triton is not None:
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
                 w = tl.load(w_rows + rk[None, :])
                 w_up = tl.load(w_rows + N * K + rk[None, :]) if SWIGLU else w
-                acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, rk < K,
+                acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn, rk < K,
                                                       K, True, INT8, NORM, SWIGLU, HALF, EMULATE)
             if not EVEN:  # (EVEN: K is a multiple of BLOCK_K)
                 if (b_end > full_end) & (full_end > b_start):
@@ -206,13 +220,13 @@ if triton is not None:
                     w_ok = (rk < K)[None, :]
                     w = tl.load(w_rows + rk[None, :], mask=w_ok, other=0)
                     w_up = tl.load(w_rows + N * K + rk[None, :], mask=w_ok, other=0) if SWIGLU else w
-                    acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
+                    acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn,
                                                           rk < K, K, False, INT8, NORM, SWIGLU, HALF, EMULATE)
             out = tl.sum(acc.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
             up = tl.sum(acc_up.to(tl.float32), axis=1)[None, :]
-            if HALF:  # (the products were of w / 128)
-                out *= 128.0
-                up *= 128.0
+            if HALF:  # (the products were of w / 128, and x times x_scale)
+                out *= 128.0 / x_scale
+                up *= 128.0 / x_scale
             if NORM:
                 r = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
                 out *= r
@@ -235,6 +249,164 @@ if triton is not None:
         if RESIDUAL:
             out += tl.load(r_ptr + y_at, mask=m_ok[:, None] & n_ok[None, :], other=0).to(tl.float32)
         tl.store(y_ptr + pid_k * M * N + y_at, out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+# -- int4, one row ---------------------------------------------------------------------------------
+#
+# Decode's int4 GEMV (one row of x) in float16 pairs, the norm, SwiGLU and the residual fused as in
+# _gemv_kernel. Layout (pack_int4_cuda): the file's bytes (column 2j in the low nibble of byte j),
+# with bytes 1 and 2 of every 4 swapped, so that one lop3 takes out two nibbles that pair with two
+# consecutive elements of a float16 register of x; and one int32 per output row and group: the
+# float16 bits of scale * c (low) and zero * c (high), c a power of two per matrix that keeps every
+# weight within +-1 in float16 (undone at the end, with x_scale).
+
+if triton is not None:
+
+    @triton.jit
+    def _int4_half_fma(w, xe, xo, s2, z2, acc, EMULATE: tl.constexpr):
+        """acc + w_lo * xe + w_hi * xo for bytes w of the layout above, 4 at a time (one int32 word):
+        a nibble q becomes 1024 + q (or 1024 + 16 q) in float16 by a lop3 under the exponent of 1024,
+        q - 8 exactly by a sub (an fma by 1/16), (q - 8) s + z by an fma with the group's s2, z2
+        (float16 pairs (s, s), (z, z) in an int32), and an fma with x adds its product: 17
+        instructions for 8 weights. EMULATE (the interpreter, which runs no PTX): the same numbers
+        in float32, rounded to float16 where the PTX rounds, on bytes in the file's order (the
+        caller loads them so)."""
+        if EMULATE:
+            s = (s2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            z = (z2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            lo = (((w & 15).to(tl.float32) - 8) * s + z).to(tl.float16).to(tl.float32)
+            hi = (((w >> 4).to(tl.float32) - 8) * s + z).to(tl.float16).to(tl.float32)
+            return (acc.to(tl.float32) + lo * xe.to(tl.float32) + hi * xo.to(tl.float32)).to(tl.float16)
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, a, b, c, d, k1032, k16th, km72;
+            mov.b32 k1032, 0x64086408;
+            mov.b32 k16th, 0x2C002C00;
+            mov.b32 km72, 0xD480D480;
+            shr.u32 t, $2, 8;
+            lop3.b32 a, $2, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 b, $2, 0x00F000F0, 0x64006400, 0xEA;
+            lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
+            sub.f16x2 a, a, k1032;
+            fma.rn.f16x2 b, b, k16th, km72;
+            sub.f16x2 c, c, k1032;
+            fma.rn.f16x2 d, d, k16th, km72;
+            fma.rn.f16x2 a, a, $7, $11;
+            fma.rn.f16x2 b, b, $7, $11;
+            fma.rn.f16x2 c, c, $7, $11;
+            fma.rn.f16x2 d, d, $7, $11;
+            fma.rn.f16x2 $0, a, $3, $15;
+            fma.rn.f16x2 $0, b, $5, $0;
+            fma.rn.f16x2 $1, c, $4, $16;
+            fma.rn.f16x2 $1, d, $6, $1;
+            }
+            """,
+            constraints="=r,=r," + ",".join(["r"] * 15), args=[w, xe, xo, s2, z2, acc], dtype=tl.float16,
+            is_pure=True, pack=4)
+
+    @triton.jit
+    def _half_pair(h, HIGH: tl.constexpr, EMULATE: tl.constexpr):
+        """int32 holding two float16 (low, high) -> the pair (low, low) or (high, high)."""
+        if EMULATE:
+            v = (h >> 16) & 0xFFFF if HIGH else h & 0xFFFF
+            return v | (v << 16)
+        return tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, 0, 0x3232;" if HIGH else "prmt.b32 $0, $1, 0, 0x1010;",
+                                         constraints="=r,r", args=[h], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, x_scale, b, n_groups,
+                    NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                    EMULATE: tl.constexpr):
+        """Block b (BLOCK_G groups of G columns) of the one-row int4 GEMV: x there, normed (NORM:
+        squares, g) and scaled by x_scale in float32, in float16 as the even and odd columns of each
+        byte, moved into the weight tile's layout; then the products."""
+        cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
+        ok = cols < n_groups * G
+        x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
+        xe, xo = tl.split(tl.reshape((x * x_scale).to(tl.float16), (BLOCK_G, G // 2, 2)))
+        xe, xo = xe[None, :, :], xo[None, :, :]
+        acc = _int4_half_fma(w, xe, xo, _half_pair(sz, False, EMULATE), _half_pair(sz, True, EMULATE), acc, EMULATE)
+        if SWIGLU:
+            acc_up = _int4_half_fma(w_up, xe, xo, _half_pair(sz_up, False, EMULATE), _half_pair(sz_up, True, EMULATE),
+                                    acc_up, EMULATE)
+        return acc, acc_up, squares
+
+    @triton.jit
+    def _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr,
+                   EMULATE: tl.constexpr):
+        """Block b of int4 weights [BN, BLOCK_G, G/2] (bytes) and their scale-and-zero words [BN, BLOCK_G, 1]
+        for rows `rows`; MASKED: zero past the last group (a mask on every block would cost the loop the
+        zeroing of its registers). EMULATE: the bytes in the file's order. (The words are loaded in 2D
+        and expanded: loaded in 3D, Triton moved the weights into their layout through shared memory.)"""
+        groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
+        at = tl.arange(0, G // 2)
+        if EMULATE:  # undo the swap of bytes 1 and 2 of each word
+            at = at ^ ((((at ^ (at >> 1)) & 1)) * 3)
+        w_at = w_ptr + rows[:, None, None] * (n_groups * (G // 2)) + (groups * (G // 2))[None, :, None] + at[None, None, :]
+        sz_at = sz_ptr + rows[:, None] * n_groups + groups[None, :]
+        if MASKED:
+            ok = groups < n_groups
+            w = tl.load(w_at, mask=ok[None, :, None], other=0)
+            sz = tl.load(sz_at, mask=ok[None, :], other=0)
+        else:
+            w = tl.load(w_at)
+            sz = tl.load(sz_at)
+        return w, sz[:, :, None]
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
+                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr):
+        """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
+        G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
+        PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each lane of the
+        [BLOCK_N, BLOCK_G, G/2] tile sums its products in float16 pairs (the first block of x sets
+        x_scale, as for int8: _half_block), then the lanes are summed in float32."""
+        pid = tl.program_id(0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(rn, N - 1)  # rows past N are computed on row N - 1 and not stored
+        acc = tl.zeros((BLOCK_N, BLOCK_G, G // 2), tl.float16)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_G, G // 2), tl.float16)  # SWIGLU only
+        squares = tl.zeros((BLOCK_G * G,), tl.float32)
+        w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True, EMULATE)  # before the wait
+        w_up, sz_up = w, sz
+        if SWIGLU:
+            w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True, EMULATE)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        x_scale = _first_block_scale(x_ptr, tl.arange(0, BLOCK_G * G), tl.arange(0, BLOCK_G * G) < K, K, BLOCK_G * G)
+        acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, 0,
+                                           n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+        full = n_groups // BLOCK_G  # blocks wholly inside K: no masks; then the one K ends in, if any
+        for b in range(1, full):
+            w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, EMULATE)
+            if SWIGLU:
+                w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, EMULATE)
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, b,
+                                               n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+        if (full * BLOCK_G < n_groups) & (full > 0):
+            w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True, EMULATE)
+            if SWIGLU:
+                w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True, EMULATE)
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, full,
+                                               n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+        unscale = w_unscale / x_scale
+        if NORM:
+            unscale *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        out = tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1) * unscale
+        if SWIGLU:
+            up = tl.sum(tl.sum(acc_up.to(tl.float32), axis=2), axis=1) * unscale
+            out = out / (1 + tl.exp(-out)) * up
+        if RESIDUAL:
+            out += tl.load(r_ptr + rn, mask=rn < N, other=0).to(tl.float32)
+        tl.store(y_ptr + rn, out, mask=rn < N)
 
 
 if triton is not None:
@@ -486,6 +658,83 @@ def gemv_op(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor
 def _(x, weight, scales, norm_weight, eps, residual, swiglu):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
+
+
+# -- int4, one row: the host side ------------------------------------------------------------------
+
+def int4_layout(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                groupsize: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """model.py's int4 file layout (uint8 [N, K/2], column 2j in the low nibble of byte j; scales and
+    zeros [N, ceil(K / groupsize)]) -> (weight, scale-and-zero words, w_unscale, group) for int4_gemv.
+    A group size that does not divide K (576 = 4 x 128 + 64) runs as gcd(groupsize, K), each scale
+    repeated: the same numbers. c = 1 / w_unscale is the power of two that brings the largest
+    |(q - 8) s + z| to (1/2, 1] (float16 keeps its 11 bits for the small groups; c is exact)."""
+    N, K = weight.shape[0], 2 * weight.shape[1]
+    if K % 32:
+        raise ValueError(f"int4_layout: K must be a multiple of 32 (got {K})")
+    g = math.gcd(groupsize, K)
+    group = torch.arange(K // g, device=weight.device) * g // groupsize  # kernel group -> file group
+    s, z = scales[:, group].float(), zeros[:, group].float()
+    bound = (8 * s.abs() + z.abs()).max().item()  # |(q - 8) s + z| <= 8 |s| + |z|
+    c = 2.0 ** -math.ceil(math.log2(bound)) if bound > 0 else 1.0
+    halves = [(t * c).half().view(torch.int16).int() for t in (s, z)]
+    sz = (halves[0] & 0xFFFF) | (halves[1] << 16)
+    swapped = weight.reshape(N, K // 8, 4)[:, :, [0, 2, 1, 3]].reshape(N, K // 2)  # bytes 1 and 2 of each word
+    return swapped.contiguous(), sz.contiguous(), 1.0 / c, g
+
+
+# A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages)
+def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False) -> tuple[int, int, int, int]:
+    """The launch for one row of x times int4 weights [N, K] in groups of `groupsize` (not tuned yet:
+    about 1024 columns a step, 16 rows a program)."""
+    block_g = max(1, min(1024 // groupsize, triton.next_power_of_2(K // groupsize)))
+    return (8 if swiglu else 16), block_g, 4, 3
+
+
+def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
+              norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+              swiglu: bool = False, launch: tuple | None = None) -> torch.Tensor:
+    """One row x [..., K] times int4 weights (int4_layout) -> [..., N] in x's dtype, with gemv's
+    fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.shape[0] != 1:
+        raise ValueError(f"int4_gemv takes one row of x (got {x2.shape[0]})")
+    if weight.shape[1] * 2 != K or K % groupsize or sz.shape != (weight.shape[0], K // groupsize):
+        raise ValueError(f"int4_gemv: weight {tuple(weight.shape)} and sz {tuple(sz.shape)} do not fit K={K} "
+                         f"in groups of {groupsize}")
+    N = weight.shape[0] // (2 if swiglu else 1)
+    block_n, block_g, warps, stages = launch or int4_config(N, K, groupsize, swiglu)
+    x2 = x2.contiguous()
+    y = torch.empty((1, N), device=x.device, dtype=x.dtype)
+    use_pdl = pdl(x)
+    _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
+        x2, weight, sz, weight if norm_weight is None else norm_weight,
+        weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
+        BLOCK_N=block_n, BLOCK_G=block_g, PDL=use_pdl, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
+    return y.view(*x.shape[:-1], N)
+
+
+def int4_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    """int4_gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
+    f = int4_gemv_op if OPAQUE else int4_gemv
+    return f(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu)
+
+
+@torch.library.custom_op("graphdecode::int4_gemv", mutates_args=())
+def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
+                 norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
+                 swiglu: bool) -> torch.Tensor:
+    return int4_gemv(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu)
+
+
+@int4_gemv_op.register_fake
+def _(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 # -- decode attention ------------------------------------------------------------------------------
 #

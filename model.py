@@ -348,13 +348,24 @@ FUSE_ATTENTION = True  # False (bench.py --unfused-attention): decode attention 
 
 def decode_gemv(x, weight, scales, norm, residual, swiglu=False):
     """kernels.matmul with the norm, SwiGLU and the residual add inside the kernel, or around it."""
+    return fused_matmul(lambda x, **fused: kernels.matmul(x, weight, scales, **fused), x, norm, residual, swiglu)
+
+
+def decode_int4_gemv(x, layer, norm, residual, swiglu=False):
+    """decode_gemv for an Int4Linear's one-row layout: kernels.int4_matmul."""
+    return fused_matmul(lambda x, **fused: kernels.int4_matmul(x, layer.gemv_weight, layer.gemv_sz, layer.gemv_unscale,
+                                                              layer.gemv_group, **fused), x, norm, residual, swiglu)
+
+
+def fused_matmul(matmul, x, norm, residual, swiglu):
+    """matmul(x, norm_weight=, eps=, residual=, swiglu=) with what FUSE_* allow fused, the rest around it."""
     if not FUSE_NORM_AND_RESIDUAL:
-        return unfused(lambda x: kernels.matmul(x, weight, scales), x, norm, residual, swiglu)
+        return unfused(matmul, x, norm, residual, swiglu)
     normed = dict(norm_weight=None if norm is None else norm.weight, eps=0.0 if norm is None else norm.eps)
     if swiglu and not FUSE_SWIGLU:
-        y = silu_and_mul(kernels.matmul(x, weight, scales, **normed))
+        y = silu_and_mul(matmul(x, **normed))
         return y if residual is None else residual + y
-    return kernels.matmul(x, weight, scales, **normed, residual=residual, swiglu=swiglu)
+    return matmul(x, **normed, residual=residual, swiglu=swiglu)
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -423,6 +434,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # host: all of it can be captured in a CUDA graph.
 
 INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
+INT4_GEMV = True  # one row of x on CUDA: kernels.int4_gemv; False (bench.py --int4-tinygemm): tinygemm (A/B)
 CPU_KERNEL_MAX_ROWS = 32  # up to this many tokens the CPU int8 kernel beats dequantize + F.linear
 
 
@@ -557,7 +569,11 @@ class Int4Linear(nn.Module):
         self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
         self.register_load_state_dict_post_hook(Int4Linear._after_load)
 
-    def forward(self, x, norm=None, residual=None, swiglu=False):  # as Linear's, never fused
+    def forward(self, x, norm=None, residual=None, swiglu=False):  # as Linear's
+        if (INT4_GEMV and hasattr(self, "gemv_weight") and kernels.usable(x, self.gemv_weight, max_rows=1)
+                and (self.bias is None or (residual is None and not swiglu))):
+            y = decode_int4_gemv(x, self, norm, residual, swiglu)
+            return y if self.bias is None else y + self.bias
         return unfused(self.linear, x, norm, residual, swiglu)
 
     def linear(self, x):
@@ -580,6 +596,13 @@ class Int4Linear(nn.Module):
             self.block_scales = nn.Parameter(block_scales, requires_grad=False)
             self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
             return
+        if self.weight.is_cuda and kernels.triton is not None:  # one-row decode: kernels.int4_gemv's layout
+            weight, sz, self.gemv_unscale, self.gemv_group = kernels.int4_layout(self.weight, self.scales, self.zeros,
+                                                                                self.groupsize)
+            # (buffers outside the state dict: derived, like the packed weight, and a step reads one
+            # layout or the other, the same number of bytes, so weight_bytes_per_step counts one)
+            self.register_buffer("gemv_weight", weight, persistent=False)
+            self.register_buffer("gemv_sz", sz, persistent=False)
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)

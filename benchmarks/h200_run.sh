@@ -3,7 +3,7 @@
 # of session 4: calls e, f, g, h, i; runs 16-20 of session 5: calls j, k, l, m, n;
 # runs 21-23 of session 6: calls p, q, r; 2026-11-29/30; runs 24- of session 7: calls s, ...; 2026-12-01), as the
 # device sessions ran them, each part on the code of its own commit.
-# Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n|p|q|r|s]...
+# Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n|p|q|r|s|...|x]...
 # Cold first calls use fresh Inductor/Triton cache directories; a second run on the same directory is warm.
 set -u
 export PYTHONUNBUFFERED=1
@@ -127,4 +127,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/tune_narrow.json" ;;
   w)  # run 28 (wqkv's launch from run 27): 7B int8, bf16, int8 again
       variants w1:"--quantize int8" w2:"" w1:"--quantize int8" ;;
+  x)  # run 29 (session 8: the int4 one-row kernel, kernels.int4_gemv; float16 pairs scaled by the first
+      # block's rms): every kernel test on the GPU, the cuda tests, int4 GEMV launches tuned at group 32
+      # (and group 128 at its first launches)
+      t 200 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py | tail -8
+      gpu_tests 200
+      t 330 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --tune --warps 4 --stages 2,3 \
+        --json "$OUT/tune_int4.json"
+      t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 128 --json "$OUT/int4_g128.json" ;;
 esac; done

@@ -187,6 +187,28 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group):
     assert rel < (0.05 if mode == "int8" else 0.25), rel
 
 
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_one_row_kernel_matches_tinygemm(model, group, monkeypatch):
+    """A decode step of an int4 model through kernels.int4_gemv (one row, the norm, SwiGLU and the
+    residual fused) gives the logits of the same step through PyTorch's tinygemm (model.INT4_GEMV
+    False), both layouts built from the same file tensors, within bf16 rounding; the kernel runs."""
+    import model as model_module
+    from quantize import quantize_model
+
+    qmodel = quantize_model(model, "int4", group)
+    idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
+    logits = {}
+    for ours in (True, False):
+        monkeypatch.setattr(model_module, "INT4_GEMV", ours)
+        with torch.no_grad():
+            qmodel.setup_caches(1, 64)
+            qmodel(idx, pos)
+            logits[ours] = qmodel(torch.tensor([[3]], device="cuda"), torch.tensor([8], device="cuda")).float()
+    rel = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
+    assert rel < 0.02, rel
+    assert hasattr(qmodel.layers[0].attention.wqkv, "gemv_weight")
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_speculative_graphs_equal_plain_greedy_and_draft_loop_is_one_replay(model32, k):
     """Graphed speculative decoding (draft loop and verification, one CUDA graph each) gives the

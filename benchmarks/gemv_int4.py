@@ -1,0 +1,114 @@
+"""The one-row int4 GEMV: kernels.int4_gemv (float16 pairs, with what decode fuses into each GEMV:
+RMSNorm before wqkv and w13, SwiGLU in w13, the residual add after wo and w2) against PyTorch's
+tinygemm (_weight_int4pack_mm, the matmul alone), on a preset's shapes, timed as CUDA graph replays
+over >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls). Each result is checked against a
+float64 reference of the dequantized weights first. --tune tries a grid of launches.
+
+    python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--tune] [--json PATH]
+"""
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels  # noqa: E402
+import model as M  # noqa: E402
+from bench import PRESETS, copy_bandwidth  # noqa: E402
+from benchmarks.gemv import L2_MULTIPLE_BYTES, shapes, time_calls  # noqa: E402
+
+FUSED = {"wqkv": "norm", "wo": "residual", "w13": "swiglu", "w2": "residual", "output": "norm"}
+
+
+def file_weights(N, K, G, device):
+    """Random int4 weights in model.py's file layout: q, packed bytes, scales, zeros [N, K/G]."""
+    q = torch.randint(0, 16, (N, K), device=device, dtype=torch.uint8)
+    packed = q[:, ::2] | (q[:, 1::2] << 4)
+    scales = (torch.rand(N, K // G, device=device) * 2e-3 + 5e-4).bfloat16()
+    zeros = (torch.randn(N, K // G, device=device) * 1e-3).bfloat16()
+    return packed, scales, zeros
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b")
+    p.add_argument("--groupsizes", default="32,128")
+    p.add_argument("--layers", default="wqkv,wo,w13,w2")
+    p.add_argument("--tune", action="store_true")
+    p.add_argument("--grid", default="8:8,8:16,8:32,16:8,16:16,16:32,32:4,32:8,32:16,64:8,64:16",
+                   help="BLOCK_N:columns/64 pairs: BLOCK_G = columns / groupsize")
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    ceiling = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)
+    records = []
+    for G, (name, (N, K)) in itertools.product([int(g) for g in a.groupsizes.split(",")], shapes(PRESETS[a.model]).items()):
+        if name not in a.layers.split(","):
+            continue
+        torch.manual_seed(0)
+        packed, scales, zeros = file_weights(N, K, G, dev)
+        W = M.dequantize_int4(packed, scales.double(), zeros.double(), G)  # [N, K] float64
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        xd = x.double()
+        fused, kw = FUSED[name], {}
+        out_n = N // 2 if fused == "swiglu" else N
+        if fused in ("norm", "swiglu"):
+            g = (0.5 + torch.rand(K, device=dev)).bfloat16()
+            kw = dict(norm_weight=g, eps=1e-5)
+            expect = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double()) @ W.T
+            if fused == "swiglu":
+                kw["swiglu"] = True
+                gate, up = expect.chunk(2, dim=-1)
+                expect = gate * torch.sigmoid(gate) * up
+        else:
+            r = torch.randn(1, N, device=dev, dtype=torch.bfloat16)
+            kw = dict(residual=r)
+            expect = xd @ W.T + r.double()
+        ours = kernels.int4_layout(packed, scales, zeros, G)
+        theirs = M.pack_int4(packed, scales, zeros, G)
+        err = ((kernels.int4_gemv(x, *ours, **kw).double() - expect).abs().max() / expect.abs().max()).item()
+        plain = xd @ W.T
+        err_tg = ((M.int4_linear(x, *theirs, G).double() - plain).abs().max() / plain.abs().max()).item()
+        nbytes = N * K // 2 + N * (K // G) * 4
+        copies = max(2, -(-L2_MULTIPLE_BYTES // nbytes))
+        ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
+        theirs_c = [theirs] + [tuple(t.clone() for t in theirs) for _ in range(copies - 1)]
+        t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
+        default = kernels.int4_config(out_n, K, G, fused == "swiglu")
+        t_ours = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw) for w in ours_c])
+        best = (t_ours, default)
+        if a.tune:
+            grid = [(bn, max(1, cols * 64 // G), w, s) for bn, cols in
+                    (tuple(int(v) for v in pair.split(":")) for pair in a.grid.split(","))
+                    for w in (int(v) for v in a.warps.split(",")) for s in (int(v) for v in a.stages.split(","))]
+            for launch in dict.fromkeys(grid):
+                try:
+                    t = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch) for w in ours_c], reps=3)
+                except Exception as e:  # e.g. out of shared memory or registers for this launch
+                    print(f"    {launch}: {type(e).__name__}", flush=True)
+                    continue
+                if t < best[0]:
+                    best = (t, launch)
+            best = (time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=best[1]) for w in ours_c]), best[1])
+        rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "bytes": nbytes, "tinygemm_us": t_tg * 1e6,
+               "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6, "ours_gb_s": nbytes / t_ours / 1e9,
+               "default": default, "best_us": best[0] * 1e6, "best_gb_s": nbytes / best[0] / 1e9, "best": best[1],
+               "err": err, "err_tinygemm": err_tg, "ceiling_gb_s": ceiling}
+        records.append(rec)
+        print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} tinygemm {t_tg*1e6:6.1f} us {rec['tinygemm_gb_s']:5.0f} GB/s | "
+              f"ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | best {best[0]*1e6:6.1f} us "
+              f"{rec['best_gb_s']:5.0f} GB/s {best[1]} | err {err:.1e} tinygemm {err_tg:.1e}", flush=True)
+        if a.json:
+            a.json.write_text(json.dumps(records, indent=1))
+        del ours_c, theirs_c
+
+
+if __name__ == "__main__":
+    main()
