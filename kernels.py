@@ -303,7 +303,7 @@ if triton is not None:
             fma.rn.f16x2 $1, d, $6, $1;
             }
             """,
-            constraints="=r,=r," + ",".join(["r"] * 15), args=[w, xe, xo, s2, z2, acc], dtype=tl.float16,
+            constraints="=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", args=[w, xe, xo, s2, z2, acc], dtype=tl.float16,
             is_pure=True, pack=4)
 
     @triton.jit
@@ -312,8 +312,11 @@ if triton is not None:
         if EMULATE:
             v = (h >> 16) & 0xFFFF if HIGH else h & 0xFFFF
             return v | (v << 16)
-        return tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, 0, 0x3232;" if HIGH else "prmt.b32 $0, $1, 0, 0x1010;",
-                                         constraints="=r,r", args=[h], dtype=tl.int32, is_pure=True, pack=1)
+        if HIGH:
+            return tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, 0, 0x3232;", constraints="=r,r", args=[h],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(asm="prmt.b32 $0, $1, 0, 0x1010;", constraints="=r,r", args=[h],
+                                         dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
     def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, x_scale, b, n_groups,
@@ -327,7 +330,10 @@ if triton is not None:
         x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
         if NORM:
             squares += x * x
-            x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
+        # times g, or ones without the norm: a multiply by a loaded vector keeps x's conversion in 1D
+        # (without one Triton 3.6 moved it into the weight tile's layout, where each thread repeats it
+        # for its groups: wo 4.1 instructions a weight against 2.7, sm_90 machine code)
+        x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
         xe, xo = tl.split(tl.reshape((x * x_scale).to(tl.float16), (BLOCK_G, G // 2, 2)))
         xe, xo = xe[None, :, :], xo[None, :, :]
         acc = _int4_half_fma(w, xe, xo, _half_pair(sz, False, EMULATE), _half_pair(sz, True, EMULATE), acc, EMULATE)
@@ -693,9 +699,10 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False) -> tuple[i
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
               norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-              swiglu: bool = False, launch: tuple | None = None) -> torch.Tensor:
+              swiglu: bool = False, ones: torch.Tensor | None = None, launch: tuple | None = None) -> torch.Tensor:
     """One row x [..., K] times int4 weights (int4_layout) -> [..., N] in x's dtype, with gemv's
-    fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T."""
+    fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the norm the kernel
+    multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its own)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
@@ -709,7 +716,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
     _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x2, weight, sz, weight if norm_weight is None else norm_weight,
+        x2, weight, sz, norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K),
         weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
         BLOCK_N=block_n, BLOCK_G=block_g, PDL=use_pdl, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
@@ -719,21 +726,22 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
 
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, swiglu: bool = False,
+                ones: torch.Tensor | None = None) -> torch.Tensor:
     """int4_gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
     f = int4_gemv_op if OPAQUE else int4_gemv
-    return f(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu)
+    return f(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones)
 
 
 @torch.library.custom_op("graphdecode::int4_gemv", mutates_args=())
 def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                  norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
-                 swiglu: bool) -> torch.Tensor:
-    return int4_gemv(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu)
+                 swiglu: bool, ones: Optional[torch.Tensor]) -> torch.Tensor:
+    return int4_gemv(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones)
 
 
 @int4_gemv_op.register_fake
-def _(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu):
+def _(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 # -- decode attention ------------------------------------------------------------------------------

@@ -354,7 +354,8 @@ def decode_gemv(x, weight, scales, norm, residual, swiglu=False):
 def decode_int4_gemv(x, layer, norm, residual, swiglu=False):
     """decode_gemv for an Int4Linear's one-row layout: kernels.int4_matmul."""
     return fused_matmul(lambda x, **fused: kernels.int4_matmul(x, layer.gemv_weight, layer.gemv_sz, layer.gemv_unscale,
-                                                              layer.gemv_group, **fused), x, norm, residual, swiglu)
+                                                              layer.gemv_group, **fused, ones=layer.gemv_ones),
+                        x, norm, residual, swiglu)
 
 
 def fused_matmul(matmul, x, norm, residual, swiglu):
@@ -603,6 +604,7 @@ class Int4Linear(nn.Module):
             # layout or the other, the same number of bytes, so weight_bytes_per_step counts one)
             self.register_buffer("gemv_weight", weight, persistent=False)
             self.register_buffer("gemv_sz", sz, persistent=False)
+            self.register_buffer("gemv_ones", torch.ones(weight.shape[1] * 2, device=weight.device), persistent=False)
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)

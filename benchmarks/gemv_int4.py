@@ -69,7 +69,7 @@ def main():
                 expect = gate * torch.sigmoid(gate) * up
         else:
             r = torch.randn(1, N, device=dev, dtype=torch.bfloat16)
-            kw = dict(residual=r)
+            kw = dict(residual=r, ones=torch.ones(K, device=dev, dtype=torch.bfloat16))  # (as Int4Linear passes)
             expect = xd @ W.T + r.double()
         ours = kernels.int4_layout(packed, scales, zeros, G)
         theirs = M.pack_int4(packed, scales, zeros, G)
