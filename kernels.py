@@ -254,29 +254,47 @@ if triton is not None:
 # -- int4, one row ---------------------------------------------------------------------------------
 #
 # Decode's int4 GEMV (one row of x) in float16 pairs, the norm, SwiGLU and the residual fused as in
-# _gemv_kernel. Layout (pack_int4_cuda): the file's bytes (column 2j in the low nibble of byte j),
-# with bytes 1 and 2 of every 4 swapped, so that one lop3 takes out two nibbles that pair with two
-# consecutive elements of a float16 register of x; and one int32 per output row and group: the
-# float16 bits of scale * c (low) and zero * c (high), c a power of two per matrix that keeps every
-# weight within +-1 in float16 (undone at the end, with x_scale).
+# _gemv_kernel. Layout (int4_layout): int32 words of 8 consecutive columns, the even ones in the low
+# 16 bits (column 2i at bits 4i), the odd ones in the high 16 (column 2i + 1 at bits 16 + 4i), so that
+# one lop3 takes out the two nibbles that one float16 pair (x[2i], x[2i + 1]) multiplies; and one
+# int32 per output row and group: the float16 bits of scale * c (low) and zero * c (high), c a power
+# of two per matrix that keeps every weight within +-1 in float16 (undone at the end, with x_scale).
 
 if triton is not None:
 
     @triton.jit
-    def _int4_half_fma(w, xe, xo, s2, z2, acc, EMULATE: tl.constexpr):
-        """acc + w_lo * xe + w_hi * xo for bytes w of the layout above, 4 at a time (one int32 word):
-        a nibble q becomes 1024 + q (or 1024 + 16 q) in float16 by a lop3 under the exponent of 1024,
-        q - 8 exactly by a sub (an fma by 1/16), (q - 8) s + z by an fma with the group's s2, z2
-        (float16 pairs (s, s), (z, z) in an int32), and an fma with x adds its product: 17
-        instructions for 8 weights. EMULATE (the interpreter, which runs no PTX): the same numbers
-        in float32, rounded to float16 where the PTX rounds, on bytes in the file's order (the
-        caller loads them so)."""
+    def _f16_pair(v, EMULATE: tl.constexpr):
+        """int32 holding two float16 (low, high) -> (low, high) as float32."""
+        lo = (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def _to_f16_pair(lo, hi):
+        """Two float32 tensors -> int32 holding them as float16 (low, high)."""
+        return ((lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
+                | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16))
+
+    @triton.jit
+    def _int4_half_fma(w, x0, x1, x2, x3, s2, z2, acc, EMULATE: tl.constexpr):
+        """acc + the 8 products of word w (the layout above) with x's pairs x0..x3 (float16 pairs in
+        int32: (x[8j], x[8j + 1]) ...), acc a float16 pair in an int32: a nibble q becomes 1024 + q (or
+        1024 + 16 q) in float16 by a lop3 under the exponent of 1024, q - 8 exactly by a sub (an fma
+        by 1/16), (q - 8) s + z by an fma with the group's s2, z2 (float16 pairs (s, s), (z, z)), and
+        an fma with x adds its product: 17 instructions for 8 weights. EMULATE (the interpreter,
+        which runs no PTX): the same numbers in float32, rounded to float16 where the PTX rounds."""
         if EMULATE:
-            s = (s2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            z = (z2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            lo = (((w & 15).to(tl.float32) - 8) * s + z).to(tl.float16).to(tl.float32)
-            hi = (((w >> 4).to(tl.float32) - 8) * s + z).to(tl.float16).to(tl.float32)
-            return (acc.to(tl.float32) + lo * xe.to(tl.float32) + hi * xo.to(tl.float32)).to(tl.float16)
+            s, _ = _f16_pair(s2, EMULATE)
+            z, _ = _f16_pair(z2, EMULATE)
+            lo, hi = _f16_pair(acc, EMULATE)
+            for i in tl.static_range(4):
+                xi = x0 if i == 0 else x1 if i == 1 else x2 if i == 2 else x3
+                x_lo, x_hi = _f16_pair(xi, EMULATE)
+                w_lo = ((((w >> (4 * i)) & 15).to(tl.float32) - 8) * s + z).to(tl.float16).to(tl.float32)
+                w_hi = ((((w >> (16 + 4 * i)) & 15).to(tl.float32) - 8) * s + z).to(tl.float16).to(tl.float32)
+                lo = (lo + w_lo * x_lo).to(tl.float16).to(tl.float32)
+                hi = (hi + w_hi * x_hi).to(tl.float16).to(tl.float32)
+            return _to_f16_pair(lo, hi)
         return tl.inline_asm_elementwise(
             asm="""
             {
@@ -284,27 +302,27 @@ if triton is not None:
             mov.b32 k1032, 0x64086408;
             mov.b32 k16th, 0x2C002C00;
             mov.b32 km72, 0xD480D480;
-            shr.u32 t, $2, 8;
-            lop3.b32 a, $2, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 b, $2, 0x00F000F0, 0x64006400, 0xEA;
+            shr.u32 t, $1, 8;
+            lop3.b32 a, $1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 b, $1, 0x00F000F0, 0x64006400, 0xEA;
             lop3.b32 c, t, 0x000F000F, 0x64006400, 0xEA;
             lop3.b32 d, t, 0x00F000F0, 0x64006400, 0xEA;
             sub.f16x2 a, a, k1032;
             fma.rn.f16x2 b, b, k16th, km72;
             sub.f16x2 c, c, k1032;
             fma.rn.f16x2 d, d, k16th, km72;
-            fma.rn.f16x2 a, a, $7, $11;
-            fma.rn.f16x2 b, b, $7, $11;
-            fma.rn.f16x2 c, c, $7, $11;
-            fma.rn.f16x2 d, d, $7, $11;
-            fma.rn.f16x2 $0, a, $3, $15;
-            fma.rn.f16x2 $0, b, $5, $0;
-            fma.rn.f16x2 $1, c, $4, $16;
-            fma.rn.f16x2 $1, d, $6, $1;
+            fma.rn.f16x2 a, a, $6, $7;
+            fma.rn.f16x2 b, b, $6, $7;
+            fma.rn.f16x2 c, c, $6, $7;
+            fma.rn.f16x2 d, d, $6, $7;
+            fma.rn.f16x2 $0, a, $2, $8;
+            fma.rn.f16x2 $0, b, $3, $0;
+            fma.rn.f16x2 $0, c, $4, $0;
+            fma.rn.f16x2 $0, d, $5, $0;
             }
             """,
-            constraints="=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", args=[w, xe, xo, s2, z2, acc], dtype=tl.float16,
-            is_pure=True, pack=4)
+            constraints="=r,r,r,r,r,r,r,r,r", args=[w, x0, x1, x2, x3, s2, z2, acc], dtype=tl.int32,
+            is_pure=True, pack=1)
 
     @triton.jit
     def _half_pair(h, HIGH: tl.constexpr, EMULATE: tl.constexpr):
@@ -323,8 +341,8 @@ if triton is not None:
                     NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                     EMULATE: tl.constexpr):
         """Block b (BLOCK_G groups of G columns) of the one-row int4 GEMV: x there, normed (NORM:
-        squares, g) and scaled by x_scale in float32, in float16 as the even and odd columns of each
-        byte, moved into the weight tile's layout; then the products."""
+        squares, g) and scaled by x_scale in float32, as float16 pairs in int32 in 1D, then moved into
+        the weight tile's layout as the four pairs of each word; then the products."""
         cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
         ok = cols < n_groups * G
         x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
@@ -332,28 +350,29 @@ if triton is not None:
             squares += x * x
         # times g, or ones without the norm: a multiply by a loaded vector keeps x's conversion in 1D
         # (without one Triton 3.6 moved it into the weight tile's layout, where each thread repeats it
-        # for its groups: wo 4.1 instructions a weight against 2.7, sm_90 machine code)
+        # for its groups: 4.1 instructions a weight against 2.7, sm_90 machine code)
         x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
-        xe, xo = tl.split(tl.reshape((x * x_scale).to(tl.float16), (BLOCK_G, G // 2, 2)))
-        xe, xo = xe[None, :, :], xo[None, :, :]
-        acc = _int4_half_fma(w, xe, xo, _half_pair(sz, False, EMULATE), _half_pair(sz, True, EMULATE), acc, EMULATE)
+        lo, hi = tl.split(tl.reshape(x * x_scale, (BLOCK_G * G // 2, 2)))
+        pairs = tl.reshape(_to_f16_pair(lo, hi), (BLOCK_G, G // 8, 2, 2))  # [group, word, i // 2, i % 2]
+        x02, x13 = tl.split(pairs)
+        x0, x2 = tl.split(x02)
+        x1, x3 = tl.split(x13)
+        x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
+        acc = _int4_half_fma(w, x0, x1, x2, x3, _half_pair(sz, False, EMULATE), _half_pair(sz, True, EMULATE),
+                             acc, EMULATE)
         if SWIGLU:
-            acc_up = _int4_half_fma(w_up, xe, xo, _half_pair(sz_up, False, EMULATE), _half_pair(sz_up, True, EMULATE),
-                                    acc_up, EMULATE)
+            acc_up = _int4_half_fma(w_up, x0, x1, x2, x3, _half_pair(sz_up, False, EMULATE),
+                                    _half_pair(sz_up, True, EMULATE), acc_up, EMULATE)
         return acc, acc_up, squares
 
     @triton.jit
-    def _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr,
-                   EMULATE: tl.constexpr):
-        """Block b of int4 weights [BN, BLOCK_G, G/2] (bytes) and their scale-and-zero words [BN, BLOCK_G, 1]
-        for rows `rows`; MASKED: zero past the last group (a mask on every block would cost the loop the
-        zeroing of its registers). EMULATE: the bytes in the file's order. (The words are loaded in 2D
-        and expanded: loaded in 3D, Triton moved the weights into their layout through shared memory.)"""
+    def _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
+        """Block b of int4 words [BN, BLOCK_G, G/8] and their scale-and-zero words [BN, BLOCK_G, 1] for
+        rows `rows`; MASKED: zero past the last group. (The scale-and-zero words are loaded in 2D and
+        expanded: loaded in 3D, Triton moved the weights into their layout through shared memory.)"""
         groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
-        at = tl.arange(0, G // 2)
-        if EMULATE:  # undo the swap of bytes 1 and 2 of each word
-            at = at ^ ((((at ^ (at >> 1)) & 1)) * 3)
-        w_at = w_ptr + rows[:, None, None] * (n_groups * (G // 2)) + (groups * (G // 2))[None, :, None] + at[None, None, :]
+        w_at = (w_ptr + rows[:, None, None] * (n_groups * (G // 8)) + (groups * (G // 8))[None, :, None]
+                + tl.arange(0, G // 8)[None, None, :])
         sz_at = sz_ptr + rows[:, None] * n_groups + groups[None, :]
         if MASKED:
             ok = groups < n_groups
@@ -367,53 +386,70 @@ if triton is not None:
     @triton.jit
     def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr,
+                          PDL: tl.constexpr, EMULATE: tl.constexpr):
         """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
         G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
-        PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each lane of the
-        [BLOCK_N, BLOCK_G, G/2] tile sums its products in float16 pairs (the first block of x sets
-        x_scale, as for int8: _half_block), then the lanes are summed in float32."""
+        PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each word's float16
+        pair of the [BLOCK_N, BLOCK_G, G/8] tile sums its products (the first block of x sets x_scale,
+        as for int8: _half_block), then the pairs are summed in float32. PREFETCH: each block's
+        weights load one step ahead of its products."""
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(rn, N - 1)  # rows past N are computed on row N - 1 and not stored
-        acc = tl.zeros((BLOCK_N, BLOCK_G, G // 2), tl.float16)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_G, G // 2), tl.float16)  # SWIGLU only
+        acc = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # float16 pairs (0, 0)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # SWIGLU only
         squares = tl.zeros((BLOCK_G * G,), tl.float32)
-        w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True, EMULATE)  # before the wait
+        w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True)  # before the wait
         w_up, sz_up = w, sz
         if SWIGLU:
-            w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True, EMULATE)
+            w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True)
         if PDL:
             tl.extra.cuda.gdc_wait()
         x_scale = _first_block_scale(x_ptr, tl.arange(0, BLOCK_G * G), tl.arange(0, BLOCK_G * G) < K, K, BLOCK_G * G)
-        acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, 0,
-                                           n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
-        full = n_groups // BLOCK_G  # blocks wholly inside K: no masks; then the one K ends in, if any
-        for b in range(1, full):
-            w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, EMULATE)
-            if SWIGLU:
-                w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, EMULATE)
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, b,
+        # Blocks wholly inside K load without masks (a mask on every block would cost the loop the
+        # zeroing of its registers); then the block K ends in, if any.
+        full = n_groups // BLOCK_G
+        if PREFETCH:
+            for b in range(1, full):
+                w_next, sz_next = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False)
+                w_up_next, sz_up_next = w_next, sz_next
+                if SWIGLU:
+                    w_up_next, sz_up_next = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False)
+                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
+                                                   b - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+                w, w_up, sz, sz_up = w_next, w_up_next, sz_next, sz_up_next
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
+                                               tl.maximum(full, 1) - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+        else:
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, 0,
                                                n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+            for b in range(1, full):
+                w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False)
+                if SWIGLU:
+                    w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False)
+                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
+                                                   b, n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
         if (full * BLOCK_G < n_groups) & (full > 0):
-            w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True, EMULATE)
+            w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True)
             if SWIGLU:
-                w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True, EMULATE)
+                w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True)
             acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, full,
                                                n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
         unscale = w_unscale / x_scale
         if NORM:
             unscale *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        out = tl.sum(tl.sum(acc.to(tl.float32), axis=2), axis=1) * unscale
+        lo, hi = _f16_pair(acc, EMULATE)
+        out = tl.sum(tl.sum(lo + hi, axis=2), axis=1) * unscale
         if SWIGLU:
-            up = tl.sum(tl.sum(acc_up.to(tl.float32), axis=2), axis=1) * unscale
+            lo, hi = _f16_pair(acc_up, EMULATE)
+            up = tl.sum(tl.sum(lo + hi, axis=2), axis=1) * unscale
             out = out / (1 + tl.exp(-out)) * up
         if RESIDUAL:
             out += tl.load(r_ptr + rn, mask=rn < N, other=0).to(tl.float32)
         tl.store(y_ptr + rn, out, mask=rn < N)
-
 
 if triton is not None:
 
@@ -671,7 +707,8 @@ def _(x, weight, scales, norm_weight, eps, residual, swiglu):
 def int4_layout(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 groupsize: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """model.py's int4 file layout (uint8 [N, K/2], column 2j in the low nibble of byte j; scales and
-    zeros [N, ceil(K / groupsize)]) -> (weight, scale-and-zero words, w_unscale, group) for int4_gemv.
+    zeros [N, ceil(K / groupsize)]) -> (int32 words [N, K/8], scale-and-zero words, w_unscale, group)
+    for int4_gemv.
     A group size that does not divide K (576 = 4 x 128 + 64) runs as gcd(groupsize, K), each scale
     repeated: the same numbers. c = 1 / w_unscale is the power of two that brings the largest
     |(q - 8) s + z| to (1/2, 1] (float16 keeps its 11 bits for the small groups; c is exact)."""
@@ -685,16 +722,22 @@ def int4_layout(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     c = 2.0 ** -math.ceil(math.log2(bound)) if bound > 0 else 1.0
     halves = [(t * c).half().view(torch.int16).int() for t in (s, z)]
     sz = (halves[0] & 0xFFFF) | (halves[1] << 16)
-    swapped = weight.reshape(N, K // 8, 4)[:, :, [0, 2, 1, 3]].reshape(N, K // 2)  # bytes 1 and 2 of each word
-    return swapped.contiguous(), sz.contiguous(), 1.0 / c, g
+    q = torch.stack([weight & 15, weight >> 4], dim=-1).view(N, K // 8, 4, 2).int()  # [word, i, even/odd]
+    shifts = 4 * torch.arange(4, device=weight.device)[:, None] + 16 * torch.arange(2, device=weight.device)
+    words = (q << shifts).sum((2, 3)).to(torch.int64)  # column 8j + 2i + h at bits 16 h + 4 i of word j
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.contiguous(), sz.contiguous(), 1.0 / c, g
 
 
-# A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages)
-def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False) -> tuple[int, int, int, int]:
-    """The launch for one row of x times int4 weights [N, K] in groups of `groupsize` (not tuned yet:
-    about 1024 columns a step, 16 rows a program)."""
-    block_g = max(1, min(1024 // groupsize, triton.next_power_of_2(K // groupsize)))
-    return (8 if swiglu else 16), block_g, 4, 3
+# A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH)
+def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False) -> tuple[int, int, int, int, bool]:
+    """The launch for one row of x times int4 weights [N, K] in groups of `groupsize`, from
+    benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B, group 32, with the fusions; run 29):
+    gate/up 8 rows (of each half) and 512 columns a step, wqkv 32 and 512, the narrow wo and down
+    (N <= 8192) 16 and 2048; group 128 takes the same columns a step (not tuned)."""
+    rows, columns = (8, 512) if swiglu else (16, 2048) if N <= 8192 else (32, 512)
+    block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
+    return rows, block_g, 4, 3, True
 
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
@@ -707,11 +750,11 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
         raise ValueError(f"int4_gemv takes one row of x (got {x2.shape[0]})")
-    if weight.shape[1] * 2 != K or K % groupsize or sz.shape != (weight.shape[0], K // groupsize):
+    if weight.shape[1] * 8 != K or K % groupsize or sz.shape != (weight.shape[0], K // groupsize):
         raise ValueError(f"int4_gemv: weight {tuple(weight.shape)} and sz {tuple(sz.shape)} do not fit K={K} "
                          f"in groups of {groupsize}")
     N = weight.shape[0] // (2 if swiglu else 1)
-    block_n, block_g, warps, stages = launch or int4_config(N, K, groupsize, swiglu)
+    block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu)
     x2 = x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
@@ -719,7 +762,8 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
         x2, weight, sz, norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K),
         weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
-        BLOCK_N=block_n, BLOCK_G=block_g, PDL=use_pdl, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return y.view(*x.shape[:-1], N)
 

@@ -604,7 +604,7 @@ class Int4Linear(nn.Module):
             # layout or the other, the same number of bytes, so weight_bytes_per_step counts one)
             self.register_buffer("gemv_weight", weight, persistent=False)
             self.register_buffer("gemv_sz", sz, persistent=False)
-            self.register_buffer("gemv_ones", torch.ones(weight.shape[1] * 2, device=weight.device), persistent=False)
+            self.register_buffer("gemv_ones", torch.ones(weight.shape[1] * 8, device=weight.device), persistent=False)
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)

@@ -39,10 +39,11 @@ def main():
     p.add_argument("--groupsizes", default="32,128")
     p.add_argument("--layers", default="wqkv,wo,w13,w2")
     p.add_argument("--tune", action="store_true")
-    p.add_argument("--grid", default="8:8,8:16,8:32,16:8,16:16,16:32,32:4,32:8,32:16,64:8,64:16",
+    p.add_argument("--grid", default="8:8,8:16,16:8,16:16,16:32,32:8,32:16,64:4,64:8",
                    help="BLOCK_N:columns/64 pairs: BLOCK_G = columns / groupsize")
     p.add_argument("--warps", default="4,8")
-    p.add_argument("--stages", default="1,2,3")
+    p.add_argument("--stages", default="3")
+    p.add_argument("--prefetch", default="0,1")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -85,9 +86,10 @@ def main():
         t_ours = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw) for w in ours_c])
         best = (t_ours, default)
         if a.tune:
-            grid = [(bn, max(1, cols * 64 // G), w, s) for bn, cols in
+            grid = [(bn, max(1, cols * 64 // G), w, s, bool(int(f))) for bn, cols in
                     (tuple(int(v) for v in pair.split(":")) for pair in a.grid.split(","))
-                    for w in (int(v) for v in a.warps.split(",")) for s in (int(v) for v in a.stages.split(","))]
+                    for w in (int(v) for v in a.warps.split(",")) for s in (int(v) for v in a.stages.split(","))
+                    for f in a.prefetch.split(",")]
             for launch in dict.fromkeys(grid):
                 try:
                     t = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch) for w in ours_c], reps=3)

@@ -135,4 +135,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --tune --warps 4 --stages 2,3 \
         --json "$OUT/tune_int4.json"
       t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 128 --json "$OUT/int4_g128.json" ;;
+  y)  # run 30 (int4 words of 8 columns, PREFETCH, launches from run 29): int4 kernel tests, int4 launches
+      # tuned at group 32 (PREFETCH, 8 warps); 7B int4 g32 (ours, then tinygemm), int8, bf16
+      t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -4
+      t 260 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --tune --json "$OUT/tune_int4.json"
+      variants y1:"--quantize int4-g32" y2:"--quantize int4-g32 --int4-tinygemm" y3:"--quantize int8" y4:"" ;;
 esac; done

@@ -276,8 +276,9 @@ def int4_case(fused, x, N, W):
 
 
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
-@pytest.mark.parametrize("N, K, G, launch", [(64, 256, 32, (16, 4, 4, 2)), (40, 576, 128, (16, 2, 4, 2)),
-                                             (48, 1024, 32, None), (32, 512, 128, (8, 1, 4, 1))])
+@pytest.mark.parametrize("N, K, G, launch", [(64, 256, 32, (16, 4, 4, 2, True)), (40, 576, 128, (16, 2, 4, 2, True)),
+                                             (48, 1024, 32, None), (32, 512, 128, (8, 1, 4, 1, False)),
+                                             (40, 576, 128, (16, 2, 4, 2, False))])
 def test_int4_gemv_matches_float64(N, K, G, launch, fused):
     """kernels.int4_gemv (one row, float16 pairs, file layout repacked by int4_layout) against the
     float64 product of the dequantized weights: float32 x within 2e-3 of the largest output (the
@@ -315,7 +316,7 @@ def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused):
         reference = x.double() @ W.T + kwargs["residual"].double()
     kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
     layout = kernels.int4_layout(packed.to(device), scales.to(device), zeros.to(device), 32)
-    y = kernels.int4_gemv(x.to(device), *layout, launch=(16, 4, 4, 2), **kwargs)
+    y = kernels.int4_gemv(x.to(device), *layout, launch=(16, 4, 4, 2, True), **kwargs)
     assert torch.isfinite(y).all()
     size = reference.abs().max().item()
     assert ((y.double().cpu() - reference).abs() <= 2**-7 * reference.abs() + 2e-3 * size).all()
