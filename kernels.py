@@ -109,24 +109,22 @@ if triton is not None:
             constraints="=r,=r,r,r,r,r,r", args=[w, x, acc], dtype=tl.float16, is_pure=True, pack=4)
 
     @triton.jit
-    def _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
+    def _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
                     NORM: tl.constexpr, SWIGLU: tl.constexpr, EMULATE: tl.constexpr):
         """_row_block for int8 weights in float16 pairs (HALF). Without the norm, x is loaded in the
         weight tile's own layout (a [BN, BK] load of row stride 0, which each thread reads once for
         all its rows), so it never moves between threads; that load takes no mask (masked loads are
         not merged across a thread's rows, and the work would be repeated per row): past K it reads
         x at K - 1, where the weights are masked to 0. With the norm, x is loaded, squared and
-        multiplied by g and x_scale in 1D (masked), then moved into the tile's layout.
-        Range: with the norm, what goes into float16 is x g x_scale, x_scale the rsqrt of the mean
-        square of the program's first block of x (_first_block_scale): scale-free, so the residual
-        stream's size does not matter, only how far one element of x g stands above the first
-        block's root mean square (overflow past ~6e4 times it; the residual stream's outliers are
-        ~1e2-1e3 times). Without the norm (HALF_EVERYWHERE: tests and benchmarks only) x itself must
-        fit float16."""
+        multiplied by g in 1D (masked), then moved into the tile's layout.
+        Range: x (times g, before the norm's rsqrt, which is applied at the end) must fit float16,
+        and the products are of w / 128: |x g| up to ~6e4 before overflow, and below ~6e-5 they are
+        subnormal and lose relative precision. The default model's activations span 1e-3 (median
+        |x g| at layer 0) to 1.3e4 (max, layer 28's gate/up), measured on the CPU (BENCHMARKS.md)."""
         if NORM:  # (normed in 1D, then moved into the tile's layout: the tile form repeated work per row)
             xs = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
             squares += xs * xs
-            x = (xs * (tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32) * x_scale)).to(tl.float16)[None, :]
+            x = (xs * tl.load(g_ptr + rk, mask=k_ok, other=0).to(tl.float32)).to(tl.float16)[None, :]
         else:
             cols = rk if UNMASKED else tl.minimum(rk, K - 1)
             x = tl.load(x_row + cols[None, :] + 0 * rn[:, None]).to(tl.float16)
@@ -136,21 +134,12 @@ if triton is not None:
         return acc, acc_up, squares
 
     @triton.jit
-    def _first_block_scale(x_row, rk, k_ok, K, BLOCK_K: tl.constexpr):
-        """1 / the root mean square of x over the first block (rk, where k_ok; 1 if that is all zeros),
-        the scale x takes on its way into float16 (_half_block, _int4_block): one more load of a block
-        the loop reads anyway, and one sum."""
-        x0 = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
-        mean_square = tl.sum(x0 * x0, axis=0) / tl.minimum(K, BLOCK_K)
-        return tl.where(mean_square > 0, tl.rsqrt(mean_square), 1.0)
-
-    @triton.jit
-    def _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
+    def _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K, UNMASKED: tl.constexpr,
                        INT8: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, HALF: tl.constexpr,
                        EMULATE: tl.constexpr):
         """One block of the one-row loop: _half_block (HALF) or _row_block."""
         if HALF:  # (one return for both: Triton wants one return type, and acc's differs between them)
-            acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn, k_ok, K,
+            acc, acc_up, squares = _half_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, k_ok, K,
                                                UNMASKED, NORM, SWIGLU, EMULATE)
         else:
             acc, acc_up, squares = _row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, k_ok, UNMASKED,
@@ -196,10 +185,7 @@ if triton is not None:
             w_up = tl.load(w_at + N * K, mask=first_ok, other=0) if SWIGLU else w
             if PDL:
                 tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, the residual) are visible
-            x_scale = 1.0  # float16 pairs with the norm: x enters float16 scaled by the first block's 1 / rms
-            if HALF and NORM:
-                x_scale = _first_block_scale(x_row, rk, rk < K, K, BLOCK_K)
-            acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn,
+            acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
                                                   (rk < K) & (rk * 0 + b_start < b_end), K, False, INT8, NORM,
                                                   SWIGLU, HALF, EMULATE)
             # The blocks wholly inside K with no masks (rows past N read row N - 1 and are not
@@ -212,7 +198,7 @@ if triton is not None:
                 rk = b * BLOCK_K + tl.arange(0, BLOCK_K)
                 w = tl.load(w_rows + rk[None, :])
                 w_up = tl.load(w_rows + N * K + rk[None, :]) if SWIGLU else w
-                acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn, rk < K,
+                acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn, rk < K,
                                                       K, True, INT8, NORM, SWIGLU, HALF, EMULATE)
             if not EVEN:  # (EVEN: K is a multiple of BLOCK_K)
                 if (b_end > full_end) & (full_end > b_start):
@@ -220,13 +206,13 @@ if triton is not None:
                     w_ok = (rk < K)[None, :]
                     w = tl.load(w_rows + rk[None, :], mask=w_ok, other=0)
                     w_up = tl.load(w_rows + N * K + rk[None, :], mask=w_ok, other=0) if SWIGLU else w
-                    acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, x_scale, rk, rn,
+                    acc, acc_up, squares = _one_row_block(acc, acc_up, squares, w, w_up, x_row, g_ptr, rk, rn,
                                                           rk < K, K, False, INT8, NORM, SWIGLU, HALF, EMULATE)
             out = tl.sum(acc.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
             up = tl.sum(acc_up.to(tl.float32), axis=1)[None, :]
-            if HALF:  # (the products were of w / 128, and x times x_scale)
-                out *= 128.0 / x_scale
-                up *= 128.0 / x_scale
+            if HALF:  # (the products were of w / 128)
+                out *= 128.0
+                up *= 128.0
             if NORM:
                 r = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
                 out *= r
@@ -251,16 +237,16 @@ if triton is not None:
         tl.store(y_ptr + pid_k * M * N + y_at, out, mask=m_ok[:, None] & n_ok[None, :])
 
 
-# -- int4, one row ---------------------------------------------------------------------------------
-#
-# Decode's int4 GEMV (one row of x) in float16 pairs, the norm, SwiGLU and the residual fused as in
-# _gemv_kernel. Layout (int4_layout): int32 words of 8 consecutive columns, the even ones in the low
-# 16 bits (column 2i at bits 4i), the odd ones in the high 16 (column 2i + 1 at bits 16 + 4i), so that
-# one lop3 takes out the two nibbles that one float16 pair (x[2i], x[2i + 1]) multiplies; and one
-# int32 per output row and group: the float16 bits of scale * c (low) and zero * c (high), c a power
-# of two per matrix that keeps every weight within +-1 in float16 (undone at the end, with x_scale).
-
 if triton is not None:
+
+    @triton.jit
+    def _first_block_scale(x_row, rk, k_ok, K, BLOCK_K: tl.constexpr):
+        """1 / the root mean square of x over the first block (rk, where k_ok; 1 if that is all zeros),
+        the scale x takes on its way into float16 (_half_block, _int4_block): one more load of a block
+        the loop reads anyway, and one sum."""
+        x0 = tl.load(x_row + rk, mask=k_ok, other=0).to(tl.float32)
+        mean_square = tl.sum(x0 * x0, axis=0) / tl.minimum(K, BLOCK_K)
+        return tl.where(mean_square > 0, tl.rsqrt(mean_square), 1.0)
 
     @triton.jit
     def _f16_pair(v, EMULATE: tl.constexpr):
@@ -732,12 +718,13 @@ def int4_layout(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 # A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH)
 def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False) -> tuple[int, int, int, int, bool]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize`, from
-    benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B, group 32, with the fusions; run 29):
-    gate/up 8 rows (of each half) and 512 columns a step, wqkv 32 and 512, the narrow wo and down
-    (N <= 8192) 16 and 2048; group 128 takes the same columns a step (not tuned)."""
-    rows, columns = (8, 512) if swiglu else (16, 2048) if N <= 8192 else (32, 512)
+    benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B, group 32, with the fusions; run 30):
+    rows a program, columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Group 128
+    takes the same columns a step (not tuned)."""
+    rows, columns, warps, prefetch = ((8, 512, 4, True) if swiglu else (16, 512, 4, False) if N > 8192
+                                      else (8, 1024, 4, True) if K > 8192 else (16, 2048, 8, False))
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
-    return rows, block_g, 4, 3, True
+    return rows, block_g, warps, 3, prefetch
 
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,

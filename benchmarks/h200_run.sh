@@ -140,4 +140,11 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -4
       t 260 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --tune --json "$OUT/tune_int4.json"
       variants y1:"--quantize int4-g32" y2:"--quantize int4-g32 --int4-tinygemm" y3:"--quantize int8" y4:"" ;;
+  z)  # run 31 (int4 launches from run 30; the int8 kernel back to run 28's code): 7B int4 g32 (ours), int8,
+      # the GPU tests, int4 g128
+      bench7b z1 --quantize int4-g32 2>&1 | tail -25
+      variants z2:"--quantize int8"
+      gpu_tests 150
+      t 60 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -3
+      variants z3:"--quantize int4-g128" ;;
 esac; done
