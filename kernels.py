@@ -9,8 +9,9 @@ has no fast CUDA kernel for int8 weights at all. These kernels give each program
 rows (many programs, no split, for one row of x; a split of the input dimension for several),
 dequantize in registers, and accumulate in float32 (but for the one-row int8 GEMVs with the norm
 fused, which multiply and sum in float16 pairs first: use_half). Everything they launch has fixed shapes:
-they replay inside CUDA graphs. (An int4 kernel written the same way lost to PyTorch's tinygemm
-by 1.3-2x on every shape: BENCHMARKS.md. int4 stays on tinygemm.)
+they replay inside CUDA graphs. int4 (one row, int4_gemv, further down) multiplies in float16 pairs
+too; 17-22% faster than PyTorch's tinygemm on the Llama-2-7B shapes, but off by default in model.py
+(model.INT4_GEMV: BENCHMARKS.md, session 8).
 
 Launch plan, per program (one block of outputs, one slice of K):
   1 row of x:        acc[BLOCK_N, BLOCK_K] += W_tile * x   (no reduction inside the loop; int8 with

@@ -11,6 +11,7 @@ so Hugging Face checkpoints need no permutation (GGUF files do: see convert_gguf
 """
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -435,7 +436,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # host: all of it can be captured in a CUDA graph.
 
 INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
-INT4_GEMV = True  # one row of x on CUDA: kernels.int4_gemv; False (bench.py --int4-tinygemm): tinygemm (A/B)
+# One row of int4 x on CUDA through kernels.int4_gemv (its layout built at load time, beside tinygemm's,
+# which prefill and batches use) instead of tinygemm: off by default. Its GEMVs beat tinygemm's by
+# 17-22% on each Llama-2-7B shape in run 30 (BENCHMARKS.md) and its GPU tests pass, but the 7B graphed
+# bench with it did not finish within 170 s (runs 30, 31; cause not found, no device time left).
+# GRAPHDECODE_INT4_GEMV=1 (or bench.py --int4-gemv) turns it on, set before the model loads.
+INT4_GEMV = os.environ.get("GRAPHDECODE_INT4_GEMV", "0") == "1"
 CPU_KERNEL_MAX_ROWS = 32  # up to this many tokens the CPU int8 kernel beats dequantize + F.linear
 
 
@@ -571,7 +577,7 @@ class Int4Linear(nn.Module):
         self.register_load_state_dict_post_hook(Int4Linear._after_load)
 
     def forward(self, x, norm=None, residual=None, swiglu=False):  # as Linear's
-        if (INT4_GEMV and hasattr(self, "gemv_weight") and kernels.usable(x, self.gemv_weight, max_rows=1)
+        if (hasattr(self, "gemv_weight") and kernels.usable(x, self.gemv_weight, max_rows=1)
                 and (self.bias is None or (residual is None and not swiglu))):
             y = decode_int4_gemv(x, self, norm, residual, swiglu)
             return y if self.bias is None else y + self.bias
@@ -597,7 +603,7 @@ class Int4Linear(nn.Module):
             self.block_scales = nn.Parameter(block_scales, requires_grad=False)
             self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
             return
-        if self.weight.is_cuda and kernels.triton is not None:  # one-row decode: kernels.int4_gemv's layout
+        if INT4_GEMV and self.weight.is_cuda and kernels.triton is not None:  # one-row decode: int4_gemv's layout
             weight, sz, self.gemv_unscale, self.gemv_group = kernels.int4_layout(self.weight, self.scales, self.zeros,
                                                                                 self.groupsize)
             # (buffers outside the state dict: derived, like the packed weight, and a step reads one

@@ -136,12 +136,15 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/tune_int4.json"
       t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 128 --json "$OUT/int4_g128.json" ;;
   y)  # run 30 (int4 words of 8 columns, PREFETCH, launches from run 29): int4 kernel tests, int4 launches
-      # tuned at group 32 (PREFETCH, 8 warps); 7B int4 g32 (ours, then tinygemm), int8, bf16
+      # tuned at group 32 (PREFETCH, 8 warps); 7B int4 g32 (ours, then tinygemm), int8, bf16. (Then the
+      # kernel was on by default and --int4-tinygemm turned it off; now it is off and --int4-gemv turns it
+      # on. y1 printed nothing within 170 s: BENCHMARKS.md, session 8.)
       t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -4
       t 260 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --tune --json "$OUT/tune_int4.json"
       variants y1:"--quantize int4-g32" y2:"--quantize int4-g32 --int4-tinygemm" y3:"--quantize int8" y4:"" ;;
-  z)  # run 31 (int4 launches from run 30; the int8 kernel back to run 28's code): 7B int4 g32 (ours), int8,
-      # the GPU tests, int4 g128
+  z)  # run 31 (int4 launches from run 30; the int8 kernel back to run 28's code): 7B int4 g32 (ours: the
+      # default then; --int4-gemv now), int8, the GPU tests, int4 g128 (ours). z1 and z3 printed nothing
+      # within 170 s.
       bench7b z1 --quantize int4-g32 2>&1 | tail -25
       variants z2:"--quantize int8"
       gpu_tests 150

@@ -189,24 +189,42 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group):
 
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_one_row_kernel_matches_tinygemm(model, group, monkeypatch):
-    """A decode step of an int4 model through kernels.int4_gemv (one row, the norm, SwiGLU and the
-    residual fused) gives the logits of the same step through PyTorch's tinygemm (model.INT4_GEMV
-    False), both layouts built from the same file tensors, within bf16 rounding; the kernel runs."""
+    """With model.INT4_GEMV (off by default) an int4 model's one-row steps run kernels.int4_gemv (the
+    norm, SwiGLU and the residual fused): a decode step gives the logits of the same step through
+    PyTorch's tinygemm (the layout dropped), both built from the same file tensors, within bf16
+    rounding; and its graphed decode is one replay per token."""
     import model as model_module
     from quantize import quantize_model
 
+    monkeypatch.setattr(model_module, "INT4_GEMV", True)  # (read when the layers load)
     qmodel = quantize_model(model, "int4", group)
+    layers = [m for m in qmodel.modules() if isinstance(m, model_module.Int4Linear)]
+    assert layers and all(hasattr(m, "gemv_weight") for m in layers)
     idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
     logits = {}
     for ours in (True, False):
-        monkeypatch.setattr(model_module, "INT4_GEMV", ours)
+        if not ours:
+            for m in layers:
+                del m.gemv_weight
         with torch.no_grad():
             qmodel.setup_caches(1, 64)
             qmodel(idx, pos)
             logits[ours] = qmodel(torch.tensor([[3]], device="cuda"), torch.tensor([8], device="cuda")).float()
     rel = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
     assert rel < 0.02, rel
-    assert hasattr(qmodel.layers[0].attention.wqkv, "gemv_weight")
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_one_row_kernel_decode_is_one_graph(model, group, monkeypatch):
+    import model as model_module
+    from quantize import quantize_model
+
+    monkeypatch.setattr(model_module, "INT4_GEMV", True)
+    qmodel = quantize_model(model, "int4", group)
+    gen = make_generator(qmodel, "graphs")
+    gen.reserve(1, 128)
+    assert len(tokens_of(gen, 40)) == 40
+    check_graphs(gen, steps=4)
 
 
 @pytest.mark.parametrize("k", [2, 4])
