@@ -223,7 +223,10 @@ class Generator:
 # -- the CPU decode step compiled ahead of time -------------------------------------------------
 
 AOT_CACHE = cache_dir() / "aot"
-AOT_SOURCES = ("generate.py", "model.py", "kernels.py", "cpu_kernels.cpp")  # what the compiled step runs
+# What the compiled step runs: not kernels.py, which model.py calls for CUDA tensors only (keying on it
+# made every GPU-kernel edit rebuild the CPU step: eager 54 tok/s until then), but cpu_kernels.py,
+# whose custom ops the step calls.
+AOT_SOURCES = ("generate.py", "model.py", "cpu_kernels.py", "cpu_kernels.cpp")
 
 
 class _Step(torch.nn.Module):

@@ -128,6 +128,27 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tiny, tmp_path, monkeypat
     assert gen.step.runner is not generate.decode_one_token and len(list(tmp_path.glob("*.pt2"))) == 2
 
 
+def test_ahead_of_time_key_follows_the_sources_the_cpu_step_runs(tiny, tmp_path, monkeypatch):
+    """The compiled CPU step's package key changes with the sources it runs (cpu_kernels.py's ops,
+    model.py, ...) and not with kernels.py, which model.py calls for CUDA tensors only."""
+    import shutil
+
+    here = Path(generate.__file__).resolve().parent
+    for f in (*generate.AOT_SOURCES, "kernels.py"):
+        shutil.copy(here / f, tmp_path / f)
+    monkeypatch.setattr(generate, "__file__", str(tmp_path / "generate.py"))
+    token, tokens = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 64, dtype=torch.long)
+
+    def key():
+        return generate.AotStep.key(tiny, token, tokens, Sampling(temperature=0))
+
+    before = key()
+    (tmp_path / "kernels.py").write_text("# a CUDA kernel edit\n" + (tmp_path / "kernels.py").read_text())
+    assert key() == before
+    (tmp_path / "cpu_kernels.py").write_text("# an edit of the CPU ops\n" + (tmp_path / "cpu_kernels.py").read_text())
+    assert key() != before
+
+
 # -- the command line -------------------------------------------------------------------------
 
 def cli(*args, timeout=300):
