@@ -402,7 +402,7 @@ def main(argv=None) -> int:
                  inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused,
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
-                 gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
+                 gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF, int4_gemv=model_module.INT4_GEMV,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

@@ -603,14 +603,15 @@ class Int4Linear(nn.Module):
             self.block_scales = nn.Parameter(block_scales, requires_grad=False)
             self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
             return
-        if INT4_GEMV and self.weight.is_cuda and kernels.triton is not None:  # one-row decode: int4_gemv's layout
+        if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and kernels.triton is not None:  # (PTX)
             weight, sz, self.gemv_unscale, self.gemv_group = kernels.int4_layout(self.weight, self.scales, self.zeros,
                                                                                 self.groupsize)
             # (buffers outside the state dict: derived, like the packed weight, and a step reads one
             # layout or the other, the same number of bytes, so weight_bytes_per_step counts one)
             self.register_buffer("gemv_weight", weight, persistent=False)
             self.register_buffer("gemv_sz", sz, persistent=False)
-            self.register_buffer("gemv_ones", torch.ones(weight.shape[1] * 8, device=weight.device), persistent=False)
+            self.register_buffer("gemv_ones", torch.ones(weight.shape[1] * 8, device=weight.device, dtype=torch.bfloat16),
+                                 persistent=False)  # (bf16: the kernel build benchmarks/gemv_int4.py timed)
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)

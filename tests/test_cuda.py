@@ -157,14 +157,20 @@ def test_kept_outputs_not_overwritten_by_replays(graphed):
     assert len(sum(early, []) + sum(rest, [])) == 120
 
 
-@pytest.mark.parametrize("mode, group", [("int8", None), ("int4", 32)])
-def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group):
+@pytest.mark.parametrize("mode, group, int4_gemv", [("int8", None, False), ("int4", 32, False), ("int4", 32, True),
+                                                   ("int4", 128, True)])
+def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int4_gemv, monkeypatch):
     """Weight-only int8/int4 layers are capture-safe: graphed decode is one replay per token, each
     token it picks is the top one (up to bf16 rounding) of an eager forward over the same history,
-    and the quantized logits stay near the float model's."""
+    and the quantized logits stay near the float model's. int4_gemv: the one-row steps through
+    kernels.int4_gemv (model.INT4_GEMV), against an eager forward of the prompt and history, whose
+    rows go through tinygemm."""
+    import model as model_module
     from quantize import quantize_model
 
+    monkeypatch.setattr(model_module, "INT4_GEMV", int4_gemv)  # (read when the layers load)
     qmodel = quantize_model(model, mode, group)
+    assert any(hasattr(m, "gemv_weight") for m in qmodel.modules()) == int4_gemv
     gen = make_generator(qmodel, "graphs")
     gen.reserve(1, 128)
     graphed = tokens_of(gen, 40)
@@ -212,19 +218,6 @@ def test_int4_one_row_kernel_matches_tinygemm(model, group, monkeypatch):
             logits[ours] = qmodel(torch.tensor([[3]], device="cuda"), torch.tensor([8], device="cuda")).float()
     rel = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
     assert rel < 0.02, rel
-
-
-@pytest.mark.parametrize("group", [32, 128])
-def test_int4_one_row_kernel_decode_is_one_graph(model, group, monkeypatch):
-    import model as model_module
-    from quantize import quantize_model
-
-    monkeypatch.setattr(model_module, "INT4_GEMV", True)
-    qmodel = quantize_model(model, "int4", group)
-    gen = make_generator(qmodel, "graphs")
-    gen.reserve(1, 128)
-    assert len(tokens_of(gen, 40)) == 40
-    check_graphs(gen, steps=4)
 
 
 @pytest.mark.parametrize("k", [2, 4])
