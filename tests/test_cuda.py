@@ -193,15 +193,21 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int
     assert rel < (0.05 if mode == "int8" else 0.25), rel
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("group", [32, 128])
-def test_int4_one_row_kernel_matches_tinygemm(model, group, monkeypatch):
+def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, monkeypatch):
     """With model.INT4_GEMV (off by default) an int4 model's one-row steps run kernels.int4_gemv (the
     norm, SwiGLU and the residual fused): a decode step gives the logits of the same step through
     PyTorch's tinygemm (the layout dropped), both built from the same file tensors, within bf16
-    rounding; and its graphed decode is one replay per token."""
+    rounding. `wide`: dims of 1024 and 2560, so that gate/up's loop runs two blocks (with PREFETCH)
+    and down's K ends in a partial block (2560 = 2048 + 512), as at 7B and not in ARGS's model."""
     import model as model_module
     from quantize import quantize_model
 
+    if wide:
+        torch.manual_seed(0)
+        model = random_model(ModelArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000,
+                                       intermediate_size=2560, max_seq_len=256), torch.device("cuda"), torch.bfloat16)
     monkeypatch.setattr(model_module, "INT4_GEMV", True)  # (read when the layers load)
     qmodel = quantize_model(model, "int4", group)
     layers = [m for m in qmodel.modules() if isinstance(m, model_module.Int4Linear)]
