@@ -432,8 +432,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # dequantizes in registers (2.5-5x the speed of gpt-fast's F.linear(x, w.to(x.dtype)) * scales
 # fused by Inductor, used for prefill; aten's CUDA _weight_int8pack_mm is slower still; one row of
 # bf16 x with the norm fused runs in float16 pairs, kernels.use_half), and int4
-# is tinygemm (_weight_int4pack_mm), which beat our Triton int4 kernels. No op here syncs with the
-# host: all of it can be captured in a CUDA graph.
+# is tinygemm (_weight_int4pack_mm), or for one row kernels.int4_gemv where INT4_GEMV (below). No op
+# here syncs with the host: all of it can be captured in a CUDA graph.
 
 INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 # One row of int4 x on CUDA through kernels.int4_gemv (its layout built at load time, beside tinygemm's,
@@ -514,15 +514,22 @@ def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return (q - 8) * scales[:, group] + zeros[:, group]
 
 
-def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The file's int4 layout -> (packed weight, scales_and_zeros [K/g, N, 2] bf16) for the
-    kernel on weight's device. A group size that does not divide K leaves a shorter last group in
-    the file (576 = 4 x 128 + 64); the kernels want equal groups, so they run with
-    g = gcd(groupsize, K) and each scale repeated groupsize/g times: the same numbers."""
-    K = 2 * weight.shape[1]
+def kernel_groups(scales, zeros, groupsize: int, K: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The file's scales and zeros for the GPU kernels, which want equal groups: a group size that
+    does not divide K leaves a shorter last group in the file (576 = 4 x 128 + 64), so the kernels
+    run with g = gcd(groupsize, K) and each scale repeated groupsize/g times (the same numbers)
+    -> (scales, zeros [N, K/g], g)."""
     g = math.gcd(groupsize, K)
-    group = torch.arange(K // g, device=weight.device) * g // groupsize  # kernel group -> file group
-    scales_and_zeros = torch.stack([scales[:, group], zeros[:, group]], dim=-1)  # [N, K/g, 2]
+    group = torch.arange(K // g, device=scales.device) * g // groupsize  # kernel group -> file group
+    return scales[:, group], zeros[:, group], g
+
+
+def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The file's int4 layout -> (packed weight, scales_and_zeros [K/g, N, 2] bf16) for
+    PyTorch's kernel on weight's device (groups of g: kernel_groups)."""
+    K = 2 * weight.shape[1]
+    s, z, g = kernel_groups(scales, zeros, groupsize, K)
+    scales_and_zeros = torch.stack([s, z], dim=-1)  # [N, K/g, 2]
     scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
     q = unpack_int4(weight)
     if weight.is_cpu:
@@ -531,6 +538,12 @@ def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torc
         inner_k_tiles = 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2
         packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), inner_k_tiles)
     return packed, scales_and_zeros
+
+
+def int4_gemv_layout(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """The file's int4 layout -> kernels.int4_gemv's (words, scale-and-zero words, w_unscale, group g)."""
+    s, z, g = kernel_groups(scales, zeros, groupsize, 2 * weight.shape[1])
+    return (*kernels.int4_layout(unpack_int4(weight), s, z), g)
 
 
 def _int_parameter(*shape, dtype) -> nn.Parameter:
@@ -604,8 +617,8 @@ class Int4Linear(nn.Module):
             self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
             return
         if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and kernels.triton is not None:  # (PTX)
-            weight, sz, self.gemv_unscale, self.gemv_group = kernels.int4_layout(self.weight, self.scales, self.zeros,
-                                                                                self.groupsize)
+            weight, sz, self.gemv_unscale, self.gemv_group = int4_gemv_layout(self.weight, self.scales, self.zeros,
+                                                                             self.groupsize)
             # (buffers outside the state dict: derived, like the packed weight, and a step reads one
             # layout or the other, the same number of bytes, so weight_bytes_per_step counts one)
             self.register_buffer("gemv_weight", weight, persistent=False)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
 import model as M  # noqa: E402
 from bench import PRESETS, copy_bandwidth  # noqa: E402
-from benchmarks.gemv import L2_MULTIPLE_BYTES, shapes, time_calls  # noqa: E402
+from benchmarks.gemv import L2_MULTIPLE_BYTES, fastest, shapes, time_calls  # noqa: E402
 
 FUSED = {"wqkv": "norm", "wo": "residual", "w13": "swiglu", "w2": "residual", "output": "norm"}
 
@@ -72,7 +72,7 @@ def main():
             r = torch.randn(1, N, device=dev, dtype=torch.bfloat16)
             kw = dict(residual=r, ones=torch.ones(K, device=dev, dtype=torch.bfloat16))  # (as Int4Linear passes)
             expect = xd @ W.T + r.double()
-        ours = kernels.int4_layout(packed, scales, zeros, G)
+        ours = M.int4_gemv_layout(packed, scales, zeros, G)
         theirs = M.pack_int4(packed, scales, zeros, G)
         err = ((kernels.int4_gemv(x, *ours, **kw).double() - expect).abs().max() / expect.abs().max()).item()
         plain = xd @ W.T
@@ -90,15 +90,8 @@ def main():
                     (tuple(int(v) for v in pair.split(":")) for pair in a.grid.split(","))
                     for w in (int(v) for v in a.warps.split(",")) for s in (int(v) for v in a.stages.split(","))
                     for f in a.prefetch.split(",")]
-            for launch in dict.fromkeys(grid):
-                try:
-                    t = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch) for w in ours_c], reps=3)
-                except Exception as e:  # e.g. out of shared memory or registers for this launch
-                    print(f"    {launch}: {type(e).__name__}", flush=True)
-                    continue
-                if t < best[0]:
-                    best = (t, launch)
-            best = (time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=best[1]) for w in ours_c]), best[1])
+            best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
+                                                            for w in ours_c], reps), grid, best)
         rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "bytes": nbytes, "tinygemm_us": t_tg * 1e6,
                "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6, "ours_gb_s": nbytes / t_ours / 1e9,
                "default": default, "best_us": best[0] * 1e6, "best_gb_s": nbytes / best[0] / 1e9, "best": best[1],

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kernels
+from model import int4_gemv_layout
 
 # (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages): one that fits the shapes below exactly, one
 # that leaves partial blocks, one that splits K into unequal parts.
@@ -277,14 +278,14 @@ def int4_case(fused, x, N, W):
                                              (48, 1024, 32, None), (32, 512, 128, (8, 1, 4, 1, False)),
                                              (40, 576, 128, (16, 2, 4, 2, False))])
 def test_int4_gemv_matches_float64(N, K, G, launch, fused):
-    """kernels.int4_gemv (one row, float16 pairs, file layout repacked by int4_layout) against the
+    """kernels.int4_gemv (one row, float16 pairs, file layout repacked by int4_gemv_layout) against the
     float64 product of the dequantized weights: float32 x within 2e-3 of the largest output (the
     float16 arithmetic; an indexing or nibble-order error is ~1), bf16 x also within bf16's rounding.
     Covers blocks that fit, a group size that does not divide K (576 = 4 x 128 + 64: groups of 64
     then), a partial block of rows (40 at 16) and a last block K ends inside (9 groups at 2 a block)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     packed, scales, zeros, W = int4_weights(N, K, G)
-    layout = kernels.int4_layout(packed.to(device), scales.to(device), zeros.to(device), G)
+    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G)
     assert layout[3] == math.gcd(G, K)
     for dtype, rounding in ((torch.float32, 0.0), (torch.bfloat16, 2**-8 if device == "cuda" else 2**-7)):
         x = torch.randn(1, K).bfloat16().to(dtype)
@@ -300,7 +301,7 @@ def test_int4_gemv_matches_float64(N, K, G, launch, fused):
 @pytest.mark.parametrize("fused", ["norm", "residual"])
 def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused):
     """x enters float16 scaled by its first block's 1 / rms and the weights by a power of two
-    (int4_layout), so neither's size matters: bf16 x from 1e-4 to 1e8 with an outlier 40 times the
+    (kernels.int4_layout), so neither's size matters: bf16 x from 1e-4 to 1e8 with an outlier 40 times the
     rest, scales and zeros from ~1e-7 to ~1e2, within 2e-3 of the largest output."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     packed, scales, zeros, W = int4_weights(32, 512, 32, w_scale)
@@ -312,7 +313,7 @@ def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused):
         kwargs["residual"] = (torch.randn(1, 32) * reference.abs().max().item()).bfloat16()
         reference = x.double() @ W.T + kwargs["residual"].double()
     kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    layout = kernels.int4_layout(packed.to(device), scales.to(device), zeros.to(device), 32)
+    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), 32)
     y = kernels.int4_gemv(x.to(device), *layout, launch=(16, 4, 4, 2, True), **kwargs)
     assert torch.isfinite(y).all()
     size = reference.abs().max().item()
@@ -321,7 +322,7 @@ def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused):
 
 def test_int4_gemv_takes_one_row():
     packed, scales, zeros, _ = int4_weights(16, 64, 32)
-    layout = kernels.int4_layout(packed, scales, zeros, 32)
+    layout = int4_gemv_layout(packed, scales, zeros, 32)
     with pytest.raises(ValueError, match="one row"):
         kernels.int4_gemv(torch.zeros(2, 64), *layout)
     with pytest.raises(ValueError, match="do not fit"):
