@@ -101,6 +101,30 @@ def decode_one_token(model: Transformer, token: torch.Tensor, pos: torch.Tensor,
     tokens.index_copy_(1, pos, nxt)
 
 
+def register_fallbacks() -> None:
+    """Tell Inductor up front that this project's custom ops (kernels.py's, cpu_kernels.py's) are
+    fallbacks: calls of their own implementation, with the layout constraint Inductor gives a custom
+    op by default. That is what Inductor does itself the first time it meets such an op, but torch
+    2.11 first formats a log line with the str() of each argument whether the line is logged or not,
+    and the str() of an op's output includes that of the ops it came from: through the residual,
+    which reaches each op by two paths, it grows ~2x a layer. In an int4 model whose layers run
+    kernels.int4_gemv the first graphdecode::gemv is the int8 output head's, after 32 layers: its
+    str() never ended (BENCHMARKS.md, session 9). Registering first skips the line."""
+    try:
+        from torch._inductor import lowering
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError:  # (a torch without these: Inductor makes the fallbacks itself, as before)
+        return
+    for name in ("gemv", "int4_gemv", "decode_attention", "int4_linear", "int8_linear"):
+        try:
+            op = getattr(torch.ops.graphdecode, name).default
+        except (AttributeError, RuntimeError):  # not defined in this process (cpu_kernels not loaded)
+            continue
+        if op not in lowering.lowerings:
+            tag = get_layout_constraint_tag(op, with_default=True)
+            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
+
+
 class Generator:
     """Holds the model, its static decode buffers and the compiled step."""
 
@@ -113,6 +137,8 @@ class Generator:
         self.device = model.tok_embeddings.weight.device
         self.stop_check_interval = stop_check_interval
         self.mode = mode
+        if mode in ("compile", "graphs"):
+            register_fallbacks()
         if mode == "eager":
             self.step = decode_one_token
         elif mode == "compile":  # Inductor kernels, launched one by one
@@ -298,6 +324,7 @@ class AotStep:
 
         print(f"compiling the decode step ahead of time, once for this model, batch and cache length "
               f"(~80 s for the default model) into {path.parent}", file=sys.stderr, flush=True)
+        register_fallbacks()
         exported = torch.export.export(_Step(model, s), (token, pos, tokens))  # (on fake tensors: nothing written)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".pt2")  # renamed when complete

@@ -23,7 +23,7 @@ p at the last position. Every draw is argmax(probs / Exponential(1)), never torc
 """
 import torch
 
-from generate import Sampling, logits_to_probs, prefill, synchronize
+from generate import Sampling, logits_to_probs, prefill, register_fallbacks, synchronize
 from model import Transformer
 
 
@@ -116,6 +116,8 @@ class SpeculativeGenerator:
         self.target, self.draft, self.sampling, self.k = target, draft, sampling, k
         self.device = target.tok_embeddings.weight.device
         self.mode = mode
+        if mode != "eager":
+            register_fallbacks()
         if mode == "eager":
             self.draft_fn, self.verify_fn = draft_steps, verify
         elif mode == "compile":

@@ -8,6 +8,21 @@
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
+# bench.py with Python's stacks printed every 40 s (a run that hangs shows where)
+watch='import faulthandler, runpy, sys; faulthandler.dump_traceback_later(40, repeat=True); sys.argv[0] = "bench.py"; runpy.run_path("bench.py", run_name="__main__")'
+# ... or, after 75 s, the outermost 60 frames of the main thread (less the repeats of a recursion), then exit
+outer='import os, runpy, signal, sys, traceback
+def dump(sig, frame):
+    frames = traceback.extract_stack(frame)
+    start = next((i for i, f in enumerate(frames) if f.name == "__str__"), len(frames))
+    print(f"-- {len(frames)} frames; the 45 before the first __str__ (frame {start}):", file=sys.stderr)
+    for f in frames[max(0, start - 45):start + 1]:
+        print("  " + f.filename.split("site-packages/")[-1], f.lineno, f.name, f.line, file=sys.stderr)
+    print(f"-- innermost:", file=sys.stderr)
+    for f in frames[-4:]:
+        print(f"  {f.filename}:{f.lineno} {f.name}: {f.line}", file=sys.stderr)
+    sys.stderr.flush(); os._exit(3)
+signal.signal(signal.SIGALRM, dump); signal.alarm(int(os.environ.get("ALARM_S", 75))); sys.argv[0] = "bench.py"; runpy.run_path("bench.py", run_name="__main__")'
 t() { timeout "$1" "${@:2}" 2>&1 | grep -v -E "Warning|warn\(" ; }
 bench7b() {  # cache-dir flags...
   local d=$1; shift
@@ -150,4 +165,32 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       gpu_tests 150
       t 60 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -3
       variants z3:"--quantize int4-g128" ;;
+  za) # run 32 (session 9: the 7B int4 bench with kernels.int4_gemv, which did not finish in runs 30-31):
+      # the int4 GPU tests; then eager and graphed 7B int4 g32 with the kernel, output unfiltered into
+      # $OUT/za-*.log, Python's stacks every 40 s (faulthandler), recompiles logged
+      t 150 python3 -m pytest -q -x -p no:warnings --tb=short --durations=5 tests/test_cuda.py -k "int4 or quantized" | tail -15
+      for m in eager graphs; do
+        echo "== za-$m"; s=$(date +%s)
+        TORCH_LOGS=recompiles TORCHINDUCTOR_CACHE_DIR=/tmp/za/inductor TRITON_CACHE_DIR=/tmp/za/triton \
+          timeout -k 5 "$([ $m = eager ] && echo 140 || echo 250)" python3 -c "$watch" --model llama-2-7b --modes $m \
+          --batch-sizes 1 --quantize int4-g32 --int4-gemv --new-tokens 64 --json "$OUT/za-$m.json" > "$OUT/za-$m.log" 2>&1
+        echo "rc $? after $(( $(date +%s) - s )) s"; grep -v -E "Warning|warn\(" "$OUT/za-$m.log" | grep -v "^ *$" | head -12
+        grep -n "most recent call first" "$OUT/za-$m.log" | tail -1
+      done ;;
+  zb) # run 33: where za's graphed compile spends its time: at 75 s, the Python frames of the main thread that
+      # lead into torch/_inductor/ir.py's __str__ recursion (faulthandler's 100 frames did not get past it)
+      TORCHINDUCTOR_CACHE_DIR=/tmp/zb/inductor TRITON_CACHE_DIR=/tmp/zb/triton timeout -k 5 150 python3 -c "$outer" \
+        --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 --int4-gemv --new-tokens 64 \
+        > "$OUT/zb.log" 2>&1; echo "rc $?"; grep -v -E "Warning|warn\(" "$OUT/zb.log" | tail -60 ;;
+  zc) # run 34 (generate.register_fallbacks: za-zb's compile was Inductor formatting the str() of a 32-layer
+      # IR for a log line, torch 2.11): 7B int4 g32 with kernels.int4_gemv, bf16, int4 g128 with it,
+      # int4 g32 through tinygemm; cold caches, each one process
+      for v in zc1:"--quantize int4-g32 --int4-gemv" zc2:"" zc3:"--quantize int4-g128 --int4-gemv" \
+               zc4:"--quantize int4-g32"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"; s=$(date +%s)
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 200 python3 -c "$watch" \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
+        echo "rc $? after $(( $(date +%s) - s )) s"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
+      done ;;
 esac; done

@@ -95,6 +95,48 @@ def test_compiled_decode_equals_eager(tiny):
     assert run_gen(tiny, Sampling(temperature=0), compiled=True) == run_gen(tiny, Sampling(temperature=0))
 
 
+def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
+    """Compiled decode registers the graphdecode ops as Inductor fallbacks first (register_fallbacks),
+    with the layout constraint Inductor itself would give them, so Inductor never takes its
+    implicit-fallback path: on torch 2.11 that path formats the str() of every argument, which
+    grows ~2x a layer through the residual (a 32-layer int4 model with kernels.int4_gemv never
+    finished compiling). Here the CPU's int4 and int8 ops (cpu_kernels.py) stand for all of them."""
+    import logging
+
+    import cpu_kernels
+    from quantize import quantize_model
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    assert cpu_kernels.available()  # (else the model has no graphdecode op on the CPU)
+    qmodel = quantize_model(tiny, "int4", 32)
+    ops = [getattr(torch.ops.graphdecode, n).default for n in ("int4_linear", "int8_linear", "gemv")]
+    for op in ops:  # as in a fresh process, whatever other tests compiled before
+        lowering.lowerings.pop(op, None)
+        lowering._maybe_layout_constraints.pop(op, None)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    graph_log = logging.getLogger("torch._inductor.graph")
+    level = graph_log.level
+    graph_log.addHandler(handler)
+    graph_log.setLevel(logging.INFO)
+    try:
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(force_disable_caches=True):
+            compiled = run_gen(qmodel, Sampling(temperature=0), n=12, compiled=True)
+    finally:
+        graph_log.removeHandler(handler)
+        graph_log.setLevel(level)
+    implicit = [m.splitlines()[1] for m in messages if m.startswith("Creating implicit fallback")]
+    assert not [m for m in implicit if "graphdecode" in m], implicit
+    for op in ops:
+        tag = get_layout_constraint_tag(op, with_default=True)
+        assert op in lowering.lowerings
+        assert lowering.maybe_layout_constraints(op) is lowering.tag_to_layout_constraint(tag) is not None
+    assert compiled == run_gen(qmodel, Sampling(temperature=0), n=12)
+
+
 def test_ahead_of_time_step_equals_eager_and_is_reused(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(generate, "AOT_CACHE", tmp_path)
 
