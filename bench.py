@@ -327,7 +327,10 @@ def main(argv=None) -> int:
     p.add_argument("--int8-float32", action="store_true",
                    help="one-row int8 GEMVs in float32 arithmetic instead of float16 pairs (A/B)")
     p.add_argument("--int4-gemv", action="store_true",
-                   help="one-row int4 GEMVs through kernels.int4_gemv instead of PyTorch's tinygemm (model.INT4_GEMV)")
+                   help="one-row int4 GEMVs through kernels.int4_gemv (the default, model.INT4_GEMV; "
+                        "for GRAPHDECODE_INT4_GEMV=0 in the environment)")
+    p.add_argument("--int4-tinygemm", action="store_true",
+                   help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -353,7 +356,7 @@ def main(argv=None) -> int:
     kernels.ATTENTION_SPLITS = a.attention_splits
     kernels.PDL = not a.no_pdl
     kernels.INT8_HALF = not a.int8_float32
-    model_module.INT4_GEMV = model_module.INT4_GEMV or a.int4_gemv
+    model_module.INT4_GEMV = (model_module.INT4_GEMV or a.int4_gemv) and not a.int4_tinygemm
     if not 1 <= a.gemv_max_rows <= 16:
         print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)
         return 1

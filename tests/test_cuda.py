@@ -196,7 +196,7 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, monkeypatch):
-    """With model.INT4_GEMV (off by default) an int4 model's one-row steps run kernels.int4_gemv (the
+    """With model.INT4_GEMV (the default) an int4 model's one-row steps run kernels.int4_gemv (the
     norm, SwiGLU and the residual fused): a decode step gives the logits of the same step through
     PyTorch's tinygemm (the layout dropped), both built from the same file tensors, within bf16
     rounding. `wide`: dims of 1024 and 2560, so that gate/up's loop runs two blocks (with PREFETCH)
