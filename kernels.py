@@ -324,39 +324,110 @@ if triton is not None:
                                          dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
-    def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, x_scale, b, n_groups,
-                    NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                    EMULATE: tl.constexpr):
-        """Block b (BLOCK_G groups of G columns) of the one-row int4 GEMV: x there, normed (NORM:
-        squares, g) and scaled by x_scale in float32, as float16 pairs in int32 in 1D, then moved into
-        the weight tile's layout as the four pairs of each word; then the products."""
+    def _dp4a(w, x, acc, EMULATE: tl.constexpr):
+        """acc + the dot product of w's four unsigned bytes with x's four signed bytes (int32 each):
+        PTX's dp4a, one instruction. EMULATE (the interpreter, which runs no PTX): byte by byte."""
+        if EMULATE:
+            for i in tl.static_range(4):
+                acc += ((w >> (8 * i)) & 255) * ((x << (24 - 8 * i)) >> 24)
+            return acc
+        return tl.inline_asm_elementwise(asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r",
+                                         args=[w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _int4_dp4a_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, b, n_groups,
+                         NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                         X_PARTS: tl.constexpr, EMULATE: tl.constexpr):
+        """Block b of the one-row int4 GEMV in integers (int4_layout(dp4a=True)): x there, normed (NORM:
+        squares, g), then per group of G to int8, x ~ sx (q1 + q2 / 254) with sx = max |x| / 127
+        (X_PARTS 1: q1 alone), four bytes to an int32. Each word's nibbles as bytes (w & 0x0F0F0F0F:
+        columns 8j..8j+3; w >> 4 & 0x0F0F0F0F: 8j+4..8j+7) take a dp4a with each part's bytes: 5
+        instructions for 8 weights (8 with two parts). Per group, in float32:
+        acc += s sx (sum(q q1) - 8 sum(q1) + (sum(q q2) - 8 sum(q2)) / 254) + z sum(x)."""
         cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
         ok = cols < n_groups * G
         x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
         if NORM:
             squares += x * x
-        # times g, or ones without the norm: a multiply by a loaded vector keeps x's conversion in 1D
-        # (without one Triton 3.6 moved it into the weight tile's layout, where each thread repeats it
-        # for its groups: 4.1 instructions a weight against 2.7, sm_90 machine code)
-        x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
-        lo, hi = tl.split(tl.reshape(x * x_scale, (BLOCK_G * G // 2, 2)))
-        pairs = tl.reshape(_to_f16_pair(lo, hi), (BLOCK_G, G // 8, 2, 2))  # [group, word, i // 2, i % 2]
-        x02, x13 = tl.split(pairs)
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
-        acc = _int4_half_fma(w, x0, x1, x2, x3, _half_pair(sz, False, EMULATE), _half_pair(sz, True, EMULATE),
-                             acc, EMULATE)
+        x = tl.reshape(x * tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32), (BLOCK_G, G))
+        amax = tl.max(tl.abs(x), axis=1)
+        x_sum = tl.sum(x, axis=1)[None, :]
+        sx = (amax / 127)[None, :]
+        xs = x * tl.where(amax > 0, 127 / amax, 0)[:, None]
+        q1 = tl.floor(xs + 0.5)
+        x1_lo, x1_hi, x1_sum = _int8_words(q1.to(tl.int32), G, BLOCK_G)
+        x2_lo, x2_hi, x2_sum = x1_lo, x1_hi, x1_sum
+        if X_PARTS == 2:
+            x2_lo, x2_hi, x2_sum = _int8_words(tl.floor((xs - q1) * 254 + 0.5).to(tl.int32), G, BLOCK_G)
+        acc = _int4_dp4a_acc(acc, w, sz, x1_lo, x1_hi, x1_sum, x2_lo, x2_hi, x2_sum, sx, x_sum, X_PARTS, EMULATE)
         if SWIGLU:
-            acc_up = _int4_half_fma(w_up, x0, x1, x2, x3, _half_pair(sz_up, False, EMULATE),
-                                    _half_pair(sz_up, True, EMULATE), acc_up, EMULATE)
+            acc_up = _int4_dp4a_acc(acc_up, w_up, sz_up, x1_lo, x1_hi, x1_sum, x2_lo, x2_hi, x2_sum, sx, x_sum,
+                                    X_PARTS, EMULATE)
+        return acc, acc_up, squares
+
+    @triton.jit
+    def _int8_words(q, G: tl.constexpr, BLOCK_G: tl.constexpr):
+        """int8 values q [BLOCK_G, G] (in int32) -> their bytes four to an int32 word in the weights'
+        order, columns 8j..8j+3 and 8j+4..8j+7 of each group ([1, BLOCK_G, G/8] each), and sum(q) per
+        group ([1, BLOCK_G], float32: for the weights' - 8)."""
+        total = tl.sum(q, axis=1).to(tl.float32)[None, :]
+        q = tl.reshape(q & 255, (BLOCK_G, G // 8, 2, 4)) << (8 * tl.arange(0, 4))[None, None, None, :]
+        lo, hi = tl.split(tl.sum(q, axis=3))  # (bytes apart: the sum is their bitwise or)
+        return lo[None, :, :], hi[None, :, :], total
+
+    @triton.jit
+    def _int4_dp4a_acc(acc, w, sz, x1_lo, x1_hi, x1_sum, x2_lo, x2_hi, x2_sum, sx, x_sum, X_PARTS: tl.constexpr,
+                       EMULATE: tl.constexpr):
+        """acc [BN, BLOCK_G] + each group's products of words w with x's parts (_int4_dp4a_block)."""
+        w_lo, w_hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
+        dot = tl.sum(_dp4a(w_hi, x1_hi, _dp4a(w_lo, x1_lo, tl.zeros_like(w), EMULATE), EMULATE), axis=2)
+        dot = dot.to(tl.float32) - 8 * x1_sum
+        if X_PARTS == 2:
+            dot2 = tl.sum(_dp4a(w_hi, x2_hi, _dp4a(w_lo, x2_lo, tl.zeros_like(w), EMULATE), EMULATE), axis=2)
+            dot += (dot2.to(tl.float32) - 8 * x2_sum) * (1 / 254)
+        s, z = _f16_pair(sz)
+        return acc + dot * s * sx + z * x_sum
+
+    @triton.jit
+    def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, x_scale, b, n_groups,
+                    NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                    DP4A: tl.constexpr, EMULATE: tl.constexpr):
+        """Block b (BLOCK_G groups of G columns) of the one-row int4 GEMV: x there, normed (NORM:
+        squares, g) and scaled by x_scale in float32, as float16 pairs in int32 in 1D, then moved into
+        the weight tile's layout as the four pairs of each word; then the products. DP4A: in
+        integers instead (_int4_dp4a_block)."""
+        if DP4A:
+            acc, acc_up, squares = _int4_dp4a_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, b,
+                                                    n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
+        else:
+            sz3, sz3_up = sz[:, :, None], sz_up[:, :, None]
+            cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
+            ok = cols < n_groups * G
+            x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
+            if NORM:
+                squares += x * x
+            # times g, or ones without the norm: a multiply by a loaded vector keeps x's conversion in 1D
+            # (without one Triton 3.6 moved it into the weight tile's layout, where each thread repeats it
+            # for its groups: 4.1 instructions a weight against 2.7, sm_90 machine code)
+            x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
+            lo, hi = tl.split(tl.reshape(x * x_scale, (BLOCK_G * G // 2, 2)))
+            pairs = tl.reshape(_to_f16_pair(lo, hi), (BLOCK_G, G // 8, 2, 2))  # [group, word, i // 2, i % 2]
+            x02, x13 = tl.split(pairs)
+            x0, x2 = tl.split(x02)
+            x1, x3 = tl.split(x13)
+            x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
+            acc = _int4_half_fma(w, x0, x1, x2, x3, _half_pair(sz3, False, EMULATE), _half_pair(sz3, True, EMULATE),
+                                 acc, EMULATE)
+            if SWIGLU:
+                acc_up = _int4_half_fma(w_up, x0, x1, x2, x3, _half_pair(sz3_up, False, EMULATE),
+                                        _half_pair(sz3_up, True, EMULATE), acc_up, EMULATE)
         return acc, acc_up, squares
 
     @triton.jit
     def _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
-        """Block b of int4 words [BN, BLOCK_G, G/8] and their scale-and-zero words [BN, BLOCK_G, 1] for
-        rows `rows`; MASKED: zero past the last group. (The scale-and-zero words are loaded in 2D and
-        expanded: loaded in 3D, Triton moved the weights into their layout through shared memory.)"""
+        """Block b of int4 words [BN, BLOCK_G, G/8] and their scale-and-zero words [BN, BLOCK_G] for
+        rows `rows`; MASKED: zero past the last group. (The scale-and-zero words are loaded in 2D: in
+        3D, Triton moved the weights into their layout through shared memory.)"""
         groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
         w_at = (w_ptr + rows[:, None, None] * (n_groups * (G // 8)) + (groups * (G // 8))[None, :, None]
                 + tl.arange(0, G // 8)[None, None, :])
@@ -368,26 +439,31 @@ if triton is not None:
         else:
             w = tl.load(w_at)
             sz = tl.load(sz_at)
-        return w, sz[:, :, None]
+        return w, sz
 
     @triton.jit
     def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr,
-                          PDL: tl.constexpr, EMULATE: tl.constexpr):
+                          PDL: tl.constexpr, DP4A: tl.constexpr, EMULATE: tl.constexpr):
         """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
         G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
         PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each word's float16
         pair of the [BLOCK_N, BLOCK_G, G/8] tile sums its products (the first block of x sets x_scale,
         as for int8: _half_block), then the pairs are summed in float32. PREFETCH: each block's
-        weights load one step ahead of its products."""
+        weights load one step ahead of its products. DP4A: in integers, each group's sum in float32
+        (_int4_dp4a_block; no x_scale)."""
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(rn, N - 1)  # rows past N are computed on row N - 1 and not stored
-        acc = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # float16 pairs (0, 0)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # SWIGLU only
+        if DP4A:
+            acc = tl.zeros((BLOCK_N, BLOCK_G), tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_G), tl.float32)  # SWIGLU only
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # float16 pairs (0, 0)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # SWIGLU only
         squares = tl.zeros((BLOCK_G * G,), tl.float32)
         w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True)  # before the wait
         w_up, sz_up = w, sz
@@ -395,7 +471,11 @@ if triton is not None:
             w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        x_scale = _first_block_scale(x_ptr, tl.arange(0, BLOCK_G * G), tl.arange(0, BLOCK_G * G) < K, K, BLOCK_G * G)
+        if DP4A:
+            x_scale = 1.0
+        else:
+            x_scale = _first_block_scale(x_ptr, tl.arange(0, BLOCK_G * G), tl.arange(0, BLOCK_G * G) < K, K,
+                                         BLOCK_G * G)
         # Blocks wholly inside K load without masks (a mask on every block would cost the loop the
         # zeroing of its registers); then the block K ends in, if any.
         full = n_groups // BLOCK_G
@@ -406,33 +486,39 @@ if triton is not None:
                 if SWIGLU:
                     w_up_next, sz_up_next = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False)
                 acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
-                                                   b - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+                                                   b - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
                 w, w_up, sz, sz_up = w_next, w_up_next, sz_next, sz_up_next
             acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
-                                               tl.maximum(full, 1) - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+                                               tl.maximum(full, 1) - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
         else:
             acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, 0,
-                                               n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+                                               n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
             for b in range(1, full):
                 w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False)
                 if SWIGLU:
                     w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False)
                 acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
-                                                   b, n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+                                                   b, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
         if (full * BLOCK_G < n_groups) & (full > 0):
             w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True)
             if SWIGLU:
                 w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True)
             acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, full,
-                                               n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+                                               n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
         unscale = w_unscale / x_scale
         if NORM:
             unscale *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        lo, hi = _f16_pair(acc)
-        out = tl.sum(tl.sum(lo + hi, axis=2), axis=1) * unscale
+        if DP4A:
+            out = tl.sum(acc, axis=1) * unscale
+        else:
+            lo, hi = _f16_pair(acc)
+            out = tl.sum(tl.sum(lo + hi, axis=2), axis=1) * unscale
         if SWIGLU:
-            lo, hi = _f16_pair(acc_up)
-            up = tl.sum(tl.sum(lo + hi, axis=2), axis=1) * unscale
+            if DP4A:
+                up = tl.sum(acc_up, axis=1) * unscale
+            else:
+                lo, hi = _f16_pair(acc_up)
+                up = tl.sum(tl.sum(lo + hi, axis=2), axis=1) * unscale
             out = out / (1 + tl.exp(-out)) * up
         if RESIDUAL:
             out += tl.load(r_ptr + rn, mask=rn < N, other=0).to(tl.float32)
@@ -554,6 +640,9 @@ def _pdl_capable(device: int) -> bool:
 # for a model whose norm inputs leave float16's range: _half_block) keeps float32 arithmetic. Float32
 # x always takes float32 arithmetic (its products are exact there).
 INT8_HALF = os.environ.get("GRAPHDECODE_INT8_HALF", "1") != "0"
+# int4 one-row GEMVs in integers (dp4a) with x in 1 or 2 int8 parts, or (0) in float16 pairs: read
+# when an Int4Linear loads (its layout follows)
+INT4_DP4A = int(os.environ.get("GRAPHDECODE_INT4_DP4A", "0"))
 HALF_EVERYWHERE = False  # (tests and benchmarks/gemv.py: float16 pairs on every one-row int8 GEMV)
 
 def use_half(x: torch.Tensor, scales: torch.Tensor | None, M: int, norm_weight: torch.Tensor | None) -> bool:
@@ -691,12 +780,14 @@ def _(x, weight, scales, norm_weight, eps, residual, swiglu):
 
 # -- int4, one row: the host side ------------------------------------------------------------------
 
-def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                dp4a: int = 0) -> tuple[torch.Tensor, torch.Tensor, float]:
     """int4 values q [N, K] in 0..15 with a scale and zero [N, K/g] per group of g columns
     (W = (q - 8) s + z; model.int4_gemv_layout makes them from the file) -> (int32 words [N, K/8],
     scale-and-zero words [N, K/g], w_unscale) for int4_gemv. c = 1 / w_unscale is the power of two
     that brings the largest |(q - 8) s + z| to (1/2, 1] (float16 keeps its 11 bits for the small
-    groups; c is exact)."""
+    groups; c is exact). Scale-and-zero words (s c, z c) in float16. Weights, float16 pairs: column
+    8j + 2i + h at bits 16 h + 4 i of word j; dp4a: column 8j + i at bits 8 i, 8j + 4 + i at 8 i + 4."""
     N, K = q.shape
     if K % 32:
         raise ValueError(f"int4_layout: K must be a multiple of 32 (got {K})")
@@ -705,8 +796,12 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> t
     c = 2.0 ** -math.ceil(math.log2(bound)) if bound > 0 else 1.0
     halves = [(t * c).half().view(torch.int16).int() for t in (s, z)]
     sz = (halves[0] & 0xFFFF) | (halves[1] << 16)
-    shifts = 4 * torch.arange(4, device=q.device)[:, None] + 16 * torch.arange(2, device=q.device)
-    words = (q.view(N, K // 8, 4, 2).long() << shifts).sum((2, 3))  # column 8j + 2i + h at bits 16 h + 4 i of word j
+    if dp4a:  # (any non-zero: both integer forms)
+        shifts = 4 * torch.arange(2, device=q.device)[:, None] + 8 * torch.arange(4, device=q.device)
+        words = (q.view(N, K // 8, 2, 4).long() << shifts).sum((2, 3))
+    else:
+        shifts = 4 * torch.arange(4, device=q.device)[:, None] + 16 * torch.arange(2, device=q.device)
+        words = (q.view(N, K // 8, 4, 2).long() << shifts).sum((2, 3))
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return words.contiguous(), sz.contiguous(), 1.0 / c
 
@@ -725,10 +820,12 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False) -> tuple[i
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
               norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-              swiglu: bool = False, ones: torch.Tensor | None = None, launch: tuple | None = None) -> torch.Tensor:
-    """One row x [..., K] times int4 weights (int4_layout) -> [..., N] in x's dtype, with gemv's
-    fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the norm the kernel
-    multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its own)."""
+              swiglu: bool = False, ones: torch.Tensor | None = None, launch: tuple | None = None,
+              dp4a: int = 0) -> torch.Tensor:
+    """One row x [..., K] times int4 weights (int4_layout, of the same bool(dp4a)) -> [..., N] in x's dtype,
+    with gemv's fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the norm
+    the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its own).
+    dp4a: 0, float16 pairs; 1 or 2, in integers with x in that many int8 parts (_int4_dp4a_block)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
@@ -745,7 +842,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
         x2, weight, sz, norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K),
         weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
-        BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl,
+        BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl, DP4A=dp4a,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return y.view(*x.shape[:-1], N)
@@ -754,21 +851,22 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, swiglu: bool = False,
-                ones: torch.Tensor | None = None) -> torch.Tensor:
+                ones: torch.Tensor | None = None, dp4a: int = 0) -> torch.Tensor:
     """int4_gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
-    f = int4_gemv_op if OPAQUE else int4_gemv
-    return f(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones)
+    if OPAQUE:
+        return int4_gemv_op(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a)
+    return int4_gemv(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a)
 
 
 @torch.library.custom_op("graphdecode::int4_gemv", mutates_args=())
 def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                  norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
-                 swiglu: bool, ones: Optional[torch.Tensor]) -> torch.Tensor:
-    return int4_gemv(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones)
+                 swiglu: bool, ones: Optional[torch.Tensor], dp4a: int) -> torch.Tensor:
+    return int4_gemv(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a)
 
 
 @int4_gemv_op.register_fake
-def _(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones):
+def _(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 # -- decode attention ------------------------------------------------------------------------------

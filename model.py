@@ -355,7 +355,8 @@ def decode_gemv(x, weight, scales, norm, residual, swiglu=False):
 def decode_int4_gemv(x, layer, norm, residual, swiglu=False):
     """decode_gemv for an Int4Linear's one-row layout: kernels.int4_matmul."""
     return fused_matmul(lambda x, **fused: kernels.int4_matmul(x, layer.gemv_weight, layer.gemv_sz, layer.gemv_unscale,
-                                                              layer.gemv_group, **fused, ones=layer.gemv_ones),
+                                                              layer.gemv_group, **fused, ones=layer.gemv_ones,
+                                                              dp4a=layer.gemv_dp4a),
                         x, norm, residual, swiglu)
 
 
@@ -539,10 +540,11 @@ def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torc
     return packed, scales_and_zeros
 
 
-def int4_gemv_layout(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+def int4_gemv_layout(weight, scales, zeros, groupsize: int,
+                     dp4a: int = 0) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """The file's int4 layout -> kernels.int4_gemv's (words, scale-and-zero words, w_unscale, group g)."""
     s, z, g = kernel_groups(scales, zeros, groupsize, 2 * weight.shape[1])
-    return (*kernels.int4_layout(unpack_int4(weight), s, z), g)
+    return (*kernels.int4_layout(unpack_int4(weight), s, z, dp4a), g)
 
 
 def _int_parameter(*shape, dtype) -> nn.Parameter:
@@ -616,8 +618,9 @@ class Int4Linear(nn.Module):
             self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
             return
         if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and kernels.triton is not None:  # (PTX)
+            self.gemv_dp4a = kernels.INT4_DP4A
             weight, sz, self.gemv_unscale, self.gemv_group = int4_gemv_layout(self.weight, self.scales, self.zeros,
-                                                                             self.groupsize)
+                                                                             self.groupsize, self.gemv_dp4a)
             # (buffers outside the state dict: derived, like the packed weight, and a step reads one
             # layout or the other, the same number of bytes, so weight_bytes_per_step counts one)
             self.register_buffer("gemv_weight", weight, persistent=False)

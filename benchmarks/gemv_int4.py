@@ -1,10 +1,10 @@
-"""The one-row int4 GEMV: kernels.int4_gemv (float16 pairs, with what decode fuses into each GEMV:
-RMSNorm before wqkv and w13, SwiGLU in w13, the residual add after wo and w2) against PyTorch's
+"""The one-row int4 GEMV: kernels.int4_gemv (float16 pairs, or --dp4a 1,2 in integers; with what decode
+fuses into each GEMV: RMSNorm before wqkv and w13, SwiGLU in w13, the residual add after wo and w2) against PyTorch's
 tinygemm (_weight_int4pack_mm, the matmul alone), on a preset's shapes, timed as CUDA graph replays
 over >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls). Each result is checked against a
 float64 reference of the dequantized weights first. --tune tries a grid of launches.
 
-    python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--tune] [--json PATH]
+    python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1,2] [--tune] [--json PATH]
 """
 import argparse
 import itertools
@@ -44,6 +44,8 @@ def main():
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3")
     p.add_argument("--prefetch", default="0,1")
+    p.add_argument("--dp4a", default="0", help="comma-separated int4_gemv arithmetics: 0 float16 pairs, "
+                   "1 or 2 integers with x in that many int8 parts")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -72,37 +74,42 @@ def main():
             r = torch.randn(1, N, device=dev, dtype=torch.bfloat16)
             kw = dict(residual=r, ones=torch.ones(K, device=dev, dtype=torch.bfloat16))  # (as Int4Linear passes)
             expect = xd @ W.T + r.double()
-        ours = M.int4_gemv_layout(packed, scales, zeros, G)
         theirs = M.pack_int4(packed, scales, zeros, G)
-        err = ((kernels.int4_gemv(x, *ours, **kw).double() - expect).abs().max() / expect.abs().max()).item()
         plain = xd @ W.T
         err_tg = ((M.int4_linear(x, *theirs, G).double() - plain).abs().max() / plain.abs().max()).item()
         nbytes = N * K // 2 + N * (K // G) * 4
         copies = max(2, -(-L2_MULTIPLE_BYTES // nbytes))
-        ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
         theirs_c = [theirs] + [tuple(t.clone() for t in theirs) for _ in range(copies - 1)]
         t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
+        del theirs_c
         default = kernels.int4_config(out_n, K, G, fused == "swiglu")
-        t_ours = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw) for w in ours_c])
-        best = (t_ours, default)
-        if a.tune:
-            grid = [(bn, max(1, cols * 64 // G), w, s, bool(int(f))) for bn, cols in
-                    (tuple(int(v) for v in pair.split(":")) for pair in a.grid.split(","))
-                    for w in (int(v) for v in a.warps.split(",")) for s in (int(v) for v in a.stages.split(","))
-                    for f in a.prefetch.split(",")]
-            best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
-                                                            for w in ours_c], reps), grid, best)
-        rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "bytes": nbytes, "tinygemm_us": t_tg * 1e6,
-               "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6, "ours_gb_s": nbytes / t_ours / 1e9,
-               "default": default, "best_us": best[0] * 1e6, "best_gb_s": nbytes / best[0] / 1e9, "best": best[1],
-               "err": err, "err_tinygemm": err_tg, "ceiling_gb_s": ceiling}
-        records.append(rec)
-        print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} tinygemm {t_tg*1e6:6.1f} us {rec['tinygemm_gb_s']:5.0f} GB/s | "
-              f"ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | best {best[0]*1e6:6.1f} us "
-              f"{rec['best_gb_s']:5.0f} GB/s {best[1]} | err {err:.1e} tinygemm {err_tg:.1e}", flush=True)
-        if a.json:
-            a.json.write_text(json.dumps(records, indent=1))
-        del ours_c, theirs_c
+        for dp4a in (int(v) for v in a.dp4a.split(",")):
+            ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a)
+            kw["dp4a"] = dp4a
+            err = ((kernels.int4_gemv(x, *ours, **kw).double() - expect).abs().max() / expect.abs().max()).item()
+            ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
+            t_ours = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw) for w in ours_c])
+            best = (t_ours, default)
+            if a.tune:
+                grid = [(bn, max(1, cols * 64 // G), w, s, bool(int(f))) for bn, cols in
+                        (tuple(int(v) for v in pair.split(":")) for pair in a.grid.split(","))
+                        for w in (int(v) for v in a.warps.split(",")) for s in (int(v) for v in a.stages.split(","))
+                        for f in a.prefetch.split(",")]
+                best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
+                                                                for w in ours_c], reps), grid, best)
+            rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "bytes": nbytes,
+                   "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,
+                   "ours_gb_s": nbytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
+                   "best_gb_s": nbytes / best[0] / 1e9, "best": best[1], "err": err, "err_tinygemm": err_tg,
+                   "ceiling_gb_s": ceiling}
+            records.append(rec)
+            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {dp4a} tinygemm {t_tg*1e6:6.1f} us "
+                  f"{rec['tinygemm_gb_s']:5.0f} GB/s | ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | "
+                  f"best {best[0]*1e6:6.1f} us {rec['best_gb_s']:5.0f} GB/s {best[1]} | err {err:.1e} tinygemm {err_tg:.1e}",
+                  flush=True)
+            if a.json:
+                a.json.write_text(json.dumps(records, indent=1))
+            del ours_c
 
 
 if __name__ == "__main__":

@@ -193,4 +193,16 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
         echo "rc $? after $(( $(date +%s) - s )) s"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
       done ;;
+  zd) # run 35 (kernels.int4_gemv in integers, dp4a, x in one or two int8 parts per group: GRAPHDECODE_INT4_DP4A):
+      # the int4 kernel tests, 7B int4 g32 with each (at the float16 pairs' launches), then the launches of
+      # the integer forms tuned at group 32
+      t 150 python3 -m pytest -q -x -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -4
+      for v in 1 2; do
+        echo "== zd$v [GRAPHDECODE_INT4_DP4A=$v]"
+        GRAPHDECODE_INT4_DP4A=$v TORCHINDUCTOR_CACHE_DIR=/tmp/zd$v/inductor TRITON_CACHE_DIR=/tmp/zd$v/triton \
+          timeout -k 5 150 python3 bench.py --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 \
+          --json "$OUT/zd$v.json" > "$OUT/zd$v.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/zd$v.log" | head -5
+      done
+      t 330 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1,2 --tune --grid 32:8,32:16,64:8 \
+        --warps 4,8 --prefetch 0,1 --json "$OUT/tune_dp4a.json" ;;
 esac; done
