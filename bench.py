@@ -329,6 +329,9 @@ def main(argv=None) -> int:
     p.add_argument("--int4-gemv", action="store_true",
                    help="one-row int4 GEMVs through kernels.int4_gemv (the default, model.INT4_GEMV; "
                         "for GRAPHDECODE_INT4_GEMV=0 in the environment)")
+    p.add_argument("--int4-dp4a", choices=["auto", "0", "1"], default=None,
+                   help="the one-row int4 GEMV's arithmetic: integers (1), float16 pairs (0), or by shape "
+                        "(auto, the default: kernels.int4_dp4a)")
     p.add_argument("--int4-tinygemm", action="store_true",
                    help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
@@ -357,6 +360,7 @@ def main(argv=None) -> int:
     kernels.PDL = not a.no_pdl
     kernels.INT8_HALF = not a.int8_float32
     model_module.INT4_GEMV = (model_module.INT4_GEMV or a.int4_gemv) and not a.int4_tinygemm
+    kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     if not 1 <= a.gemv_max_rows <= 16:
         print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)
         return 1
@@ -406,6 +410,7 @@ def main(argv=None) -> int:
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF, int4_gemv=model_module.INT4_GEMV,
+                 int4_dp4a=kernels.INT4_DP4A,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

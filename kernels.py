@@ -337,13 +337,12 @@ if triton is not None:
     @triton.jit
     def _int4_dp4a_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, b, n_groups,
                          NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                         X_PARTS: tl.constexpr, EMULATE: tl.constexpr):
+                         EMULATE: tl.constexpr):
         """Block b of the one-row int4 GEMV in integers (int4_layout(dp4a=True)): x there, normed (NORM:
-        squares, g), then per group of G to int8, x ~ sx (q1 + q2 / 254) with sx = max |x| / 127
-        (X_PARTS 1: q1 alone), four bytes to an int32. Each word's nibbles as bytes (w & 0x0F0F0F0F:
-        columns 8j..8j+3; w >> 4 & 0x0F0F0F0F: 8j+4..8j+7) take a dp4a with each part's bytes: 5
-        instructions for 8 weights (8 with two parts). Per group, in float32:
-        acc += s sx (sum(q q1) - 8 sum(q1) + (sum(q q2) - 8 sum(q2)) / 254) + z sum(x)."""
+        squares, g), then per group of G to int8, x ~ sx q with sx = max |x| / 127, four bytes to an
+        int32. Each word's nibbles as bytes (w & 0x0F0F0F0F: columns 8j..8j+3; w >> 4 & 0x0F0F0F0F:
+        8j+4..8j+7) take a dp4a each with x's bytes: 5 instructions for 8 weights. Per group, in
+        float32: acc += s sx (sum(q_w q) - 8 sum(q)) + z sum(x)."""
         cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
         ok = cols < n_groups * G
         x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
@@ -353,40 +352,22 @@ if triton is not None:
         amax = tl.max(tl.abs(x), axis=1)
         x_sum = tl.sum(x, axis=1)[None, :]
         sx = (amax / 127)[None, :]
-        xs = x * tl.where(amax > 0, 127 / amax, 0)[:, None]
-        q1 = tl.floor(xs + 0.5)
-        x1_lo, x1_hi, x1_sum = _int8_words(q1.to(tl.int32), G, BLOCK_G)
-        x2_lo, x2_hi, x2_sum = x1_lo, x1_hi, x1_sum
-        if X_PARTS == 2:
-            x2_lo, x2_hi, x2_sum = _int8_words(tl.floor((xs - q1) * 254 + 0.5).to(tl.int32), G, BLOCK_G)
-        acc = _int4_dp4a_acc(acc, w, sz, x1_lo, x1_hi, x1_sum, x2_lo, x2_hi, x2_sum, sx, x_sum, X_PARTS, EMULATE)
+        q = tl.floor(x * tl.where(amax > 0, 127 / amax, 0)[:, None] + 0.5).to(tl.int32)
+        q_sum = tl.sum(q, axis=1).to(tl.float32)[None, :]
+        q = tl.reshape(q & 255, (BLOCK_G, G // 8, 2, 4)) << (8 * tl.arange(0, 4))[None, None, None, :]
+        x_lo, x_hi = tl.split(tl.sum(q, axis=3))  # (bytes apart: the sum is their bitwise or)
+        x_lo, x_hi = x_lo[None, :, :], x_hi[None, :, :]
+        acc = _int4_dp4a_acc(acc, w, sz, x_lo, x_hi, q_sum, sx, x_sum, EMULATE)
         if SWIGLU:
-            acc_up = _int4_dp4a_acc(acc_up, w_up, sz_up, x1_lo, x1_hi, x1_sum, x2_lo, x2_hi, x2_sum, sx, x_sum,
-                                    X_PARTS, EMULATE)
+            acc_up = _int4_dp4a_acc(acc_up, w_up, sz_up, x_lo, x_hi, q_sum, sx, x_sum, EMULATE)
         return acc, acc_up, squares
 
     @triton.jit
-    def _int8_words(q, G: tl.constexpr, BLOCK_G: tl.constexpr):
-        """int8 values q [BLOCK_G, G] (in int32) -> their bytes four to an int32 word in the weights'
-        order, columns 8j..8j+3 and 8j+4..8j+7 of each group ([1, BLOCK_G, G/8] each), and sum(q) per
-        group ([1, BLOCK_G], float32: for the weights' - 8)."""
-        total = tl.sum(q, axis=1).to(tl.float32)[None, :]
-        q = tl.reshape(q & 255, (BLOCK_G, G // 8, 2, 4)) << (8 * tl.arange(0, 4))[None, None, None, :]
-        lo, hi = tl.split(tl.sum(q, axis=3))  # (bytes apart: the sum is their bitwise or)
-        return lo[None, :, :], hi[None, :, :], total
-
-    @triton.jit
-    def _int4_dp4a_acc(acc, w, sz, x1_lo, x1_hi, x1_sum, x2_lo, x2_hi, x2_sum, sx, x_sum, X_PARTS: tl.constexpr,
-                       EMULATE: tl.constexpr):
-        """acc [BN, BLOCK_G] + each group's products of words w with x's parts (_int4_dp4a_block)."""
-        w_lo, w_hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
-        dot = tl.sum(_dp4a(w_hi, x1_hi, _dp4a(w_lo, x1_lo, tl.zeros_like(w), EMULATE), EMULATE), axis=2)
-        dot = dot.to(tl.float32) - 8 * x1_sum
-        if X_PARTS == 2:
-            dot2 = tl.sum(_dp4a(w_hi, x2_hi, _dp4a(w_lo, x2_lo, tl.zeros_like(w), EMULATE), EMULATE), axis=2)
-            dot += (dot2.to(tl.float32) - 8 * x2_sum) * (1 / 254)
+    def _int4_dp4a_acc(acc, w, sz, x_lo, x_hi, q_sum, sx, x_sum, EMULATE: tl.constexpr):
+        """acc [BN, BLOCK_G] + each group's products of words w with x's bytes (_int4_dp4a_block)."""
+        dot = _dp4a((w >> 4) & 0x0F0F0F0F, x_hi, _dp4a(w & 0x0F0F0F0F, x_lo, tl.zeros_like(w), EMULATE), EMULATE)
         s, z = _f16_pair(sz)
-        return acc + dot * s * sx + z * x_sum
+        return acc + (tl.sum(dot, axis=2).to(tl.float32) - 8 * q_sum) * s * sx + z * x_sum
 
     @triton.jit
     def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, x_scale, b, n_groups,
@@ -398,7 +379,7 @@ if triton is not None:
         integers instead (_int4_dp4a_block)."""
         if DP4A:
             acc, acc_up, squares = _int4_dp4a_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, b,
-                                                    n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
+                                                    n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
         else:
             sz3, sz3_up = sz[:, :, None], sz_up[:, :, None]
             cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
@@ -640,9 +621,18 @@ def _pdl_capable(device: int) -> bool:
 # for a model whose norm inputs leave float16's range: _half_block) keeps float32 arithmetic. Float32
 # x always takes float32 arithmetic (its products are exact there).
 INT8_HALF = os.environ.get("GRAPHDECODE_INT8_HALF", "1") != "0"
-# int4 one-row GEMVs in integers (dp4a) with x in 1 or 2 int8 parts, or (0) in float16 pairs: read
-# when an Int4Linear loads (its layout follows)
-INT4_DP4A = int(os.environ.get("GRAPHDECODE_INT4_DP4A", "0"))
+# The one-row int4 GEMV's arithmetic: "auto" (int4_dp4a's rule), "1" integers (dp4a) everywhere, "0"
+# float16 pairs everywhere. Read when an Int4Linear loads: its layout follows.
+INT4_DP4A = os.environ.get("GRAPHDECODE_INT4_DP4A", "auto")
+
+
+def int4_dp4a(K: int) -> bool:
+    """Whether int4_gemv runs in integers for a K-column weight (INT4_DP4A): below 8192 columns they
+    were 10-15% faster than float16 pairs (wqkv, wo, gate/up of Llama-2-7B, group 32, run 35), and
+    slower on the down projection (K = 11008: 19.6 against 13.7 µs), where each of its programs,
+    few rows over a long x, quantizes all of x for few weights. x in int8 per group of 32 costs
+    the default model 0.2% perplexity if every int4 layer did it (BENCHMARKS.md, session 9)."""
+    return INT4_DP4A == "1" or (INT4_DP4A == "auto" and K <= 8192)
 HALF_EVERYWHERE = False  # (tests and benchmarks/gemv.py: float16 pairs on every one-row int8 GEMV)
 
 def use_half(x: torch.Tensor, scales: torch.Tensor | None, M: int, norm_weight: torch.Tensor | None) -> bool:
@@ -781,7 +771,7 @@ def _(x, weight, scales, norm_weight, eps, residual, swiglu):
 # -- int4, one row: the host side ------------------------------------------------------------------
 
 def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                dp4a: int = 0) -> tuple[torch.Tensor, torch.Tensor, float]:
+                dp4a: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
     """int4 values q [N, K] in 0..15 with a scale and zero [N, K/g] per group of g columns
     (W = (q - 8) s + z; model.int4_gemv_layout makes them from the file) -> (int32 words [N, K/8],
     scale-and-zero words [N, K/g], w_unscale) for int4_gemv. c = 1 / w_unscale is the power of two
@@ -796,7 +786,7 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     c = 2.0 ** -math.ceil(math.log2(bound)) if bound > 0 else 1.0
     halves = [(t * c).half().view(torch.int16).int() for t in (s, z)]
     sz = (halves[0] & 0xFFFF) | (halves[1] << 16)
-    if dp4a:  # (any non-zero: both integer forms)
+    if dp4a:
         shifts = 4 * torch.arange(2, device=q.device)[:, None] + 8 * torch.arange(4, device=q.device)
         words = (q.view(N, K // 8, 2, 4).long() << shifts).sum((2, 3))
     else:
@@ -807,13 +797,18 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 
 
 # A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH)
-def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False) -> tuple[int, int, int, int, bool]:
+def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False,
+                dp4a: bool = False) -> tuple[int, int, int, int, bool]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize`, from
-    benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B, group 32, with the fusions; run 30):
-    rows a program, columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Group 128
-    takes the same columns a step (not tuned)."""
-    rows, columns, warps, prefetch = ((8, 512, 4, True) if swiglu else (16, 512, 4, False) if N > 8192
-                                      else (8, 1024, 4, True) if K > 8192 else (16, 2048, 8, False))
+    benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B, group 32, with the fusions; float16
+    pairs run 30, dp4a run 35): rows a program, columns a step (BLOCK_G = columns / groupsize),
+    warps, PREFETCH. Group 128 takes the same columns a step (not tuned)."""
+    if dp4a:
+        rows, columns, warps, prefetch = ((32, 1024, 4, False) if swiglu else (32, 1024, 8, False) if N > 8192
+                                          else (8, 1024, 4, True) if K > 8192 else (16, 2048, 8, False))
+    else:
+        rows, columns, warps, prefetch = ((8, 512, 4, True) if swiglu else (16, 512, 4, False) if N > 8192
+                                          else (8, 1024, 4, True) if K > 8192 else (16, 2048, 8, False))
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
     return rows, block_g, warps, 3, prefetch
 
@@ -821,11 +816,11 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False) -> tuple[i
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
               norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
               swiglu: bool = False, ones: torch.Tensor | None = None, launch: tuple | None = None,
-              dp4a: int = 0) -> torch.Tensor:
-    """One row x [..., K] times int4 weights (int4_layout, of the same bool(dp4a)) -> [..., N] in x's dtype,
+              dp4a: bool = False) -> torch.Tensor:
+    """One row x [..., K] times int4 weights (int4_layout, of the same dp4a) -> [..., N] in x's dtype,
     with gemv's fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the norm
     the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its own).
-    dp4a: 0, float16 pairs; 1 or 2, in integers with x in that many int8 parts (_int4_dp4a_block)."""
+    dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
@@ -834,7 +829,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
         raise ValueError(f"int4_gemv: weight {tuple(weight.shape)} and sz {tuple(sz.shape)} do not fit K={K} "
                          f"in groups of {groupsize}")
     N = weight.shape[0] // (2 if swiglu else 1)
-    block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu)
+    block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a)
     x2 = x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
@@ -851,7 +846,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, swiglu: bool = False,
-                ones: torch.Tensor | None = None, dp4a: int = 0) -> torch.Tensor:
+                ones: torch.Tensor | None = None, dp4a: bool = False) -> torch.Tensor:
     """int4_gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
         return int4_gemv_op(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a)
@@ -861,7 +856,7 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unsca
 @torch.library.custom_op("graphdecode::int4_gemv", mutates_args=())
 def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                  norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
-                 swiglu: bool, ones: Optional[torch.Tensor], dp4a: int) -> torch.Tensor:
+                 swiglu: bool, ones: Optional[torch.Tensor], dp4a: bool) -> torch.Tensor:
     return int4_gemv(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a)
 
 

@@ -541,7 +541,7 @@ def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torc
 
 
 def int4_gemv_layout(weight, scales, zeros, groupsize: int,
-                     dp4a: int = 0) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+                     dp4a: bool = False) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """The file's int4 layout -> kernels.int4_gemv's (words, scale-and-zero words, w_unscale, group g)."""
     s, z, g = kernel_groups(scales, zeros, groupsize, 2 * weight.shape[1])
     return (*kernels.int4_layout(unpack_int4(weight), s, z, dp4a), g)
@@ -618,7 +618,7 @@ class Int4Linear(nn.Module):
             self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
             return
         if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and kernels.triton is not None:  # (PTX)
-            self.gemv_dp4a = kernels.INT4_DP4A
+            self.gemv_dp4a = kernels.int4_dp4a(2 * self.weight.shape[1])
             weight, sz, self.gemv_unscale, self.gemv_group = int4_gemv_layout(self.weight, self.scales, self.zeros,
                                                                              self.groupsize, self.gemv_dp4a)
             # (buffers outside the state dict: derived, like the packed weight, and a step reads one

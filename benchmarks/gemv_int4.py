@@ -1,10 +1,10 @@
-"""The one-row int4 GEMV: kernels.int4_gemv (float16 pairs, or --dp4a 1,2 in integers; with what decode
+"""The one-row int4 GEMV: kernels.int4_gemv (float16 pairs, and --dp4a 1 in integers; with what decode
 fuses into each GEMV: RMSNorm before wqkv and w13, SwiGLU in w13, the residual add after wo and w2) against PyTorch's
 tinygemm (_weight_int4pack_mm, the matmul alone), on a preset's shapes, timed as CUDA graph replays
 over >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls). Each result is checked against a
 float64 reference of the dequantized weights first. --tune tries a grid of launches.
 
-    python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1,2] [--tune] [--json PATH]
+    python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--tune] [--json PATH]
 """
 import argparse
 import itertools
@@ -44,8 +44,8 @@ def main():
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3")
     p.add_argument("--prefetch", default="0,1")
-    p.add_argument("--dp4a", default="0", help="comma-separated int4_gemv arithmetics: 0 float16 pairs, "
-                   "1 or 2 integers with x in that many int8 parts")
+    p.add_argument("--dp4a", default="0,1", help="comma-separated int4_gemv arithmetics: 0 float16 pairs, "
+                   "1 integers (dp4a)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -82,8 +82,8 @@ def main():
         theirs_c = [theirs] + [tuple(t.clone() for t in theirs) for _ in range(copies - 1)]
         t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
         del theirs_c
-        default = kernels.int4_config(out_n, K, G, fused == "swiglu")
-        for dp4a in (int(v) for v in a.dp4a.split(",")):
+        for dp4a in (bool(int(v)) for v in a.dp4a.split(",")):
+            default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a)
             ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a)
             kw["dp4a"] = dp4a
             err = ((kernels.int4_gemv(x, *ours, **kw).double() - expect).abs().max() / expect.abs().max()).item()
@@ -103,7 +103,7 @@ def main():
                    "best_gb_s": nbytes / best[0] / 1e9, "best": best[1], "err": err, "err_tinygemm": err_tg,
                    "ceiling_gb_s": ceiling}
             records.append(rec)
-            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {dp4a} tinygemm {t_tg*1e6:6.1f} us "
+            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} tinygemm {t_tg*1e6:6.1f} us "
                   f"{rec['tinygemm_gb_s']:5.0f} GB/s | ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | "
                   f"best {best[0]*1e6:6.1f} us {rec['best_gb_s']:5.0f} GB/s {best[1]} | err {err:.1e} tinygemm {err_tg:.1e}",
                   flush=True)

@@ -205,4 +205,15 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       done
       t 330 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1,2 --tune --grid 32:8,32:16,64:8 \
         --warps 4,8 --prefetch 0,1 --json "$OUT/tune_dp4a.json" ;;
+  ze) # run 36 (int4 one-row arithmetic by shape, kernels.int4_dp4a: integers below 8192 columns at run 35's
+      # launches, float16 pairs for the down projection): 7B int4 g32 and g128 (auto), g32 in float16
+      # pairs alone, bf16; then the GPU tests
+      for v in ze1:"--quantize int4-g32" ze2:"--quantize int4-g128" ze3:"--quantize int4-g32 --int4-dp4a 0" ze4:""; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 150 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
+        echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
+      done
+      gpu_tests 280 ;;
 esac; done

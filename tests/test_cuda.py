@@ -193,14 +193,17 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int
     assert rel < (0.05 if mode == "int8" else 0.25), rel
 
 
+@pytest.mark.parametrize("dp4a", ["0", "1"])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("group", [32, 128])
-def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, monkeypatch):
+def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, monkeypatch):
     """With model.INT4_GEMV (the default) an int4 model's one-row steps run kernels.int4_gemv (the
     norm, SwiGLU and the residual fused): a decode step gives the logits of the same step through
     PyTorch's tinygemm (the layout dropped), both built from the same file tensors, within bf16
-    rounding. `wide`: dims of 1024 and 2560, so that gate/up's loop runs two blocks (with PREFETCH)
-    and down's K ends in a partial block (2560 = 2048 + 512), as at 7B and not in ARGS's model."""
+    rounding, in either arithmetic (kernels.INT4_DP4A). `wide`: dims of 1024 and 2560, so that
+    gate/up's loop runs two blocks (with PREFETCH) and down's K ends in a partial block (2560 = 2048
+    + 512), as at 7B and not in ARGS's model."""
+    import kernels
     import model as model_module
     from quantize import quantize_model
 
@@ -209,9 +212,10 @@ def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, monkeypatch):
         model = random_model(ModelArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000,
                                        intermediate_size=2560, max_seq_len=256), torch.device("cuda"), torch.bfloat16)
     monkeypatch.setattr(model_module, "INT4_GEMV", True)  # (read when the layers load)
+    monkeypatch.setattr(kernels, "INT4_DP4A", dp4a)  # float16 pairs or integers everywhere
     qmodel = quantize_model(model, "int4", group)
     layers = [m for m in qmodel.modules() if isinstance(m, model_module.Int4Linear)]
-    assert layers and all(hasattr(m, "gemv_weight") for m in layers)
+    assert layers and all(hasattr(m, "gemv_weight") and m.gemv_dp4a == (dp4a == "1") for m in layers)
     idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
     logits = {}
     for ours in (True, False):

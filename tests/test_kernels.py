@@ -273,35 +273,76 @@ def int4_case(fused, x, N, W):
     return {}, xd @ W.T
 
 
+# How far int4_gemv may be from the float64 product, as a share of the largest output: float16 pairs
+# round sums to float16; dp4a takes x to int8 per group of 32 (~0.5% noise on each x). An indexing,
+# nibble-order or scale error is ~1.
+INT4_TOLERANCE = {False: 2e-3, True: 2.5e-2}
+
+
+@pytest.mark.parametrize("dp4a", [False, True])
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
 @pytest.mark.parametrize("N, K, G, launch", [(64, 256, 32, (16, 4, 4, 2, True)), (40, 576, 128, (16, 2, 4, 2, True)),
                                              (48, 1024, 32, None), (32, 512, 128, (8, 1, 4, 1, False)),
                                              (40, 576, 128, (16, 2, 4, 2, False))])
-def test_int4_gemv_matches_float64(N, K, G, launch, fused):
-    """kernels.int4_gemv (one row, float16 pairs, file layout repacked by int4_gemv_layout) against the
-    float64 product of the dequantized weights: float32 x within 2e-3 of the largest output (the
-    float16 arithmetic; an indexing or nibble-order error is ~1), bf16 x also within bf16's rounding.
-    Covers blocks that fit, a group size that does not divide K (576 = 4 x 128 + 64: groups of 64
-    then), a partial block of rows (40 at 16) and a last block K ends inside (9 groups at 2 a block)."""
+def test_int4_gemv_matches_float64(N, K, G, launch, fused, dp4a):
+    """kernels.int4_gemv (one row, float16 pairs or dp4a, file layout repacked by int4_gemv_layout)
+    against the float64 product of the dequantized weights: float32 x within INT4_TOLERANCE of the
+    largest output, bf16 x also within bf16's rounding. Covers blocks that fit, a group size that
+    does not divide K (576 = 4 x 128 + 64: groups of 64 then), a partial block of rows (40 at 16)
+    and a last block K ends inside (9 groups at 2 a block)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     packed, scales, zeros, W = int4_weights(N, K, G)
-    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G)
+    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, dp4a)
     assert layout[3] == math.gcd(G, K)
     for dtype, rounding in ((torch.float32, 0.0), (torch.bfloat16, 2**-8 if device == "cuda" else 2**-7)):
         x = torch.randn(1, K).bfloat16().to(dtype)
         kwargs, reference = int4_case(fused, x, N, W)
         kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-        y = kernels.int4_gemv(x.to(device), *layout, launch=launch, **kwargs)
+        y = kernels.int4_gemv(x.to(device), *layout, launch=launch, dp4a=dp4a, **kwargs)
         assert y.dtype == dtype and y.shape == reference.shape
         size = reference.abs().max().item()
-        assert ((y.double().cpu() - reference).abs() <= rounding * reference.abs() + 2e-3 * size).all(), (dtype, fused)
+        assert ((y.double().cpu() - reference).abs() <= rounding * reference.abs()
+                + INT4_TOLERANCE[dp4a] * size).all(), (dtype, fused)
+
+
+@pytest.mark.parametrize("fused", ["norm", "swiglu", "residual"])
+def test_int4_gemv_dp4a_is_its_definition(fused):
+    """In the interpreter (exact float32, like torch's here) dp4a's result is, to float32 rounding, its
+    definition: x (times g) to int8 per group of G, q = floor(x 127 / max|x| + 0.5), and per group
+    s max|x| / 127 sum((q_w - 8) q) + z sum(x), s and z as float16 times the layout's power of two."""
+    if torch.cuda.is_available():
+        pytest.skip("the definition is exact in float32 on the CPU (the GPU divides approximately)")
+    N, K, G = 48, 1024, 32
+    packed, scales, zeros, _ = int4_weights(N, K, G)
+    weight, sz, w_unscale, g = int4_gemv_layout(packed, scales, zeros, G, True)
+    x = torch.randn(1, K)
+    kwargs, _ = int4_case(fused, x, N, torch.zeros(N, K, dtype=torch.float64))  # (its fused arguments)
+    xg = x.float() * (kwargs["norm_weight"].float() if "norm_weight" in kwargs else 1.0)
+    xg = xg.view(-1, G)
+    amax = xg.abs().amax(1, keepdim=True)
+    q = torch.floor(xg * (127 / amax) + 0.5).double()
+    halves = torch.stack([sz & 0xFFFF, (sz >> 16) & 0xFFFF]).to(torch.int16).view(torch.float16).double()
+    s, z = halves[0] * w_unscale, halves[1] * w_unscale  # [rows, groups]
+    q_w = torch.stack([packed & 15, packed >> 4], -1).view(packed.shape[0], K).double().view(packed.shape[0], -1, G)
+    dots = ((q_w - 8) * q[None]).sum(-1) * s * (amax.double().T / 127) + z * xg.double().sum(1)[None]
+    y_def = dots.sum(1)[None]
+    if "norm_weight" in kwargs:
+        y_def = y_def * torch.rsqrt(x.double().pow(2).mean() + 1e-5)
+    if kwargs.get("swiglu"):
+        gate, up = y_def.chunk(2, dim=-1)
+        y_def = gate * torch.sigmoid(gate) * up
+    if "residual" in kwargs:
+        y_def = y_def + kwargs["residual"].double()
+    y = kernels.int4_gemv(x, weight, sz, w_unscale, g, dp4a=True, **kwargs)
+    assert torch.allclose(y.double(), y_def, rtol=1e-5, atol=1e-5 * y_def.abs().max().item())
 
 
 @pytest.mark.parametrize("x_scale, w_scale", [(1e-4, 1.0), (1e8, 1.0), (1.0, 1e-4), (1.0, 1e4)])
 @pytest.mark.parametrize("fused", ["norm", "residual"])
-def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused):
-    """x enters float16 scaled by its first block's 1 / rms and the weights by a power of two
-    (kernels.int4_layout), so neither's size matters: bf16 x from 1e-4 to 1e8 with an outlier 40 times the
+@pytest.mark.parametrize("dp4a", [False, True])
+def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused, dp4a):
+    """x enters float16 scaled by its first block's 1 / rms (dp4a: int8 scaled per group) and the
+    weights by a power of two (kernels.int4_layout), so neither's size matters: bf16 x from 1e-4 to 1e8 with an outlier 40 times the
     rest, scales and zeros from ~1e-7 to ~1e2, within 2e-3 of the largest output."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     packed, scales, zeros, W = int4_weights(32, 512, 32, w_scale)
@@ -313,11 +354,11 @@ def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused):
         kwargs["residual"] = (torch.randn(1, 32) * reference.abs().max().item()).bfloat16()
         reference = x.double() @ W.T + kwargs["residual"].double()
     kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), 32)
-    y = kernels.int4_gemv(x.to(device), *layout, launch=(16, 4, 4, 2, True), **kwargs)
+    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), 32, dp4a)
+    y = kernels.int4_gemv(x.to(device), *layout, launch=(16, 4, 4, 2, True), dp4a=dp4a, **kwargs)
     assert torch.isfinite(y).all()
     size = reference.abs().max().item()
-    assert ((y.double().cpu() - reference).abs() <= 2**-7 * reference.abs() + 2e-3 * size).all()
+    assert ((y.double().cpu() - reference).abs() <= 2**-7 * reference.abs() + INT4_TOLERANCE[dp4a] * size).all()
 
 
 def test_int4_gemv_takes_one_row():
