@@ -381,7 +381,6 @@ if triton is not None:
             acc, acc_up, squares = _int4_dp4a_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, b,
                                                     n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
         else:
-            sz3, sz3_up = sz[:, :, None], sz_up[:, :, None]
             cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
             ok = cols < n_groups * G
             x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
@@ -397,18 +396,20 @@ if triton is not None:
             x0, x2 = tl.split(x02)
             x1, x3 = tl.split(x13)
             x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
-            acc = _int4_half_fma(w, x0, x1, x2, x3, _half_pair(sz3, False, EMULATE), _half_pair(sz3, True, EMULATE),
+            acc = _int4_half_fma(w, x0, x1, x2, x3, _half_pair(sz, False, EMULATE), _half_pair(sz, True, EMULATE),
                                  acc, EMULATE)
             if SWIGLU:
-                acc_up = _int4_half_fma(w_up, x0, x1, x2, x3, _half_pair(sz3_up, False, EMULATE),
-                                        _half_pair(sz3_up, True, EMULATE), acc_up, EMULATE)
+                acc_up = _int4_half_fma(w_up, x0, x1, x2, x3, _half_pair(sz_up, False, EMULATE),
+                                        _half_pair(sz_up, True, EMULATE), acc_up, EMULATE)
         return acc, acc_up, squares
 
     @triton.jit
-    def _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
-        """Block b of int4 words [BN, BLOCK_G, G/8] and their scale-and-zero words [BN, BLOCK_G] for
-        rows `rows`; MASKED: zero past the last group. (The scale-and-zero words are loaded in 2D: in
-        3D, Triton moved the weights into their layout through shared memory.)"""
+    def _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr,
+                   DP4A: tl.constexpr):
+        """Block b of int4 words [BN, BLOCK_G, G/8] and their scale-and-zero words [BN, BLOCK_G, 1]
+        (DP4A: [BN, BLOCK_G]) for rows `rows`; MASKED: zero past the last group. (The scale-and-zero
+        words are loaded in 2D and expanded: loaded in 3D, Triton moved the weights into their layout
+        through shared memory.)"""
         groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
         w_at = (w_ptr + rows[:, None, None] * (n_groups * (G // 8)) + (groups * (G // 8))[None, :, None]
                 + tl.arange(0, G // 8)[None, None, :])
@@ -420,6 +421,8 @@ if triton is not None:
         else:
             w = tl.load(w_at)
             sz = tl.load(sz_at)
+        if not DP4A:
+            sz = sz[:, :, None]
         return w, sz
 
     @triton.jit
@@ -446,10 +449,10 @@ if triton is not None:
             acc = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # float16 pairs (0, 0)
             acc_up = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # SWIGLU only
         squares = tl.zeros((BLOCK_G * G,), tl.float32)
-        w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True)  # before the wait
+        w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True, DP4A)  # before the wait
         w_up, sz_up = w, sz
         if SWIGLU:
-            w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True)
+            w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True, DP4A)
         if PDL:
             tl.extra.cuda.gdc_wait()
         if DP4A:
@@ -462,10 +465,10 @@ if triton is not None:
         full = n_groups // BLOCK_G
         if PREFETCH:
             for b in range(1, full):
-                w_next, sz_next = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False)
+                w_next, sz_next = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, DP4A)
                 w_up_next, sz_up_next = w_next, sz_next
                 if SWIGLU:
-                    w_up_next, sz_up_next = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False)
+                    w_up_next, sz_up_next = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
                 acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
                                                    b - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
                 w, w_up, sz, sz_up = w_next, w_up_next, sz_next, sz_up_next
@@ -475,15 +478,15 @@ if triton is not None:
             acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, 0,
                                                n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
             for b in range(1, full):
-                w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False)
+                w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, DP4A)
                 if SWIGLU:
-                    w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False)
+                    w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
                 acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
                                                    b, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
         if (full * BLOCK_G < n_groups) & (full > 0):
-            w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True)
+            w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True, DP4A)
             if SWIGLU:
-                w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True)
+                w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True, DP4A)
             acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, full,
                                                n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
         unscale = w_unscale / x_scale

@@ -216,4 +216,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
       done
       gpu_tests 280 ;;
+  zf) # run 37 (the float16-pair path's scale-and-zero words expanded at the load again, as in run 34):
+      # 7B int4 g32 by shape and in float16 pairs alone; the int4 GPU tests
+      for v in zf1:"--quantize int4-g32" zf2:"--quantize int4-g32 --int4-dp4a 0"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 150 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
+        echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
+      done
+      t 150 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py -k "int4" | tail -3 ;;
 esac; done
