@@ -9,9 +9,9 @@ has no fast CUDA kernel for int8 weights at all. These kernels give each program
 rows (many programs, no split, for one row of x; a split of the input dimension for several),
 dequantize in registers, and accumulate in float32 (but for the one-row int8 GEMVs with the norm
 fused, which multiply and sum in float16 pairs first: use_half). Everything they launch has fixed shapes:
-they replay inside CUDA graphs. int4 (one row, int4_gemv, further down) multiplies in float16 pairs
-too; 17-22% faster than PyTorch's tinygemm on the Llama-2-7B shapes, but off by default in model.py
-(model.INT4_GEMV: BENCHMARKS.md, session 8).
+they replay inside CUDA graphs. int4 (one row, int4_gemv, further down) multiplies in integers
+(dp4a, x in int8 per group) or in float16 pairs, by shape (int4_dp4a); decode's int4 step is 1.37x
+as fast as through PyTorch's tinygemm on the Llama-2-7B shape (BENCHMARKS.md, session 9).
 
 Launch plan, per program (one block of outputs, one slice of K):
   1 row of x:        acc[BLOCK_N, BLOCK_K] += W_tile * x   (no reduction inside the loop; int8 with
@@ -634,7 +634,7 @@ def int4_dp4a(K: int) -> bool:
     were 10-15% faster than float16 pairs (wqkv, wo, gate/up of Llama-2-7B, group 32, run 35), and
     slower on the down projection (K = 11008: 19.6 against 13.7 µs), where each of its programs,
     few rows over a long x, quantizes all of x for few weights. x in int8 per group of 32 costs
-    the default model 0.2% perplexity if every int4 layer did it (BENCHMARKS.md, session 9)."""
+    the default model 0.2% perplexity if every int4 layer did it (benchmarks/x_int8_perplexity.py)."""
     return INT4_DP4A == "1" or (INT4_DP4A == "auto" and K <= 8192)
 HALF_EVERYWHERE = False  # (tests and benchmarks/gemv.py: float16 pairs on every one-row int8 GEMV)
 
