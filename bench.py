@@ -327,8 +327,8 @@ def main(argv=None) -> int:
     p.add_argument("--int8-float32", action="store_true",
                    help="one-row int8 GEMVs in float32 arithmetic instead of float16 pairs (A/B)")
     p.add_argument("--int4-gemv", action="store_true",
-                   help="one-row int4 GEMVs through kernels.int4_gemv (the default, model.INT4_GEMV; "
-                        "for GRAPHDECODE_INT4_GEMV=0 in the environment)")
+                   help="one-row int4 GEMVs through kernels.int4_gemv (the default, model.INT4_GEMV: "
+                        "this overrides GRAPHDECODE_INT4_GEMV=0 in the environment; --int4-tinygemm wins)")
     p.add_argument("--int4-dp4a", choices=["auto", "0", "1"], default=None,
                    help="the one-row int4 GEMV's arithmetic: integers (1), float16 pairs (0), or by shape "
                         "(auto, the default: kernels.int4_dp4a)")
@@ -403,14 +403,16 @@ def main(argv=None) -> int:
           + ("; PDL" if device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)) else ""), file=sys.stderr)
     records = []
 
+    int4 = (a.quantize or "").startswith("int4") or (a.draft_quantize or "").startswith("int4")
+
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
                  date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
                  inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused,
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
-                 gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF, int4_gemv=model_module.INT4_GEMV,
-                 int4_dp4a=kernels.INT4_DP4A,
+                 gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
+                 int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

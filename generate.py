@@ -120,7 +120,8 @@ def register_fallbacks() -> None:
             op = getattr(torch.ops.graphdecode, name).default
         except (AttributeError, RuntimeError):  # not defined in this process (cpu_kernels not loaded)
             continue
-        if op not in lowering.lowerings:
+        # (an op with a decomposition is Inductor's to decompose: make_fallback refuses those)
+        if op not in lowering.lowerings and op not in getattr(lowering, "decompositions", {}):
             tag = get_layout_constraint_tag(op, with_default=True)
             lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
 
@@ -137,7 +138,7 @@ class Generator:
         self.device = model.tok_embeddings.weight.device
         self.stop_check_interval = stop_check_interval
         self.mode = mode
-        if mode in ("compile", "graphs"):
+        if mode in ("compile", "graphs") or compile_prefill:
             register_fallbacks()
         if mode == "eager":
             self.step = decode_one_token

@@ -48,6 +48,8 @@ def main():
                    "1 integers (dp4a)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    if not set(a.dp4a.split(",")) <= {"0", "1"}:
+        p.error(f"--dp4a takes 0 and 1 (got {a.dp4a})")
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)

@@ -195,7 +195,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       done ;;
   zd) # run 35 (kernels.int4_gemv in integers, dp4a, x in one or two int8 parts per group: GRAPHDECODE_INT4_DP4A):
       # the int4 kernel tests, 7B int4 g32 with each (at the float16 pairs' launches), then the launches of
-      # the integer forms tuned at group 32
+      # the integer forms tuned at group 32 (GRAPHDECODE_INT4_DP4A=2, two parts, and --dp4a 2 exist no more)
       t 150 python3 -m pytest -q -x -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -4
       for v in 1 2; do
         echo "== zd$v [GRAPHDECODE_INT4_DP4A=$v]"

@@ -1,6 +1,7 @@
 """What kernels.int4_gemv's integer form (dp4a) does to quality: eval.py's perplexity of an int4
 checkpoint as it is, and with the input of every int4 layer rounded as that kernel rounds it, to
-int8 per group of 32 columns (q = floor(x 127 / max|x| + 0.5), x ~ q max|x| / 127). The kernel only
+int8 per group of the int4 layer's columns (q = floor(x 127 / max|x| + 0.5), x ~ q max|x| / 127;
+the kernel's group, gcd(groupsize, K): Int4Linear.kernel_groupsize). The kernel only
 runs one-row decode steps on CUDA, which eval.py's prefill never reaches, so this simulates it on
 the CPU in float32 instead: the same rounding, applied to every token.
 
@@ -19,7 +20,7 @@ from eval import perplexity  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
-def int8_per_group(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+def int8_per_group(x: torch.Tensor, group: int) -> torch.Tensor:
     """x rounded to int8 per group of `group` columns, as _int4_dp4a_block rounds it, back in x's dtype."""
     xg = x.reshape(*x.shape[:-1], -1, group)
     amax = xg.abs().amax(-1, keepdim=True)
@@ -39,12 +40,12 @@ def main():
         sys.exit(f"error: {a.checkpoint} has no int4 layers")
     plain = perplexity(model, tokens, a.window, a.window // 2)
     linear = M.Int4Linear.linear
-    M.Int4Linear.linear = lambda self, x: linear(self, int8_per_group(x))
+    M.Int4Linear.linear = lambda self, x: linear(self, int8_per_group(x, self.kernel_groupsize))
     try:
         rounded = perplexity(model, tokens, a.window, a.window // 2)
     finally:
         M.Int4Linear.linear = linear
-    print(f"{a.checkpoint.name}: perplexity {plain:.4f}; with each int4 layer's input in int8 per group of 32: "
+    print(f"{a.checkpoint.name}: perplexity {plain:.4f}; with each int4 layer's input in int8 per group: "
           f"{rounded:.4f} ({rounded / plain:.5f}x)")
 
 

@@ -201,8 +201,8 @@ def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, monkeypa
     norm, SwiGLU and the residual fused): a decode step gives the logits of the same step through
     PyTorch's tinygemm (the layout dropped), both built from the same file tensors, within bf16
     rounding, in either arithmetic (kernels.INT4_DP4A). `wide`: dims of 1024 and 2560, so that
-    gate/up's loop runs two blocks (with PREFETCH) and down's K ends in a partial block (2560 = 2048
-    + 512), as at 7B and not in ARGS's model."""
+    gate/up's loop runs two blocks (with PREFETCH in float16 pairs) and down's K ends in a partial
+    block (2560 = 2048 + 512), as at 7B and not in ARGS's model."""
     import kernels
     import model as model_module
     from quantize import quantize_model
