@@ -624,8 +624,21 @@ def _pdl_capable(device: int) -> bool:
 # for a model whose norm inputs leave float16's range: _half_block) keeps float32 arithmetic. Float32
 # x always takes float32 arithmetic (its products are exact there).
 INT8_HALF = os.environ.get("GRAPHDECODE_INT8_HALF", "1") != "0"
+HALF_EVERYWHERE = False  # (tests and benchmarks/gemv.py: float16 pairs on every one-row int8 GEMV)
+
+def use_half(x: torch.Tensor, scales: torch.Tensor | None, M: int, norm_weight: torch.Tensor | None) -> bool:
+    """Whether a one-row int8 GEMV runs in float16 pairs: where it measured faster, the GEMVs with the
+    RMSNorm before them (Llama-2-7B, tuned, run 24: wqkv 15.0 against 16.6 µs, gate/up with SwiGLU 23.5
+    against 30.5, the head 34.8 against 38.4); not wo and down, the narrow ones with the residual after
+    them (run 24: 6.9 against 6.1, 27.7 against 14.4; run 26, re-tuned after the loop lost its
+    masks: 7.0 against 6.2, 15.8 against 14.0)."""
+    return (INT8_HALF and scales is not None and M == 1 and x.dtype != torch.float32
+            and (norm_weight is not None or HALF_EVERYWHERE))
+
+
 # The one-row int4 GEMV's arithmetic: "auto" (int4_dp4a's rule), "1" integers (dp4a: sm_61 and
-# later, as every GPU Triton supports) everywhere, "0" float16 pairs everywhere. Read when an Int4Linear loads: its layout follows.
+# later, as every GPU Triton supports) everywhere, "0" float16 pairs everywhere. Read when an
+# Int4Linear loads: its layout follows.
 INT4_DP4A = os.environ.get("GRAPHDECODE_INT4_DP4A", "auto")
 
 
