@@ -326,9 +326,6 @@ def main(argv=None) -> int:
                    help="launch kernels.py's kernels without programmatic dependent launch (A/B)")
     p.add_argument("--int8-float32", action="store_true",
                    help="one-row int8 GEMVs in float32 arithmetic instead of float16 pairs (A/B)")
-    p.add_argument("--int4-gemv", action="store_true",
-                   help="one-row int4 GEMVs through kernels.int4_gemv (the default, model.INT4_GEMV: "
-                        "this overrides GRAPHDECODE_INT4_GEMV=0 in the environment; --int4-tinygemm wins)")
     p.add_argument("--int4-dp4a", choices=["auto", "0", "1"], default=None,
                    help="the one-row int4 GEMV's arithmetic: integers (1), float16 pairs (0), or by shape "
                         "(auto, the default: kernels.int4_dp4a)")
@@ -359,7 +356,7 @@ def main(argv=None) -> int:
     kernels.ATTENTION_SPLITS = a.attention_splits
     kernels.PDL = not a.no_pdl
     kernels.INT8_HALF = not a.int8_float32
-    model_module.INT4_GEMV = (model_module.INT4_GEMV or a.int4_gemv) and not a.int4_tinygemm
+    model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     if not 1 <= a.gemv_max_rows <= 16:
         print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)

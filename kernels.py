@@ -335,20 +335,14 @@ if triton is not None:
                                          args=[w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
-    def _int4_dp4a_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, b, n_groups,
-                         NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                         EMULATE: tl.constexpr):
-        """Block b of the one-row int4 GEMV in integers (int4_layout(dp4a=True)): x there, normed (NORM:
-        squares, g), then per group of G to int8, x ~ sx q with sx = max |x| / 127, four bytes to an
-        int32. Each word's nibbles as bytes (w & 0x0F0F0F0F: columns 8j..8j+3; w >> 4 & 0x0F0F0F0F:
+    def _int4_dp4a_block(acc, acc_up, w, w_up, sz, sz_up, x, SWIGLU: tl.constexpr, G: tl.constexpr,
+                         BLOCK_G: tl.constexpr, EMULATE: tl.constexpr):
+        """The products of one block of the one-row int4 GEMV in integers (int4_layout(dp4a=True)): x
+        [BLOCK_G * G] (times g) per group of G to int8, x ~ sx q with sx = max |x| / 127, four bytes to
+        an int32. Each word's nibbles as bytes (w & 0x0F0F0F0F: columns 8j..8j+3; w >> 4 & 0x0F0F0F0F:
         8j+4..8j+7) take a dp4a each with x's bytes: 5 instructions for 8 weights. Per group, in
         float32: acc += s sx (sum(q_w q) - 8 sum(q)) + z sum(x)."""
-        cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
-        ok = cols < n_groups * G
-        x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
-        if NORM:
-            squares += x * x
-        x = tl.reshape(x * tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32), (BLOCK_G, G))
+        x = tl.reshape(x, (BLOCK_G, G))
         amax = tl.max(tl.abs(x), axis=1)
         x_sum = tl.sum(x, axis=1)[None, :]
         sx = (amax / 127)[None, :]
@@ -360,7 +354,7 @@ if triton is not None:
         acc = _int4_dp4a_acc(acc, w, sz, x_lo, x_hi, q_sum, sx, x_sum, EMULATE)
         if SWIGLU:
             acc_up = _int4_dp4a_acc(acc_up, w_up, sz_up, x_lo, x_hi, q_sum, sx, x_sum, EMULATE)
-        return acc, acc_up, squares
+        return acc, acc_up
 
     @triton.jit
     def _int4_dp4a_acc(acc, w, sz, x_lo, x_hi, q_sum, sx, x_sum, EMULATE: tl.constexpr):
@@ -374,22 +368,21 @@ if triton is not None:
                     NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                     DP4A: tl.constexpr, EMULATE: tl.constexpr):
         """Block b (BLOCK_G groups of G columns) of the one-row int4 GEMV: x there, normed (NORM:
-        squares, g) and scaled by x_scale in float32, as float16 pairs in int32 in 1D, then moved into
-        the weight tile's layout as the four pairs of each word; then the products. DP4A: in
-        integers instead (_int4_dp4a_block)."""
+        squares, g); then (DP4A) in integers, _int4_dp4a_block, or scaled by x_scale in float32, as
+        float16 pairs in int32 in 1D, moved into the weight tile's layout as the four pairs of each
+        word, and the products."""
+        cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
+        ok = cols < n_groups * G
+        x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
+        if NORM:
+            squares += x * x
+        # times g, or ones without the norm: a multiply by a loaded vector keeps x's conversion in 1D
+        # (without one Triton 3.6 moved it into the weight tile's layout, where each thread repeats it
+        # for its groups: 4.1 instructions a weight against 2.7, sm_90 machine code)
+        x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
         if DP4A:
-            acc, acc_up, squares = _int4_dp4a_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, b,
-                                                    n_groups, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+            acc, acc_up = _int4_dp4a_block(acc, acc_up, w, w_up, sz, sz_up, x, SWIGLU, G, BLOCK_G, EMULATE)
         else:
-            cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
-            ok = cols < n_groups * G
-            x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
-            if NORM:
-                squares += x * x
-            # times g, or ones without the norm: a multiply by a loaded vector keeps x's conversion in 1D
-            # (without one Triton 3.6 moved it into the weight tile's layout, where each thread repeats it
-            # for its groups: 4.1 instructions a weight against 2.7, sm_90 machine code)
-            x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
             lo, hi = tl.split(tl.reshape(x * x_scale, (BLOCK_G * G // 2, 2)))
             pairs = tl.reshape(_to_f16_pair(lo, hi), (BLOCK_G, G // 8, 2, 2))  # [group, word, i // 2, i % 2]
             x02, x13 = tl.split(pairs)
@@ -812,12 +805,12 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False,
     benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B, group 32, with the fusions; float16
     pairs run 30, dp4a run 35): rows a program, columns a step (BLOCK_G = columns / groupsize),
     warps, PREFETCH. Group 128 takes the same columns a step (not tuned)."""
-    if dp4a:
-        rows, columns, warps, prefetch = ((32, 1024, 4, False) if swiglu else (32, 1024, 8, False) if N > 8192
-                                          else (8, 1024, 4, True) if K > 8192 else (16, 2048, 8, False))
+    if swiglu:
+        rows, columns, warps, prefetch = (32, 1024, 4, False) if dp4a else (8, 512, 4, True)
+    elif N > 8192:
+        rows, columns, warps, prefetch = (32, 1024, 8, False) if dp4a else (16, 512, 4, False)
     else:
-        rows, columns, warps, prefetch = ((8, 512, 4, True) if swiglu else (16, 512, 4, False) if N > 8192
-                                          else (8, 1024, 4, True) if K > 8192 else (16, 2048, 8, False))
+        rows, columns, warps, prefetch = (8, 1024, 4, True) if K > 8192 else (16, 2048, 8, False)
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
     return rows, block_g, warps, 3, prefetch
 

@@ -165,7 +165,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       gpu_tests 150
       t 60 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -3
       variants z3:"--quantize int4-g128" ;;
-  za) # run 32 (session 9: the 7B int4 bench with kernels.int4_gemv, which did not finish in runs 30-31):
+  za) # run 32 (session 9: the 7B int4 bench with kernels.int4_gemv, which did not finish in runs 30-31;
+      # --int4-gemv turned it on then, the default since and dropped after run 37):
       # the int4 GPU tests; then eager and graphed 7B int4 g32 with the kernel, output unfiltered into
       # $OUT/za-*.log, Python's stacks every 40 s (faulthandler), recompiles logged
       t 150 python3 -m pytest -q -x -p no:warnings --tb=short --durations=5 tests/test_cuda.py -k "int4 or quantized" | tail -15
