@@ -227,4 +227,26 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
       done
       t 150 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py -k "int4" | tail -3 ;;
+  zg) # run 38 (session 10: x in int8 once, kernels.int4_quantize_x, read by int4_gemv(xq=...)): the 7B GEMVs in
+      # integers with and without it, tuned; then the GPU tests (the dp4a definition test's GPU form first runs here)
+      t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --xq --tune \
+        --grid 32:16,16:32,64:8,32:8 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-xq.json"
+      gpu_tests 240 ;;
+  zh) # run 39 (the int4 loop pipelined by Triton, tl.range(num_stages=PIPELINE): cp.async into shared memory,
+      # PIPELINE the launch's stages, 1 = off as before): the 7B GEMVs in integers, with and without x in int8 first, tuned
+      t 420 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --xq --tune \
+        --grid 32:16,16:32,32:8 --warps 4,8 --stages 1,2,3,4 --prefetch 0 --json "$OUT/gemv-int4-pipe.json" ;;
+  zi) # run 40: zh's pipelined launches with every timing printed (zh's filter hid any failures); the 7B int4 step
+      # in integers everywhere with the new launches (gate/up 16 rows of 2048 columns, down in integers at 16 of 2048),
+      # g32 and g128; then every test of test_cuda.py and test_kernels.py on the GPU (not only -m cuda)
+      t 150 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wqkv,w2 --dp4a 1 --tune \
+        --grid 32:16,16:32 --warps 8 --stages 1,2,3,4 --prefetch 0
+      for v in zi1:"--quantize int4-g32 --int4-dp4a 1" zi2:"--quantize int4-g128 --int4-dp4a 1"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 150 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
+        echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
+      done
+      t 240 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -8 ;;
 esac; done
