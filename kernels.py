@@ -364,79 +364,36 @@ if triton is not None:
         return acc + (tl.sum(dot, axis=2).to(tl.float32) - 8 * q_sum) * s * sx + z * x_sum
 
     @triton.jit
-    def _int4_xq_block(acc, acc_up, squares, w, w_up, sz, sz_up, xq_ptr, xs_ptr, b, n_groups, rows,
-                       NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                       EMULATE: tl.constexpr):
-        """Block b of the one-row int4 GEMV in integers with x already in int8 (int4_quantize_x: its
-        int32 words, four bytes each, and per group of 32 columns (sx, 8 sx sum(q), sum(x), sum of
-        squares) in planes of n_groups * G / 32): the products as in _int4_dp4a_block without the work
-        on x. x is loaded in the weight tile's layout (rows of stride 0), so it never moves between
-        threads. A group of G > 32 sums its sub-groups' integer dots, each times its own sx."""
-        SUB: tl.constexpr = G // 32
-        n_x = n_groups * SUB
-        groups = tl.minimum(b * BLOCK_G + tl.arange(0, BLOCK_G), n_groups - 1)  # (the tail: weights masked to 0)
-        words = xq_ptr + (groups * (G // 4))[:, None] + 2 * tl.arange(0, G // 8)[None, :]
-        x_lo = tl.load(words)[None, :, :]
-        x_hi = tl.load(words + 1)[None, :, :]
-        subs = (groups * SUB)[:, None] + tl.arange(0, SUB)[None, :]  # [BLOCK_G, SUB]
-        sx = tl.load(xs_ptr + subs)[None, :, :]
-        bq = tl.sum(tl.load(xs_ptr + n_x + subs), axis=1)[None, :]
-        x_sum = tl.sum(tl.load(xs_ptr + 2 * n_x + subs), axis=1)[None, :]
-        if NORM:
-            squares += tl.load(xs_ptr + 3 * n_x + b * BLOCK_G * SUB + tl.arange(0, BLOCK_G * SUB),
-                               mask=b * BLOCK_G * SUB + tl.arange(0, BLOCK_G * SUB) < n_x, other=0)
-        acc = _int4_xq_acc(acc, w, sz, x_lo, x_hi, sx, bq, x_sum, SUB, EMULATE)
-        if SWIGLU:
-            acc_up = _int4_xq_acc(acc_up, w_up, sz_up, x_lo, x_hi, sx, bq, x_sum, SUB, EMULATE)
-        return acc, acc_up, squares
-
-    @triton.jit
-    def _int4_xq_acc(acc, w, sz, x_lo, x_hi, sx, bq, x_sum, SUB: tl.constexpr, EMULATE: tl.constexpr):
-        """acc [BN, BLOCK_G] + s (sum over sub-groups of sx dot - 8 sx sum(q)) + z sum(x) (_int4_xq_block)."""
-        dot = _dp4a((w >> 4) & 0x0F0F0F0F, x_hi, _dp4a(w & 0x0F0F0F0F, x_lo, tl.zeros_like(w), EMULATE), EMULATE)
-        BN: tl.constexpr = dot.shape[0]
-        BG: tl.constexpr = dot.shape[1]
-        s, z = _f16_pair(sz)
-        if SUB == 1:
-            return acc + (tl.sum(dot, axis=2).to(tl.float32) * tl.sum(sx, axis=2) - bq) * s + z * x_sum
-        dot = tl.sum(tl.reshape(dot, (BN, BG, SUB, dot.shape[2] // SUB)), axis=3).to(tl.float32)
-        return acc + (tl.sum(dot * sx, axis=2) - bq) * s + z * x_sum
-
-    @triton.jit
-    def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, xs_ptr, g_ptr, x_scale, b, n_groups, rows,
+    def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, x_scale, b, n_groups,
                     NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                    DP4A: tl.constexpr, XQ: tl.constexpr, EMULATE: tl.constexpr):
+                    DP4A: tl.constexpr, EMULATE: tl.constexpr):
         """Block b (BLOCK_G groups of G columns) of the one-row int4 GEMV: x there, normed (NORM:
         squares, g); then (DP4A) in integers, _int4_dp4a_block, or scaled by x_scale in float32, as
         float16 pairs in int32 in 1D, moved into the weight tile's layout as the four pairs of each
-        word, and the products. XQ: x already in int8 (_int4_xq_block)."""
-        if XQ:
-            acc, acc_up, squares = _int4_xq_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, xs_ptr, b,
-                                                  n_groups, rows, NORM, SWIGLU, G, BLOCK_G, EMULATE)
+        word, and the products."""
+        cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
+        ok = cols < n_groups * G
+        x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
+        if NORM:
+            squares += x * x
+        # times g, or ones without the norm: a multiply by a loaded vector keeps x's conversion in 1D
+        # (without one Triton 3.6 moved it into the weight tile's layout, where each thread repeats it
+        # for its groups: 4.1 instructions a weight against 2.7, sm_90 machine code)
+        x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
+        if DP4A:
+            acc, acc_up = _int4_dp4a_block(acc, acc_up, w, w_up, sz, sz_up, x, SWIGLU, G, BLOCK_G, EMULATE)
         else:
-            cols = b * (BLOCK_G * G) + tl.arange(0, BLOCK_G * G)
-            ok = cols < n_groups * G
-            x = tl.load(x_row + cols, mask=ok, other=0).to(tl.float32)
-            if NORM:
-                squares += x * x
-            # times g, or ones without the norm: a multiply by a loaded vector keeps x's conversion in 1D
-            # (without one Triton 3.6 moved it into the weight tile's layout, where each thread repeats it
-            # for its groups: 4.1 instructions a weight against 2.7, sm_90 machine code)
-            x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
-            if DP4A:
-                acc, acc_up = _int4_dp4a_block(acc, acc_up, w, w_up, sz, sz_up, x, SWIGLU, G, BLOCK_G, EMULATE)
-            else:
-                lo, hi = tl.split(tl.reshape(x * x_scale, (BLOCK_G * G // 2, 2)))
-                pairs = tl.reshape(_to_f16_pair(lo, hi), (BLOCK_G, G // 8, 2, 2))  # [group, word, i // 2, i % 2]
-                x02, x13 = tl.split(pairs)
-                x0, x2 = tl.split(x02)
-                x1, x3 = tl.split(x13)
-                x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
-                acc = _int4_half_fma(w, x0, x1, x2, x3, _half_pair(sz, False, EMULATE), _half_pair(sz, True, EMULATE),
-                                     acc, EMULATE)
-                if SWIGLU:
-                    acc_up = _int4_half_fma(w_up, x0, x1, x2, x3, _half_pair(sz_up, False, EMULATE),
-                                            _half_pair(sz_up, True, EMULATE), acc_up, EMULATE)
+            lo, hi = tl.split(tl.reshape(x * x_scale, (BLOCK_G * G // 2, 2)))
+            pairs = tl.reshape(_to_f16_pair(lo, hi), (BLOCK_G, G // 8, 2, 2))  # [group, word, i // 2, i % 2]
+            x02, x13 = tl.split(pairs)
+            x0, x2 = tl.split(x02)
+            x1, x3 = tl.split(x13)
+            x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
+            acc = _int4_half_fma(w, x0, x1, x2, x3, _half_pair(sz, False, EMULATE), _half_pair(sz, True, EMULATE),
+                                 acc, EMULATE)
+            if SWIGLU:
+                acc_up = _int4_half_fma(w_up, x0, x1, x2, x3, _half_pair(sz_up, False, EMULATE),
+                                        _half_pair(sz_up, True, EMULATE), acc_up, EMULATE)
         return acc, acc_up, squares
 
     @triton.jit
@@ -462,19 +419,17 @@ if triton is not None:
         return w, sz
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, g_ptr, r_ptr, y_ptr, xs_ptr, N, K, n_groups, eps, w_unscale,
+    def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr,
-                          PDL: tl.constexpr, DP4A: tl.constexpr, XQ: tl.constexpr, PIPELINE: tl.constexpr,
-                          EMULATE: tl.constexpr):
+                          PDL: tl.constexpr, DP4A: tl.constexpr, EMULATE: tl.constexpr):
         """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
         G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
         PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each word's float16
         pair of the [BLOCK_N, BLOCK_G, G/8] tile sums its products (the first block of x sets x_scale,
         as for int8: _half_block), then the pairs are summed in float32. PREFETCH: each block's
         weights load one step ahead of its products. DP4A: in integers, each group's sum in float32
-        (_int4_dp4a_block; no x_scale). XQ (with DP4A): x_ptr holds x in int8 as int32 words and xs_ptr
-        its groups' numbers (int4_quantize_x), the norm's g already applied (_int4_xq_block)."""
+        (_int4_dp4a_block; no x_scale)."""
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -486,17 +441,14 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # float16 pairs (0, 0)
             acc_up = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # SWIGLU only
-        if XQ:  # (each group's sum of squares, from int4_quantize_x)
-            squares = tl.zeros((BLOCK_G * (G // 32),), tl.float32)
-        else:
-            squares = tl.zeros((BLOCK_G * G,), tl.float32)
+        squares = tl.zeros((BLOCK_G * G,), tl.float32)
         w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True, DP4A)  # before the wait
         w_up, sz_up = w, sz
         if SWIGLU:
             w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True, DP4A)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        if DP4A or XQ:
+        if DP4A:
             x_scale = 1.0
         else:
             x_scale = _first_block_scale(x_ptr, tl.arange(0, BLOCK_G * G), tl.arange(0, BLOCK_G * G) < K, K,
@@ -510,27 +462,26 @@ if triton is not None:
                 w_up_next, sz_up_next = w_next, sz_next
                 if SWIGLU:
                     w_up_next, sz_up_next = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
-                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, xs_ptr, g_ptr, x_scale,
-                                                   b - 1, n_groups, rows, NORM, SWIGLU, G, BLOCK_G, DP4A, XQ, EMULATE)
+                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
+                                                   b - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
                 w, w_up, sz, sz_up = w_next, w_up_next, sz_next, sz_up_next
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, xs_ptr, g_ptr, x_scale,
-                                               tl.maximum(full, 1) - 1, n_groups, rows, NORM, SWIGLU, G, BLOCK_G, DP4A,
-                                               XQ, EMULATE)
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
+                                               tl.maximum(full, 1) - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
         else:
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, xs_ptr, g_ptr, x_scale, 0,
-                                               n_groups, rows, NORM, SWIGLU, G, BLOCK_G, DP4A, XQ, EMULATE)
-            for b in tl.range(1, full, num_stages=PIPELINE):
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, 0,
+                                               n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
+            for b in range(1, full):
                 w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, DP4A)
                 if SWIGLU:
                     w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
-                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, xs_ptr, g_ptr, x_scale,
-                                                   b, n_groups, rows, NORM, SWIGLU, G, BLOCK_G, DP4A, XQ, EMULATE)
+                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
+                                                   b, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
         if (full * BLOCK_G < n_groups) & (full > 0):
             w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True, DP4A)
             if SWIGLU:
                 w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True, DP4A)
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, xs_ptr, g_ptr, x_scale, full,
-                                               n_groups, rows, NORM, SWIGLU, G, BLOCK_G, DP4A, XQ, EMULATE)
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, full,
+                                               n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
         unscale = w_unscale / x_scale
         if NORM:
             unscale *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -549,33 +500,6 @@ if triton is not None:
         if RESIDUAL:
             out += tl.load(r_ptr + rn, mask=rn < N, other=0).to(tl.float32)
         tl.store(y_ptr + rn, out, mask=rn < N)
-
-    @triton.jit
-    def _int4_quantize_x_kernel(x_ptr, g_ptr, q_ptr, xs_ptr, K, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """x [K] (times g) -> int8 q [K] per group of 32 columns, q = floor(x 127 / max|x| + 0.5) as in
-        _int4_dp4a_block, and each group's (sx = max|x| / 127, 8 sx sum(q), sum(x g), sum(x^2)) in
-        four planes of K / 32 (_int4_xq_block reads them). BLOCK columns a program."""
-        pid = tl.program_id(0)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        cols = pid * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < K
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        x = tl.load(x_ptr + cols, mask=ok, other=0).to(tl.float32)
-        squares = tl.sum(tl.reshape(x * x, (BLOCK // 32, 32)), axis=1)
-        x = tl.reshape(x * tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32), (BLOCK // 32, 32))
-        amax = tl.max(tl.abs(x), axis=1)
-        q = tl.floor(x * tl.where(amax > 0, 127 / amax, 0)[:, None] + 0.5).to(tl.int32)
-        sx = amax / 127
-        tl.store(q_ptr + cols, tl.reshape(q, (BLOCK,)).to(tl.int8), mask=ok)
-        n_x = K // 32
-        grp = pid * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-        g_ok = grp < n_x
-        tl.store(xs_ptr + grp, sx, mask=g_ok)
-        tl.store(xs_ptr + n_x + grp, 8 * sx * tl.sum(q, axis=1).to(tl.float32), mask=g_ok)
-        tl.store(xs_ptr + 2 * n_x + grp, tl.sum(x, axis=1), mask=g_ok)
-        tl.store(xs_ptr + 3 * n_x + grp, squares, mask=g_ok)
 
 if triton is not None:
 
@@ -882,48 +806,24 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False,
     pairs run 30, dp4a run 35): rows a program, columns a step (BLOCK_G = columns / groupsize),
     warps, PREFETCH. Group 128 takes the same columns a step (not tuned)."""
     if swiglu:
-        rows, columns, warps, prefetch = (16, 2048, 4, False) if dp4a else (8, 512, 4, True)
+        rows, columns, warps, prefetch = (32, 1024, 4, False) if dp4a else (8, 512, 4, True)
     elif N > 8192:
         rows, columns, warps, prefetch = (32, 1024, 8, False) if dp4a else (16, 512, 4, False)
-    elif K > 8192:
-        rows, columns, warps, prefetch = (16, 2048, 8, False) if dp4a else (8, 1024, 4, True)
     else:
-        rows, columns, warps, prefetch = (16, 2048, 8, False)
+        rows, columns, warps, prefetch = (8, 1024, 4, True) if K > 8192 else (16, 2048, 8, False)
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
-    return rows, block_g, warps, 1, prefetch
-
-
-XQ_BLOCK = 512  # columns a program of int4_quantize_x
-
-
-def int4_quantize_x(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row x [..., K] (K a multiple of 32) times g [K] -> (int32 words [K/4]: x g in int8 per group
-    of 32, four bytes to a word; float32 [4, K/32]: each group's sx, 8 sx sum(q), sum(x g) and sum
-    of x^2), the form int4_gemv(xq=...) reads instead of x."""
-    K = x.shape[-1]
-    if K % 32 or x.numel() != K:
-        raise ValueError(f"int4_quantize_x takes one row of a multiple of 32 columns (got {tuple(x.shape)})")
-    q = torch.empty(K, device=x.device, dtype=torch.int8)
-    stats = torch.empty((4, K // 32), device=x.device, dtype=torch.float32)
-    use_pdl = pdl(x)
-    _int4_quantize_x_kernel[(triton.cdiv(K, XQ_BLOCK),)](
-        x.reshape(K).contiguous(), g, q, stats, K, BLOCK=XQ_BLOCK, PDL=use_pdl, num_warps=4,
-        **({"launch_pdl": True} if use_pdl else {}))
-    return q.view(torch.int32), stats
+    return rows, block_g, warps, 3, prefetch
 
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
               norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
               swiglu: bool = False, ones: torch.Tensor | None = None, launch: tuple | None = None,
-              dp4a: bool = False, xq: tuple | None = None) -> torch.Tensor:
+              dp4a: bool = False) -> torch.Tensor:
     """One row x [..., K] times int4 weights (int4_layout, of the same dp4a) -> [..., N] in x's dtype,
     with gemv's fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the norm
     the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its own).
-    dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma). xq: x (times the
-    norm's g, if any) already in int8, int4_quantize_x(x, g): the kernel reads it instead of x (dp4a)."""
+    dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma)."""
     K = x.shape[-1]
-    if xq is not None and not dp4a:
-        raise ValueError("int4_gemv: x in int8 (xq) needs the integer layout (dp4a)")
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
         raise ValueError(f"int4_gemv takes one row of x (got {x2.shape[0]})")
@@ -935,15 +835,12 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
     x2 = x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
-    if xq is None:
-        g = norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K)
     _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x2 if xq is None else xq[0], weight, sz, weight if xq is not None else g,
-        weight if residual is None else residual.reshape(1, N).contiguous(), y, weight if xq is None else xq[1],
-        N, K, K // groupsize, eps, w_unscale,
+        x2, weight, sz, norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K),
+        weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
-        BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl, DP4A=dp4a, XQ=xq is not None,
-        PIPELINE=stages, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl, DP4A=dp4a,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return y.view(*x.shape[:-1], N)
 

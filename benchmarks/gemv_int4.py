@@ -4,7 +4,7 @@ tinygemm (_weight_int4pack_mm, the matmul alone), on a preset's shapes, timed as
 over >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls). Each result is checked against a
 float64 reference of the dequantized weights first. --tune tries a grid of launches.
 
-    python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--xq] [--tune] [--json PATH]
+    python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--tune] [--json PATH]
 """
 import argparse
 import itertools
@@ -42,11 +42,10 @@ def main():
     p.add_argument("--grid", default="8:8,8:16,16:8,16:16,16:32,32:8,32:16,64:4,64:8",
                    help="BLOCK_N:columns/64 pairs: BLOCK_G = columns / groupsize")
     p.add_argument("--warps", default="4,8")
-    p.add_argument("--stages", default="1", help="comma-separated loop pipeline depths (tl.range num_stages; 1: none)")
+    p.add_argument("--stages", default="3")
     p.add_argument("--prefetch", default="0,1")
     p.add_argument("--dp4a", default="0,1", help="comma-separated int4_gemv arithmetics: 0 float16 pairs, "
                    "1 integers (dp4a)")
-    p.add_argument("--xq", action="store_true", help="also time dp4a with x in int8 beforehand (int4_quantize_x)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"}:
@@ -100,32 +99,11 @@ def main():
                         for f in a.prefetch.split(",")]
                 best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
                                                                 for w in ours_c], reps), grid, best)
-            if a.xq and dp4a:  # x in int8 once (int4_quantize_x): the kernel alone, and after the quantizing kernel
-                g = kw.get("norm_weight", kw.get("ones"))
-                xq = kernels.int4_quantize_x(x, g)
-                kw_xq = {k: v for k, v in kw.items() if k != "ones"}
-                err_xq = ((kernels.int4_gemv(x, *ours, **kw_xq, xq=xq).double() - expect).abs().max()
-                          / expect.abs().max()).item()
-                t_xq = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw_xq, xq=xq) for w in ours_c])
-                t_q_xq = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw_xq, xq=kernels.int4_quantize_x(x, g))
-                                     for w in ours_c])
-                t_q = time_calls([lambda: kernels.int4_quantize_x(x, g)] * 64)
-                print(f"    xq: kernel alone {t_xq*1e6:6.1f} us {nbytes / t_xq / 1e9:5.0f} GB/s, after int4_quantize_x "
-                      f"{t_q_xq*1e6:6.1f} us; int4_quantize_x alone {t_q*1e6:5.2f} us; err {err_xq:.1e}", flush=True)
-                if a.tune:
-                    best_xq = fastest(lambda launch, reps: time_calls(
-                        [lambda w=w: kernels.int4_gemv(x, *w, **kw_xq, xq=xq, launch=launch) for w in ours_c], reps),
-                        grid, (t_xq, default))
-                    print(f"    xq tuned: {best_xq[0]*1e6:6.1f} us {best_xq[1]}", flush=True)
-                xq_rec = {"xq_us": t_xq * 1e6, "quantize_then_xq_us": t_q_xq * 1e6, "quantize_us": t_q * 1e6,
-                          "err_xq": err_xq, **({"xq_best_us": best_xq[0] * 1e6, "xq_best": best_xq[1]} if a.tune else {})}
-            else:
-                xq_rec = {}
             rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "bytes": nbytes,
                    "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,
                    "ours_gb_s": nbytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
                    "best_gb_s": nbytes / best[0] / 1e9, "best": best[1], "err": err, "err_tinygemm": err_tg,
-                   "ceiling_gb_s": ceiling, **xq_rec}
+                   "ceiling_gb_s": ceiling}
             records.append(rec)
             print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} tinygemm {t_tg*1e6:6.1f} us "
                   f"{rec['tinygemm_gb_s']:5.0f} GB/s | ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | "

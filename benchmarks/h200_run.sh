@@ -249,4 +249,15 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
       done
       t 240 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -8 ;;
+  zj) # run 41 (session 10's final code = session 9's kernels, commit 6a7fb6d's kernels.py): the 7B int4 g32 step with
+      # its costliest kernels (bench.py --kernels), g128 on the final code; then every test of test_cuda.py and
+      # test_kernels.py on the GPU
+      for v in zj1:"--quantize int4-g32 --kernels" zj2:"--quantize int4-g128"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 170 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
+        echo "rc $?"; grep -v -E "Warning|warn\(" "$OUT/$d.log" | tail -24
+      done
+      t 330 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -8 ;;
 esac; done
