@@ -109,11 +109,20 @@ def register_fallbacks() -> None:
     and the str() of an op's output includes that of the ops it came from: through the residual,
     which reaches each op by two paths, it grows ~2x a layer. In an int4 model whose layers run
     kernels.int4_gemv the first graphdecode::gemv is the int8 output head's, after 32 layers: its
-    str() never ended (BENCHMARKS.md, session 9). Registering first skips the line."""
+    str() never ended (BENCHMARKS.md, session 9). Registering first skips the line. These are private
+    Inductor functions: a torch without them gets a warning (torch before 2.13, which may format
+    that line eagerly) and Inductor's own fallbacks, as before."""
     try:
         from torch._inductor import lowering
         from torch._library.utils import get_layout_constraint_tag
-    except ImportError:  # (a torch without these: Inductor makes the fallbacks itself, as before)
+
+        lowering.make_fallback, lowering.tag_to_layout_constraint, lowering.lowerings  # noqa: B018 (present?)
+    except (ImportError, AttributeError) as e:
+        if torch.__version__ < (2, 13):  # (a TorchVersion: compared as a version)
+            import warnings
+
+            warnings.warn(f"graphdecode: could not register its custom ops with Inductor ({e}); compiling an "
+                          f"int4 model on torch {torch.__version__} may not finish (BENCHMARKS.md, session 9)")
         return
     for name in ("gemv", "int4_gemv", "decode_attention", "int4_linear", "int8_linear"):
         try:

@@ -260,4 +260,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         echo "rc $?"; grep -v -E "Warning|warn\(" "$OUT/$d.log" | tail -24
       done
       t 330 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -8 ;;
+  zk) # run 42 (final code): larger tiles a program than any grid so far (more bytes in flight a thread), int4 g32 in integers
+      t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --tune \
+        --grid 32:32,64:16,16:64,32:64,64:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-big.json" ;;
+  zl) # prepared in session 10, not run yet: the int4 GEMV's loads alone (benchmarks/int4_stream.py: words, words and
+      # scale-and-zero words, the words as a 2D tile) against the kernel, at int4_config's launches and 4 or 8 warps
+      t 200 python3 benchmarks/int4_stream.py --model llama-2-7b --warps 4,8 --json "$OUT/int4-stream.json" ;;
 esac; done

@@ -137,6 +137,27 @@ def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
     assert compiled == run_gen(qmodel, Sampling(temperature=0), n=12)
 
 
+def test_register_fallbacks_warns_where_inductor_lacks_what_it_uses(monkeypatch):
+    """Without the private Inductor functions register_fallbacks uses, it registers nothing and
+    raises nothing. On torch before 2.13, where Inductor may format the str() it avoids, it warns,
+    so that a compile that never ends has a cause on screen. On later torch it stays quiet."""
+    import warnings
+
+    from torch._inductor import lowering
+    from torch.torch_version import TorchVersion
+
+    from generate import register_fallbacks
+
+    monkeypatch.delattr(lowering, "make_fallback")
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.11.0+cu130"))
+    with pytest.warns(UserWarning, match="could not register its custom ops with Inductor"):
+        register_fallbacks()
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.13.0"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        register_fallbacks()
+
+
 def test_ahead_of_time_step_equals_eager_and_is_reused(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(generate, "AOT_CACHE", tmp_path)
 

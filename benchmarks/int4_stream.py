@@ -1,0 +1,156 @@
+"""How fast the one-row int4 GEMV's loads alone stream, against the kernel itself (session 10's open question:
+kernels.int4_gemv reads its weights at ~2.75 TB/s once running, where the int8 and bf16 GEMVs reach the copy
+ceiling; BENCHMARKS.md). A probe kernel loads exactly what _int4_gemv_kernel loads, at its launch (rows a
+program, groups a step, warps, PDL), and folds the words together with one xor each instead of multiplying:
+
+  words      the int4 words [BLOCK_N, BLOCK_G, G/8] only
+  words+sz   and the scale-and-zero words [BLOCK_N, BLOCK_G], the kernel's second stream
+  flat       words+sz with the words as a 2D tile [BLOCK_N, BLOCK_G G/8] (int8's tile rank)
+  kernel     kernels.int4_gemv itself (integers, the residual form, no fusions that read more)
+
+If the probe streams near the copy ceiling, the kernel's arithmetic or its dependence chain holds it back;
+if not, the loads as laid out do. GB/s counts the bytes each variant reads. Timed as CUDA graph replays over
+>= 1 GiB of weight copies (benchmarks/gemv.py's time_calls); the probe's result is checked against torch.
+
+    python benchmarks/int4_stream.py --model llama-2-7b [--warps 4,8] [--json PATH]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels  # noqa: E402
+from bench import PRESETS, copy_bandwidth  # noqa: E402
+from benchmarks.gemv import L2_MULTIPLE_BYTES, shapes, time_calls  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _probe_block(acc, acc_sz, w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                 SZ: tl.constexpr, FLAT: tl.constexpr, MASKED: tl.constexpr):
+    """Block b's words (and scale-and-zero words) xor-ed into acc (acc_sz), addressed as _int4_load does."""
+    W: tl.constexpr = G // 8
+    groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
+    ok = groups < n_groups
+    if FLAT:
+        cols = b * (BLOCK_G * W) + tl.arange(0, BLOCK_G * W)
+        at = w_ptr + rows[:, None] * (n_groups * W) + cols[None, :]
+        w = tl.load(at, mask=(cols < n_groups * W)[None, :], other=0) if MASKED else tl.load(at)
+    else:
+        at = w_ptr + rows[:, None, None] * (n_groups * W) + (groups * W)[None, :, None] + tl.arange(0, W)[None, None, :]
+        w = tl.load(at, mask=ok[None, :, None], other=0) if MASKED else tl.load(at)
+    acc ^= w
+    if SZ:
+        at = sz_ptr + rows[:, None] * n_groups + groups[None, :]
+        acc_sz ^= tl.load(at, mask=ok[None, :], other=0) if MASKED else tl.load(at)
+    return acc, acc_sz
+
+
+@triton.jit
+def _probe(w_ptr, sz_ptr, y_ptr, N, n_groups, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+           SZ: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):
+    """Per row, the xor of all its int4 words (and SZ: scale-and-zero words), loaded as _int4_gemv_kernel
+    loads them: block 0 before the PDL wait, the full blocks unmasked, the last partial block masked."""
+    pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1)
+    if FLAT:
+        acc = tl.zeros((BLOCK_N, BLOCK_G * (G // 8)), tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)
+    acc_sz = tl.zeros((BLOCK_N, BLOCK_G), tl.int32)
+    acc, acc_sz = _probe_block(acc, acc_sz, w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, SZ, FLAT, True)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    full = n_groups // BLOCK_G
+    for b in range(1, full):
+        acc, acc_sz = _probe_block(acc, acc_sz, w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, SZ, FLAT, False)
+    if (full * BLOCK_G < n_groups) & (full > 0):
+        acc, acc_sz = _probe_block(acc, acc_sz, w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, SZ, FLAT, True)
+    if FLAT:
+        folded = tl.xor_sum(acc, axis=1)
+    else:
+        folded = tl.xor_sum(tl.xor_sum(acc, axis=2), axis=1)
+    tl.store(y_ptr + rn, folded ^ tl.xor_sum(acc_sz, axis=1), mask=rn < N)
+
+
+def probe(w, sz, G, launch, sz_stream, flat):
+    N, n_groups = sz.shape
+    block_n, block_g, warps = launch[0], launch[1], launch[2]
+    y = torch.empty(N, device=w.device, dtype=torch.int32)
+    use_pdl = kernels.pdl(w)
+    _probe[(triton.cdiv(N, block_n),)](w, sz, y, N, n_groups, G=G, BLOCK_N=block_n, BLOCK_G=block_g, SZ=sz_stream,
+                                       FLAT=flat, PDL=use_pdl, num_warps=warps,
+                                       **({"launch_pdl": True} if use_pdl else {}))
+    return y
+
+
+def expected(w, sz, sz_stream):
+    """What _probe computes, by torch: each row's words (and scale-and-zero words) xor-ed together."""
+    out = torch.zeros(w.shape[0], dtype=torch.int64, device=w.device)
+    for t in ([w, sz] if sz_stream else [w]):
+        v = t.long() & 0xFFFFFFFF
+        for i in range(v.shape[1]):
+            out ^= v[:, i]
+    return torch.where(out >= 2**31, out - 2**32, out).int()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b")
+    p.add_argument("--groupsize", type=int, default=32)
+    p.add_argument("--warps", default="", help="also try these warp counts (comma-separated) at each launch")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    ceiling = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)
+    G, records = a.groupsize, []
+    for name, (N, K) in shapes(PRESETS[a.model]).items():
+        if name == "output":
+            continue
+        swiglu = name == "w13"
+        torch.manual_seed(0)
+        w = torch.randint(-2**31, 2**31 - 1, (N, K // 8), device=dev, dtype=torch.int32)
+        sz = torch.randint(-2**31, 2**31 - 1, (N, K // G), device=dev, dtype=torch.int32)
+        base = kernels.int4_config(N // 2 if swiglu else N, K, G, swiglu, True)
+        # (gate/up: the kernel's programs read BLOCK_N rows of each half; the probe takes them as 2 BLOCK_N rows)
+        launches = [base] + [(base[0], base[1], int(v)) + base[3:] for v in a.warps.split(",") if v and int(v) != base[2]]
+        copies = max(2, -(-L2_MULTIPLE_BYTES // (w.numel() * 4 + sz.numel() * 4)))
+        ws = [(w, sz)] + [(w.clone(), sz.clone()) for _ in range(copies - 1)]
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        r = torch.randn(1, N // 2 if swiglu else N, device=dev, dtype=torch.bfloat16)
+        ones = torch.ones(K, device=dev, dtype=torch.bfloat16)
+        for launch in launches:
+            plaunch = (2 * launch[0], *launch[1:]) if swiglu else launch
+            row = {"layer": name, "N": N, "K": K, "G": G, "launch": list(plaunch), "ceiling_gb_s": ceiling}
+            for variant, sz_stream, flat in (("words", False, False), ("words+sz", True, False), ("flat", True, True)):
+                got = probe(w, sz, G, plaunch, sz_stream, flat)
+                ok = bool(got.equal(expected(w, sz, sz_stream)))
+                t = time_calls([lambda c=c: probe(*c, G, plaunch, sz_stream, flat) for c in ws])
+                nbytes = w.numel() * 4 + (sz.numel() * 4 if sz_stream else 0)
+                row[variant] = {"us": t * 1e6, "gb_s": nbytes / t / 1e9, "matches_torch": ok}
+            # the kernel itself at this launch, in integers: the residual form (gate/up: SwiGLU), x times ones
+            fused = dict(swiglu=True) if swiglu else dict(residual=r)
+            t = time_calls([lambda c=c: kernels.int4_gemv(x, c[0], c[1], 1.0, G, **fused, ones=ones, dp4a=True,
+                                                          launch=launch) for c in ws])
+            row["kernel"] = {"us": t * 1e6, "gb_s": (w.numel() + sz.numel()) * 4 / t / 1e9}
+            records.append(row)
+            print(f"{name:5s} {N:6d}x{K:<6d} launch {plaunch}: " + "  ".join(
+                f"{v} {row[v]['us']:6.1f} us {row[v]['gb_s']:5.0f} GB/s" + ("" if row[v].get("matches_torch", True)
+                                                                             else " MISMATCH")
+                for v in ("words", "words+sz", "flat", "kernel") if v in row), flush=True)
+            if a.json:
+                a.json.write_text(json.dumps(records, indent=1))
+        del ws
+
+
+if __name__ == "__main__":
+    main()
