@@ -6,6 +6,8 @@ program, groups a step, warps, PDL), and folds the words together with one xor e
   words      the int4 words [BLOCK_N, BLOCK_G, G/8] only
   words+sz   and the scale-and-zero words [BLOCK_N, BLOCK_G], the kernel's second stream
   flat       words+sz with the words as a 2D tile [BLOCK_N, BLOCK_G G/8] (int8's tile rank)
+  one        words+sz from one stream: a layout (not the kernel's) holding each 4 groups' 16 words and
+             then their 4 scale-and-zero words, 80 contiguous bytes (group 32 only)
   kernel     kernels.int4_gemv itself (integers, the residual form, no fusions that read more)
 
 If the probe streams near the copy ceiling, the kernel's arithmetic or its dependence chain holds it back;
@@ -49,6 +51,59 @@ def _probe_block(acc, acc_sz, w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr,
         at = sz_ptr + rows[:, None] * n_groups + groups[None, :]
         acc_sz ^= tl.load(at, mask=ok[None, :], other=0) if MASKED else tl.load(at)
     return acc, acc_sz
+
+
+@triton.jit
+def _probe_one_block(acc, acc_sz, w_ptr, rows, b, n_groups, BLOCK_G: tl.constexpr, MASKED: tl.constexpr):
+    """Block b of the one-stream layout (words [N, n_groups / 4, 20]: 16 words, then 4 scale-and-zero words,
+    per 4 groups of 32) xor-ed into acc [BN, BLOCK_G / 4, 16] and acc_sz [BN, BLOCK_G / 4, 4]."""
+    quads = b * (BLOCK_G // 4) + tl.arange(0, BLOCK_G // 4)
+    at = w_ptr + rows[:, None, None] * (n_groups * 5) + (quads * 20)[None, :, None]
+    w_at, sz_at = at + tl.arange(0, 16)[None, None, :], at + 16 + tl.arange(0, 4)[None, None, :]
+    if MASKED:
+        ok = (quads < n_groups // 4)[None, :, None]
+        acc ^= tl.load(w_at, mask=ok, other=0)
+        acc_sz ^= tl.load(sz_at, mask=ok, other=0)
+    else:
+        acc ^= tl.load(w_at)
+        acc_sz ^= tl.load(sz_at)
+    return acc, acc_sz
+
+
+@triton.jit
+def _probe_one(w_ptr, y_ptr, N, n_groups, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    """_probe's words+sz over the one-stream layout (group 32)."""
+    pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_G // 4, 16), tl.int32)
+    acc_sz = tl.zeros((BLOCK_N, BLOCK_G // 4, 4), tl.int32)
+    acc, acc_sz = _probe_one_block(acc, acc_sz, w_ptr, rows, 0, n_groups, BLOCK_G, True)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    full = n_groups // BLOCK_G
+    for b in range(1, full):
+        acc, acc_sz = _probe_one_block(acc, acc_sz, w_ptr, rows, b, n_groups, BLOCK_G, False)
+    if (full * BLOCK_G < n_groups) & (full > 0):
+        acc, acc_sz = _probe_one_block(acc, acc_sz, w_ptr, rows, full, n_groups, BLOCK_G, True)
+    folded = tl.xor_sum(tl.xor_sum(acc, axis=2), axis=1) ^ tl.xor_sum(tl.xor_sum(acc_sz, axis=2), axis=1)
+    tl.store(y_ptr + rn, folded, mask=rn < N)
+
+
+def one_stream(w, sz):
+    """The kernel's words [N, K/8] and scale-and-zero words [N, K/32] -> the one-stream layout [N, K/32/4, 20]."""
+    N, n_groups = sz.shape
+    return torch.cat([w.view(N, n_groups // 4, 16), sz.view(N, n_groups // 4, 4)], dim=2).contiguous()
+
+
+def probe_one(wsz, N, n_groups, launch):
+    y = torch.empty(N, device=wsz.device, dtype=torch.int32)
+    use_pdl = kernels.pdl(wsz)
+    _probe_one[(triton.cdiv(N, launch[0]),)](wsz, y, N, n_groups, BLOCK_N=launch[0], BLOCK_G=launch[1], PDL=use_pdl,
+                                             num_warps=launch[2], **({"launch_pdl": True} if use_pdl else {}))
+    return y
 
 
 @triton.jit
@@ -137,6 +192,13 @@ def main():
                 t = time_calls([lambda c=c: probe(*c, G, plaunch, sz_stream, flat) for c in ws])
                 nbytes = w.numel() * 4 + (sz.numel() * 4 if sz_stream else 0)
                 row[variant] = {"us": t * 1e6, "gb_s": nbytes / t / 1e9, "matches_torch": ok}
+            if G == 32 and (K // G) % 4 == 0 and plaunch[1] % 4 == 0:
+                ones_ = [one_stream(*c) for c in ws]
+                n_groups = K // G
+                ok = bool(probe_one(ones_[0], N, n_groups, plaunch).equal(expected(w, sz, True)))
+                t = time_calls([lambda c=c: probe_one(c, N, n_groups, plaunch) for c in ones_])
+                row["one"] = {"us": t * 1e6, "gb_s": (w.numel() + sz.numel()) * 4 / t / 1e9, "matches_torch": ok}
+                del ones_
             # the kernel itself at this launch, in integers: the residual form (gate/up: SwiGLU), x times ones
             fused = dict(swiglu=True) if swiglu else dict(residual=r)
             t = time_calls([lambda c=c: kernels.int4_gemv(x, c[0], c[1], 1.0, G, **fused, ones=ones, dp4a=True,
@@ -146,7 +208,7 @@ def main():
             print(f"{name:5s} {N:6d}x{K:<6d} launch {plaunch}: " + "  ".join(
                 f"{v} {row[v]['us']:6.1f} us {row[v]['gb_s']:5.0f} GB/s" + ("" if row[v].get("matches_torch", True)
                                                                              else " MISMATCH")
-                for v in ("words", "words+sz", "flat", "kernel") if v in row), flush=True)
+                for v in ("words", "words+sz", "flat", "one", "kernel") if v in row), flush=True)
             if a.json:
                 a.json.write_text(json.dumps(records, indent=1))
         del ws
