@@ -134,15 +134,17 @@ def make_generator(model, mode: str, sampling: Sampling = Sampling(temperature=0
 
 
 def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
-    """The GPU kernels of `steps` decode steps, costliest first (graph replays included)."""
+    """The GPU kernels of `steps` decode steps, costliest first (graph replays included); on the CPU its ops."""
     from torch.profiler import ProfilerActivity, profile
 
     token, pos, tokens = gen.buffers
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = gen.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             gen._decode_step(token, pos, tokens)
         synchronize(gen.device)
-    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
+    return prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                     row_limit=rows, max_name_column_width=70)
 
 
 def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False, kernels=False,
@@ -166,7 +168,9 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         if check:
             check_graphs(gen)
         if kernels:
-            print(f"-- {mode} B={batch}: kernels of 4 decode steps\n{kernel_table(gen)}", file=sys.stderr)
+            overlap = (" (PDL: each kernel starts before the one it follows ends, and its time includes that wait,"
+                       " so the times overlap; --no-pdl for a breakdown)" if model_module.kernels.pdl(gen.buffers[0]) else "")
+            print(f"-- {mode} B={batch}: kernels of 4 decode steps{overlap}\n{kernel_table(gen)}", file=sys.stderr)
         pos.fill_(prompt_tokens)
         times = []
         ctx = gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad()
@@ -307,7 +311,7 @@ def main(argv=None) -> int:
     p.add_argument("--check-graphs", action="store_true", help="fail unless decode is one graph replay per token")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                    help="weight-only quantization of the model, in memory (quantize.py)")
-    p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels of a few decode steps")
+    p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels (on the CPU: ops) of a few decode steps")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="set a torch._inductor.config option for this run (repeatable), e.g. "
                         "coordinate_descent_tuning=True")

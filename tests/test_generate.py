@@ -339,3 +339,14 @@ def test_cli_speculative_greedy_equals_plain_greedy(default_ckpt):
     line = next(line for line in spec.stderr.splitlines() if line.startswith("speculative:"))
     assert line.endswith("rounds accepting 0..3 proposals: [0, 0, 0, 6]"), line
     assert_one_line_error(cli(*common, "--speculate-k", "3"), "go together")
+
+
+def test_bench_kernel_table_profiles_the_cpu_too(tiny):
+    """bench.py --kernels on a machine without a GPU: a table of the CPU ops of a few decode steps
+    (it asked the profiler for CUDA activity only, and a CPU-only torch raised)."""
+    from bench import kernel_table, make_generator
+
+    gen = make_generator(tiny, "eager")
+    gen.reserve(1, 16)
+    table = kernel_table(gen, steps=2)
+    assert "aten::" in table and "Self CPU time total" in table
