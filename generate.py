@@ -118,7 +118,7 @@ def register_fallbacks() -> None:
 
         lowering.make_fallback, lowering.tag_to_layout_constraint, lowering.lowerings  # noqa: B018 (present?)
     except (ImportError, AttributeError) as e:
-        if torch.__version__ < (2, 13):  # (a TorchVersion: compared as a version)
+        if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):  # (2.13 pre-releases: 2.13)
             import warnings
 
             warnings.warn(f"graphdecode: could not register its custom ops with Inductor ({e}); compiling an "

@@ -1,7 +1,8 @@
 """How fast the one-row int4 GEMV's loads alone stream, against the kernel itself (session 10's open question:
 kernels.int4_gemv reads its weights at ~2.75 TB/s once running, where the int8 and bf16 GEMVs reach the copy
 ceiling; BENCHMARKS.md). A probe kernel loads exactly what _int4_gemv_kernel loads, at its launch (rows a
-program, groups a step, warps, PDL), and folds the words together with one xor each instead of multiplying:
+program, groups a step, warps, PDL; not its PREFETCH), and folds the words together with one xor each instead of
+multiplying (gate/up: 2 BLOCK_N contiguous rows a program, where the kernel reads BLOCK_N rows of each half):
 
   words      the int4 words [BLOCK_N, BLOCK_G, G/8] only
   words+sz   and the scale-and-zero words [BLOCK_N, BLOCK_G], the kernel's second stream
