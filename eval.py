@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
         if not 1 <= stride < args.window:
-            raise ValueError(f"need 1 <= --stride < --window (got {stride} and {args.window})")
+            raise ValueError(f"need 1 <= --stride < --window (got --stride {stride}, --window {args.window})")
         read_config(args.checkpoint)  # a missing or broken checkpoint says so before anything loads
         try:
             text = args.text.read_text(encoding="utf-8")
