@@ -1,4 +1,5 @@
-"""How fast the one-row int4 GEMV's loads alone stream, against the kernel itself (session 10's open question:
+"""How fast the one-row int4 GEMV's loads alone stream, and its arithmetic without x's work, against the kernel
+itself (session 10's open question:
 kernels.int4_gemv reads its weights at ~2.75 TB/s once running, where the int8 and bf16 GEMVs reach the copy
 ceiling; BENCHMARKS.md). A probe kernel loads exactly what _int4_gemv_kernel loads, at its launch (rows a
 program, groups a step, warps, PDL; not its PREFETCH), and folds the words together with one xor each instead of
@@ -9,16 +10,23 @@ multiplying (gate/up: 2 BLOCK_N contiguous rows a program, where the kernel read
   flat       words+sz with the words as a 2D tile [BLOCK_N, BLOCK_G G/8] (int8's tile rank)
   one        words+sz from one stream: a layout (not the kernel's) holding each 4 groups' 16 words and
              then their 4 scale-and-zero words, 80 contiguous bytes (group 32 only)
-  kernel     kernels.int4_gemv itself (integers, the residual form, no fusions that read more)
+  math       the words times constant x bytes in the kernel's integer arithmetic (kernels._dp4a, each group's
+             float32 sum) with s = z = 1: the arithmetic without the scale-and-zero stream or any work on x
+  math+sz    and the scale-and-zero words loaded and applied, as the kernel does: the kernel less x's work
+             (offline, sm_90, Triton 3.6, the loop: ~1.0 instructions a weight for math, 1.1-1.3 for math+sz,
+             whose scale-and-zero tile moves through shared memory behind 2-4 barriers a block; the kernel
+             2.1 on wqkv)
+  kernel     kernels.int4_gemv itself (integers; the residual form, gate/up with SwiGLU; x times ones)
 
-If the probe streams near the copy ceiling, the kernel's arithmetic or its dependence chain holds it back;
-if not, the loads as laid out do. GB/s counts the bytes each variant reads. Timed as CUDA graph replays over
+Read in order (words, words+sz, math, math+sz, kernel), each step adds one part of the kernel's work: the
+first that falls well below the copy ceiling names what holds the kernel back. GB/s counts the bytes each variant reads. Timed as CUDA graph replays over
 >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls); the probe's result is checked against torch.
 
     python benchmarks/int4_stream.py --model llama-2-7b [--warps 4,8] [--json PATH]
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -91,6 +99,76 @@ def _probe_one(w_ptr, y_ptr, N, n_groups, BLOCK_N: tl.constexpr, BLOCK_G: tl.con
         acc, acc_sz = _probe_one_block(acc, acc_sz, w_ptr, rows, full, n_groups, BLOCK_G, True)
     folded = tl.xor_sum(tl.xor_sum(acc, axis=2), axis=1) ^ tl.xor_sum(tl.xor_sum(acc_sz, axis=2), axis=1)
     tl.store(y_ptr + rn, folded, mask=rn < N)
+
+
+X_BYTES = tl.constexpr(0x01010101)  # (math: every x byte 1, so each word's dot is the sum of its nibbles)
+
+
+@triton.jit
+def _probe_math_block(acc, w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                      SZ: tl.constexpr, MASKED: tl.constexpr, EMULATE: tl.constexpr):
+    """Block b of _probe_math: acc [BN, BLOCK_G] += s (dot - 8 sum(q)) + z sum(x) per group, x bytes all 1
+    (sum(q) = sum(x) = G, sx = 1), s and z from the scale-and-zero words (SZ, loaded as the kernel loads
+    them) or 1."""
+    w, sz = kernels._int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, MASKED, True)
+    x = tl.zeros_like(w) + X_BYTES
+    dot = kernels._dp4a((w >> 4) & 0x0F0F0F0F, x, kernels._dp4a(w & 0x0F0F0F0F, x, tl.zeros_like(w), EMULATE), EMULATE)
+    dot = tl.sum(dot, axis=2).to(tl.float32) - 8 * G
+    if SZ:
+        s, z = kernels._f16_pair(sz)
+        return acc + dot * s + z * G
+    if MASKED:  # (groups past the last: no contribution, as their zeroed scale and zero give in the kernel)
+        return acc + tl.where((b * BLOCK_G + tl.arange(0, BLOCK_G) < n_groups)[None, :], dot + G, 0.0)
+    return acc + dot + G
+
+
+@triton.jit
+def _probe_math(w_ptr, sz_ptr, y_ptr, N, n_groups, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                SZ: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr):
+    """Per row, sum over groups of s (dot - 8 G) + z G (_probe_math_block), blocks as _int4_gemv_kernel's."""
+    pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_G), tl.float32)
+    acc = _probe_math_block(acc, w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, SZ, True, EMULATE)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    full = n_groups // BLOCK_G
+    for b in range(1, full):
+        acc = _probe_math_block(acc, w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, SZ, False, EMULATE)
+    if (full * BLOCK_G < n_groups) & (full > 0):
+        acc = _probe_math_block(acc, w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, SZ, True, EMULATE)
+    tl.store(y_ptr + rn, tl.sum(acc, axis=1), mask=rn < N)
+
+
+def probe_math(w, sz, G, launch, sz_stream):
+    N, n_groups = sz.shape
+    y = torch.empty(N, device=w.device, dtype=torch.float32)
+    use_pdl = kernels.pdl(w)
+    _probe_math[(triton.cdiv(N, launch[0]),)](w, sz, y, N, n_groups, G=G, BLOCK_N=launch[0], BLOCK_G=launch[1],
+                                              SZ=sz_stream, PDL=use_pdl, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+                                              num_warps=launch[2],
+                                              **({"launch_pdl": True} if use_pdl else {}))
+    return y
+
+
+def expected_math(w, sz, G, sz_stream):
+    """What _probe_math computes, by torch in float64."""
+    N, n_groups = sz.shape
+    nibbles = torch.stack([(w.long() >> (4 * i)) & 15 for i in range(8)], -1).view(N, n_groups, G).sum(-1).double()
+    if not sz_stream:
+        return (nibbles - 8 * G + G).sum(1)
+    s = (sz & 0xFFFF).short().view(torch.float16).double()
+    z = (sz >> 16).short().view(torch.float16).double()
+    return ((nibbles - 8 * G) * s + z * G).sum(1)
+
+
+def half_pairs(N, n_groups, device):
+    """Scale-and-zero words with finite float16 halves in [-1, 1] (random int32 words would hold NaNs)."""
+    h = (torch.rand(N, n_groups, 2, device=device) * 2 - 1).half().view(torch.int16).int() & 0xFFFF
+    return h[..., 0] | (h[..., 1] << 16)
 
 
 def one_stream(w, sz):
@@ -181,6 +259,8 @@ def main():
         launches = [base] + [(base[0], base[1], int(v)) + base[3:] for v in a.warps.split(",") if v and int(v) != base[2]]
         copies = max(2, -(-L2_MULTIPLE_BYTES // (w.numel() * 4 + sz.numel() * 4)))
         ws = [(w, sz)] + [(w.clone(), sz.clone()) for _ in range(copies - 1)]
+        sz_half = half_pairs(N, K // G, dev)
+        ws_half = [(c[0], c[1], sz_half.clone()) for c in ws]
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
         r = torch.randn(1, N // 2 if swiglu else N, device=dev, dtype=torch.bfloat16)
         ones = torch.ones(K, device=dev, dtype=torch.bfloat16)
@@ -200,16 +280,23 @@ def main():
                 t = time_calls([lambda c=c: probe_one(c, N, n_groups, plaunch) for c in ones_])
                 row["one"] = {"us": t * 1e6, "gb_s": (w.numel() + sz.numel()) * 4 / t / 1e9, "matches_torch": ok}
                 del ones_
+            for variant, sz_stream in (("math", False), ("math+sz", True)):
+                got = probe_math(w, sz_half, G, plaunch, sz_stream)
+                ref = expected_math(w, sz_half, G, sz_stream)
+                ok = bool(((got.double() - ref).abs() <= 1e-4 * ref.abs().max()).all())
+                t = time_calls([lambda c=c: probe_math(c[0], c[2], G, plaunch, sz_stream) for c in ws_half])
+                nbytes = w.numel() * 4 + (sz.numel() * 4 if sz_stream else 0)
+                row[variant] = {"us": t * 1e6, "gb_s": nbytes / t / 1e9, "matches_torch": ok}
             # the kernel itself at this launch, in integers: the residual form (gate/up: SwiGLU), x times ones
             fused = dict(swiglu=True) if swiglu else dict(residual=r)
-            t = time_calls([lambda c=c: kernels.int4_gemv(x, c[0], c[1], 1.0, G, **fused, ones=ones, dp4a=True,
-                                                          launch=launch) for c in ws])
+            t = time_calls([lambda c=c: kernels.int4_gemv(x, c[0], c[2], 1.0, G, **fused, ones=ones, dp4a=True,
+                                                          launch=launch) for c in ws_half])
             row["kernel"] = {"us": t * 1e6, "gb_s": (w.numel() + sz.numel()) * 4 / t / 1e9}
             records.append(row)
             print(f"{name:5s} {N:6d}x{K:<6d} launch {plaunch}: " + "  ".join(
                 f"{v} {row[v]['us']:6.1f} us {row[v]['gb_s']:5.0f} GB/s" + ("" if row[v].get("matches_torch", True)
                                                                              else " MISMATCH")
-                for v in ("words", "words+sz", "flat", "one", "kernel") if v in row), flush=True)
+                for v in ("words", "words+sz", "flat", "one", "math", "math+sz", "kernel") if v in row), flush=True)
             if a.json:
                 a.json.write_text(json.dumps(records, indent=1))
         del ws
