@@ -13,9 +13,12 @@ multiplying (gate/up: 2 BLOCK_N contiguous rows a program, where the kernel read
   math       the words times constant x bytes in the kernel's integer arithmetic (kernels._dp4a, each group's
              float32 sum) with s = z = 1: the arithmetic without the scale-and-zero stream or any work on x
   math+sz    and the scale-and-zero words loaded and applied, as the kernel does: the kernel less x's work
-             (offline, sm_90, Triton 3.6, the loop: ~1.0 instructions a weight for math, 1.1-1.3 for math+sz,
-             whose scale-and-zero tile moves through shared memory behind 2-4 barriers a block; the kernel
-             2.1 on wqkv)
+  math+szT   the same with the scale-and-zero words stored group-major ([K/G, N]: a group's rows side by side)
+  +xq        the same with x already in int8 (its words and each group's numbers loaded in the word tile's
+             layout, as int4_gemv(xq=...) of commit 28d8611 did, but no 1D loads)
+             Offline (sm_90 SASS, Triton 3.6) the loop has no barrier in math, math+szT and math+szT+xq, and
+             2-4 in math+sz, whose per-group sums move to the scale-and-zero tile's layout through shared
+             memory; the kernel has 10-14 (x's quantization too)
   kernel     kernels.int4_gemv itself (integers; the residual form, gate/up with SwiGLU; x times ones)
 
 Read in order (words, words+sz, math, math+sz, kernel), each step adds one part of the kernel's work: the
@@ -101,68 +104,112 @@ def _probe_one(w_ptr, y_ptr, N, n_groups, BLOCK_N: tl.constexpr, BLOCK_G: tl.con
     tl.store(y_ptr + rn, folded, mask=rn < N)
 
 
-X_BYTES = tl.constexpr(0x01010101)  # (math: every x byte 1, so each word's dot is the sum of its nibbles)
+X_BYTES = tl.constexpr(0x01010101)  # (math without XQ: every x byte 1, so each word's dot is the sum of its nibbles)
 
 
 @triton.jit
-def _probe_math_block(acc, w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                      SZ: tl.constexpr, MASKED: tl.constexpr, EMULATE: tl.constexpr):
-    """Block b of _probe_math: acc [BN, BLOCK_G] += s (dot - 8 sum(q)) + z sum(x) per group, x bytes all 1
-    (sum(q) = sum(x) = G, sx = 1), s and z from the scale-and-zero words (SZ, loaded as the kernel loads
-    them) or 1."""
+def _probe_math_block(acc, w_ptr, sz_ptr, xw_ptr, xs_ptr, rows, b, N, n_groups, G: tl.constexpr,
+                      BLOCK_G: tl.constexpr, SZ: tl.constexpr, XQ: tl.constexpr, MASKED: tl.constexpr,
+                      EMULATE: tl.constexpr):
+    """Block b of _probe_math: acc [BN, BLOCK_G] += s (sx dot - bq) + z sum(x) per group of G = 32, in the
+    kernel's integer arithmetic. SZ 0: s = z = 1; 1: the scale-and-zero words [N, n_groups] loaded as the kernel
+    loads them; 2: stored group-major, [n_groups, N] (a group's rows side by side). XQ: x in int8 already,
+    its words [K/4] and each group's (sx, bq, sum(x)) in planes [3, n_groups], loaded in the word tile's layout
+    (rows of stride 0); else every x byte 1 (sx 1, bq 8 G, sum(x) G)."""
     w, sz = kernels._int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, MASKED, True)
-    x = tl.zeros_like(w) + X_BYTES
-    dot = kernels._dp4a((w >> 4) & 0x0F0F0F0F, x, kernels._dp4a(w & 0x0F0F0F0F, x, tl.zeros_like(w), EMULATE), EMULATE)
-    dot = tl.sum(dot, axis=2).to(tl.float32) - 8 * G
-    if SZ:
+    groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
+    ok = groups < n_groups
+    if SZ == 2:
+        at = sz_ptr + groups[None, :] * N + rows[:, None]
+        sz = tl.load(at, mask=ok[None, :], other=0) if MASKED else tl.load(at)
+    if XQ:
+        g = tl.minimum(groups, n_groups - 1)  # (past the last group: the weights are masked to 0)
+        words = xw_ptr + (g * (G // 4))[None, :, None] + 2 * tl.arange(0, G // 8)[None, None, :] + 0 * rows[:, None, None]
+        x_lo, x_hi = tl.load(words), tl.load(words + 1)
+        at = xs_ptr + g[None, :] + 0 * rows[:, None]
+        sx, bq, x_sum = tl.load(at), tl.load(at + n_groups), tl.load(at + 2 * n_groups)
+    else:
+        x_lo = tl.zeros_like(w) + X_BYTES
+        x_hi = x_lo
+        sx, bq, x_sum = 1.0, 8.0 * G, 1.0 * G
+    dot = kernels._dp4a((w >> 4) & 0x0F0F0F0F, x_hi, kernels._dp4a(w & 0x0F0F0F0F, x_lo, tl.zeros_like(w), EMULATE),
+                        EMULATE)
+    d = tl.sum(dot, axis=2).to(tl.float32) * sx - bq
+    if SZ != 0:
         s, z = kernels._f16_pair(sz)
-        return acc + dot * s + z * G
-    if MASKED:  # (groups past the last: no contribution, as their zeroed scale and zero give in the kernel)
-        return acc + tl.where((b * BLOCK_G + tl.arange(0, BLOCK_G) < n_groups)[None, :], dot + G, 0.0)
-    return acc + dot + G
+        part = d * s + z * x_sum
+    else:
+        part = d + x_sum
+    if MASKED:  # (groups past the last add nothing, as their zeroed scale and zero make the kernel's add nothing)
+        part = tl.where(ok[None, :], part, 0.0)
+    return acc + part
 
 
 @triton.jit
-def _probe_math(w_ptr, sz_ptr, y_ptr, N, n_groups, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                SZ: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr):
-    """Per row, sum over groups of s (dot - 8 G) + z G (_probe_math_block), blocks as _int4_gemv_kernel's."""
+def _probe_math(w_ptr, sz_ptr, xw_ptr, xs_ptr, y_ptr, N, n_groups, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_G: tl.constexpr, SZ: tl.constexpr, XQ: tl.constexpr, PDL: tl.constexpr, EMULATE: tl.constexpr):
+    """Per row, the sum over groups of _probe_math_block's terms, blocks as _int4_gemv_kernel's."""
     pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, N - 1)
     acc = tl.zeros((BLOCK_N, BLOCK_G), tl.float32)
-    acc = _probe_math_block(acc, w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, SZ, True, EMULATE)
+    acc = _probe_math_block(acc, w_ptr, sz_ptr, xw_ptr, xs_ptr, rows, 0, N, n_groups, G, BLOCK_G, SZ, XQ, True, EMULATE)
     if PDL:
         tl.extra.cuda.gdc_wait()
     full = n_groups // BLOCK_G
     for b in range(1, full):
-        acc = _probe_math_block(acc, w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, SZ, False, EMULATE)
+        acc = _probe_math_block(acc, w_ptr, sz_ptr, xw_ptr, xs_ptr, rows, b, N, n_groups, G, BLOCK_G, SZ, XQ, False,
+                                EMULATE)
     if (full * BLOCK_G < n_groups) & (full > 0):
-        acc = _probe_math_block(acc, w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, SZ, True, EMULATE)
+        acc = _probe_math_block(acc, w_ptr, sz_ptr, xw_ptr, xs_ptr, rows, full, N, n_groups, G, BLOCK_G, SZ, XQ, True,
+                                EMULATE)
     tl.store(y_ptr + rn, tl.sum(acc, axis=1), mask=rn < N)
 
 
-def probe_math(w, sz, G, launch, sz_stream):
-    N, n_groups = sz.shape
+def probe_math(w, sz, G, launch, sz_form, xq=None):
+    """_probe_math over words w [N, K/8] and scale-and-zero words sz [N, K/G] (sz_form 2: pass them
+    group-major, sz.T.contiguous()); xq: (x words [K/4], stats [3, K/G]) or None."""
+    N, n_groups = w.shape[0], w.shape[1] * 8 // G
     y = torch.empty(N, device=w.device, dtype=torch.float32)
     use_pdl = kernels.pdl(w)
-    _probe_math[(triton.cdiv(N, launch[0]),)](w, sz, y, N, n_groups, G=G, BLOCK_N=launch[0], BLOCK_G=launch[1],
-                                              SZ=sz_stream, PDL=use_pdl, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-                                              num_warps=launch[2],
+    xw, xs = xq if xq is not None else (w, w)
+    _probe_math[(triton.cdiv(N, launch[0]),)](w, sz, xw, xs, y, N, n_groups, G=G, BLOCK_N=launch[0],
+                                              BLOCK_G=launch[1], SZ=sz_form, XQ=xq is not None, PDL=use_pdl,
+                                              EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=launch[2],
                                               **({"launch_pdl": True} if use_pdl else {}))
     return y
 
 
-def expected_math(w, sz, G, sz_stream):
-    """What _probe_math computes, by torch in float64."""
-    N, n_groups = sz.shape
-    nibbles = torch.stack([(w.long() >> (4 * i)) & 15 for i in range(8)], -1).view(N, n_groups, G).sum(-1).double()
-    if not sz_stream:
-        return (nibbles - 8 * G + G).sum(1)
+def expected_math(w, sz, G, sz_form, xq=None):
+    """What _probe_math computes, by torch in float64 (sz [N, K/G] row-major whatever the form)."""
+    N, words = w.shape
+    n_groups = words * 8 // G
+    w = w.long() & 0xFFFFFFFF
+    lo = torch.stack([(w >> (8 * i)) & 15 for i in range(4)], -1)  # [N, words, 4]: columns 8j + i
+    hi = torch.stack([(w >> (8 * i + 4)) & 15 for i in range(4)], -1)  # columns 8j + 4 + i
+    if xq is None:
+        dot = (lo.sum(-1) + hi.sum(-1)).double()
+        sx, bq, x_sum = 1.0, 8.0 * G, 1.0 * G
+    else:
+        xb = xq[0].view(torch.int8).long().view(words, 2, 4)  # word 2j: columns 8j..8j+3, 2j + 1: 8j+4..8j+7
+        dot = ((lo * xb[:, 0]).sum(-1) + (hi * xb[:, 1]).sum(-1)).double()
+        sx, bq, x_sum = (xq[1][i].double() for i in range(3))
+    d = dot.view(N, n_groups, G // 8).sum(-1) * sx - bq
+    if sz_form == 0:
+        return (d + x_sum).sum(1)
     s = (sz & 0xFFFF).short().view(torch.float16).double()
     z = (sz >> 16).short().view(torch.float16).double()
-    return ((nibbles - 8 * G) * s + z * G).sum(1)
+    return (d * s + z * x_sum).sum(1)
+
+
+def x_int8(K, G, device):
+    """Random x in the XQ form: int32 words of int8 bytes [K/4] and each group's (sx, bq, sum(x)) [3, K/G]."""
+    xw = torch.randint(-2**31, 2**31 - 1, (K // 4,), device=device, dtype=torch.int32)
+    q = xw.view(torch.int8).float().view(-1, G)
+    sx = torch.rand(K // G, device=device) / 100
+    return xw, torch.stack([sx, 8 * sx * q.sum(1), q.sum(1) * sx])
 
 
 def half_pairs(N, n_groups, device):
@@ -260,7 +307,7 @@ def main():
         copies = max(2, -(-L2_MULTIPLE_BYTES // (w.numel() * 4 + sz.numel() * 4)))
         ws = [(w, sz)] + [(w.clone(), sz.clone()) for _ in range(copies - 1)]
         sz_half = half_pairs(N, K // G, dev)
-        ws_half = [(c[0], c[1], sz_half.clone()) for c in ws]
+        ws_half = [(c[0], c[1], sz_half.clone(), sz_half.T.contiguous()) for c in ws]  # (+ group-major)
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
         r = torch.randn(1, N // 2 if swiglu else N, device=dev, dtype=torch.bfloat16)
         ones = torch.ones(K, device=dev, dtype=torch.bfloat16)
@@ -280,12 +327,18 @@ def main():
                 t = time_calls([lambda c=c: probe_one(c, N, n_groups, plaunch) for c in ones_])
                 row["one"] = {"us": t * 1e6, "gb_s": (w.numel() + sz.numel()) * 4 / t / 1e9, "matches_torch": ok}
                 del ones_
-            for variant, sz_stream in (("math", False), ("math+sz", True)):
-                got = probe_math(w, sz_half, G, plaunch, sz_stream)
-                ref = expected_math(w, sz_half, G, sz_stream)
+            xq = x_int8(K, G, dev)
+            for variant, sz_form, with_x in (("math", 0, False), ("math+sz", 1, False), ("math+szT", 2, False),
+                                             ("math+sz+xq", 1, True), ("math+szT+xq", 2, True)):
+                if G != 32 and (with_x or sz_form == 2):
+                    continue
+                c_sz = (lambda c: c[3]) if sz_form == 2 else (lambda c: c[2])
+                got = probe_math(w, c_sz(ws_half[0]), G, plaunch, sz_form, xq if with_x else None)
+                ref = expected_math(w, sz_half, G, sz_form, xq if with_x else None)
                 ok = bool(((got.double() - ref).abs() <= 1e-4 * ref.abs().max()).all())
-                t = time_calls([lambda c=c: probe_math(c[0], c[2], G, plaunch, sz_stream) for c in ws_half])
-                nbytes = w.numel() * 4 + (sz.numel() * 4 if sz_stream else 0)
+                t = time_calls([lambda c=c: probe_math(c[0], c_sz(c), G, plaunch, sz_form, xq if with_x else None)
+                                for c in ws_half])
+                nbytes = w.numel() * 4 + (sz.numel() * 4 if sz_form else 0)
                 row[variant] = {"us": t * 1e6, "gb_s": nbytes / t / 1e9, "matches_torch": ok}
             # the kernel itself at this launch, in integers: the residual form (gate/up: SwiGLU), x times ones
             fused = dict(swiglu=True) if swiglu else dict(residual=r)
@@ -296,7 +349,8 @@ def main():
             print(f"{name:5s} {N:6d}x{K:<6d} launch {plaunch}: " + "  ".join(
                 f"{v} {row[v]['us']:6.1f} us {row[v]['gb_s']:5.0f} GB/s" + ("" if row[v].get("matches_torch", True)
                                                                              else " MISMATCH")
-                for v in ("words", "words+sz", "flat", "one", "math", "math+sz", "kernel") if v in row), flush=True)
+                for v in ("words", "words+sz", "flat", "one", "math", "math+sz", "math+szT", "math+sz+xq",
+                          "math+szT+xq", "kernel") if v in row), flush=True)
             if a.json:
                 a.json.write_text(json.dumps(records, indent=1))
         del ws
