@@ -38,6 +38,19 @@ variants() {  # name:"flags" ... -> one cold 7B batch-1 bench per entry
     bench7b "$d" $f | grep -E "graphs  |_kernel|triton_" | head -14
   done
 }
+logged_variants() {  # limit-s lines name:"flags" ... -> one cold 7B batch-1 bench per entry, its whole output in
+  # $OUT/name.log; shows the exit status and the result lines (lines 0), or the log's last `lines` lines
+  local limit=$1 lines=$2; shift 2
+  for v in "$@"; do
+    d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
+    # shellcheck disable=SC2086
+    TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 "$limit" python3 bench.py \
+      --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
+    echo "rc $?"
+    if [ "$lines" = 0 ]; then grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
+    else grep -v -E "Warning|warn\(" "$OUT/$d.log" | tail -"$lines"; fi
+  done
+}
 for part in "${@:-a b c1 c2 d}"; do case $part in
   a)  # run 9 (before the fused GEMVs): first call with the traced kernel and through the custom op
       # (then --opaque-gemv; the custom op is now the default and --traced-gemv the other way), cold then warm
@@ -209,23 +222,11 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   ze) # run 36 (int4 one-row arithmetic by shape, kernels.int4_dp4a: integers below 8192 columns at run 35's
       # launches, float16 pairs for the down projection): 7B int4 g32 and g128 (auto), g32 in float16
       # pairs alone, bf16; then the GPU tests
-      for v in ze1:"--quantize int4-g32" ze2:"--quantize int4-g128" ze3:"--quantize int4-g32 --int4-dp4a 0" ze4:""; do
-        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
-        # shellcheck disable=SC2086
-        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 150 python3 bench.py \
-          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
-        echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
-      done
+      logged_variants 150 0 ze1:"--quantize int4-g32" ze2:"--quantize int4-g128" ze3:"--quantize int4-g32 --int4-dp4a 0" ze4:""
       gpu_tests 280 ;;
   zf) # run 37 (the float16-pair path's scale-and-zero words expanded at the load again, as in run 34):
       # 7B int4 g32 by shape and in float16 pairs alone; the int4 GPU tests
-      for v in zf1:"--quantize int4-g32" zf2:"--quantize int4-g32 --int4-dp4a 0"; do
-        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
-        # shellcheck disable=SC2086
-        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 150 python3 bench.py \
-          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
-        echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
-      done
+      logged_variants 150 0 zf1:"--quantize int4-g32" zf2:"--quantize int4-g32 --int4-dp4a 0"
       t 150 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py -k "int4" | tail -3 ;;
   zg) # run 38 (session 10: x in int8 once, kernels.int4_quantize_x, read by int4_gemv(xq=...)): the 7B GEMVs in
       # integers with and without it, tuned; then the GPU tests (the dp4a definition test's GPU form first runs here)
@@ -241,24 +242,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # g32 and g128; then every test of test_cuda.py and test_kernels.py on the GPU (not only -m cuda)
       t 150 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wqkv,w2 --dp4a 1 --tune \
         --grid 32:16,16:32 --warps 8 --stages 1,2,3,4 --prefetch 0
-      for v in zi1:"--quantize int4-g32 --int4-dp4a 1" zi2:"--quantize int4-g128 --int4-dp4a 1"; do
-        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
-        # shellcheck disable=SC2086
-        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 150 python3 bench.py \
-          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
-        echo "rc $?"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
-      done
+      logged_variants 150 0 zi1:"--quantize int4-g32 --int4-dp4a 1" zi2:"--quantize int4-g128 --int4-dp4a 1"
       t 240 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -8 ;;
   zj) # run 41 (session 10's final code = session 9's kernels, commit 6a7fb6d's kernels.py): the 7B int4 g32 step with
       # its costliest kernels (bench.py --kernels), g128 on the final code; then every test of test_cuda.py and
       # test_kernels.py on the GPU
-      for v in zj1:"--quantize int4-g32 --kernels" zj2:"--quantize int4-g128"; do
-        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
-        # shellcheck disable=SC2086
-        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 170 python3 bench.py \
-          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
-        echo "rc $?"; grep -v -E "Warning|warn\(" "$OUT/$d.log" | tail -24
-      done
+      logged_variants 170 24 zj1:"--quantize int4-g32 --kernels" zj2:"--quantize int4-g128"
       t 330 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -8 ;;
   zk) # run 42 (final code): larger tiles a program than any grid so far (more bytes in flight a thread), int4 g32 in integers
       t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --tune \
