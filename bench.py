@@ -147,7 +147,7 @@ def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
                                      row_limit=rows, max_name_column_width=70)
 
 
-def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False, kernels=False,
+def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False, show_kernels=False,
               sampling: Sampling = Sampling(temperature=0)) -> dict:
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
@@ -167,9 +167,9 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         counts = count_launches(gen, 4) if device.type == "cuda" and mode != "eager" else {}
         if check:
             check_graphs(gen)
-        if kernels:
+        if show_kernels:
             overlap = (" (PDL: each kernel starts before the one it follows ends, and its time includes that wait,"
-                       " so the times overlap; --no-pdl for a breakdown)" if model_module.kernels.pdl(gen.buffers[0]) else "")
+                       " so the times overlap; --no-pdl for a breakdown)" if kernels.pdl(gen.buffers[0]) else "")
             print(f"-- {mode} B={batch}: kernels of 4 decode steps{overlap}\n{kernel_table(gen)}", file=sys.stderr)
         pos.fill_(prompt_tokens)
         times = []
