@@ -400,20 +400,23 @@ if triton is not None:
     def _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr,
                    DP4A: tl.constexpr):
         """Block b of int4 words [BN, BLOCK_G, G/8] and their scale-and-zero words [BN, BLOCK_G, 1]
-        (DP4A: [BN, BLOCK_G]) for rows `rows`; MASKED: zero past the last group. (The scale-and-zero
-        words are loaded in 2D and expanded: loaded in 3D, Triton moved the weights into their layout
-        through shared memory.)"""
+        (DP4A: [BN, BLOCK_G]) for rows `rows`; MASKED: zero past the last group. The words load as
+        the 2D tile they are in memory, [BN, BLOCK_G G/8], then take their 3D shape: loaded in 3D,
+        Triton put a warp's threads on 32 rows, 16 bytes each, not along a row's contiguous bytes
+        (the 7B step at group 32 ran 12% slower, run 43). The scale-and-zero words are loaded in 2D
+        and expanded: loaded in 3D, Triton moved the weights into their layout through shared memory."""
         groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
-        w_at = (w_ptr + rows[:, None, None] * (n_groups * (G // 8)) + (groups * (G // 8))[None, :, None]
-                + tl.arange(0, G // 8)[None, None, :])
+        cols = b * (BLOCK_G * (G // 8)) + tl.arange(0, BLOCK_G * (G // 8))
+        w_at = w_ptr + rows[:, None] * (n_groups * (G // 8)) + cols[None, :]
         sz_at = sz_ptr + rows[:, None] * n_groups + groups[None, :]
         if MASKED:
             ok = groups < n_groups
-            w = tl.load(w_at, mask=ok[None, :, None], other=0)
+            w = tl.load(w_at, mask=(cols < n_groups * (G // 8))[None, :], other=0)
             sz = tl.load(sz_at, mask=ok[None, :], other=0)
         else:
             w = tl.load(w_at)
             sz = tl.load(sz_at)
+        w = tl.reshape(w, (rows.shape[0], BLOCK_G, G // 8))
         if not DP4A:
             sz = sz[:, :, None]
         return w, sz
@@ -636,15 +639,15 @@ INT4_DP4A = os.environ.get("GRAPHDECODE_INT4_DP4A", "auto")
 
 
 def int4_dp4a(K: int) -> bool:
-    """Whether int4_gemv runs in integers for a K-column weight (INT4_DP4A): up to 8192 columns they
-    were 10-15% faster than float16 pairs (wqkv, wo, gate/up of Llama-2-7B, group 32, run 35), and
-    slower on the down projection (K = 11008: 19.6 against 13.7 µs), where each of its programs,
-    few rows over a long x, quantizes all of x for few weights. x in int8 per int4 group costs the
-    default model 0.2% perplexity at group 32, 0.5% at 128, if every int4 layer did it
-    (benchmarks/x_int8_perplexity.py)."""
+    """Whether int4_gemv runs in integers for a K-column weight (INT4_DP4A): "auto" takes integers on
+    every shape. Since the words load as 2D tiles (_int4_load, run 43) they beat float16 pairs on the
+    down projection too (Llama-2-7B, K = 11008, tuned, run 44: 9.4 against 11.0 µs at group 32, 9.2
+    against 10.8 at 128), where in run 35, loaded across rows, they lost (19.6 against 13.7). x in int8
+    per int4 group costs the default model 0.2% perplexity at group 32, 0.5% at 128, with every int4
+    layer doing it (benchmarks/x_int8_perplexity.py). K is kept for a rule by shape on other GPUs."""
     if INT4_DP4A not in ("auto", "0", "1"):
         raise ValueError(f"GRAPHDECODE_INT4_DP4A must be auto, 0 or 1 (got {INT4_DP4A!r})")
-    return INT4_DP4A == "1" or (INT4_DP4A == "auto" and K <= 8192)
+    return INT4_DP4A in ("auto", "1")
 
 
 # Rows of x that _rows_kernel takes (bf16 weights; its BLOCK_M): batched decode, short prefills
@@ -802,15 +805,21 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
 def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False,
                 dp4a: bool = False) -> tuple[int, int, int, int, bool]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize`, from
-    benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B, group 32, with the fusions; float16
-    pairs run 30, dp4a run 35): rows a program, columns a step (BLOCK_G = columns / groupsize),
-    warps, PREFETCH. Group 128 takes the same columns a step (not tuned)."""
+    benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B with the fusions; float16 pairs run 30 at
+    group 32; integers run 35, and runs 43-44 at groups 32 and 128 after the 2D load): rows a program,
+    columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Groups 64 and 256 take group
+    128's (not tuned)."""
+    small = groupsize <= 32
     if swiglu:
-        rows, columns, warps, prefetch = (32, 1024, 4, False) if dp4a else (8, 512, 4, True)
+        rows, columns, warps, prefetch = ((16 if small else 32, 1024, 8 if small else 4, False) if dp4a
+                                          else (8, 512, 4, True))
     elif N > 8192:
         rows, columns, warps, prefetch = (32, 1024, 8, False) if dp4a else (16, 512, 4, False)
+    elif K > 8192:
+        rows, columns, warps, prefetch = ((8, 2048, 8, False) if small else (16, 4096, 8, False)) if dp4a \
+            else (8, 1024, 4, True)
     else:
-        rows, columns, warps, prefetch = (8, 1024, 4, True) if K > 8192 else (16, 2048, 8, False)
+        rows, columns, warps, prefetch = 16, 2048 if small or not dp4a else 4096, 8, False
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
     return rows, block_g, warps, 3, prefetch
 
