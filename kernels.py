@@ -403,8 +403,9 @@ if triton is not None:
         (DP4A: [BN, BLOCK_G]) for rows `rows`; MASKED: zero past the last group. The words load as
         the 2D tile they are in memory, [BN, BLOCK_G G/8], then take their 3D shape: loaded in 3D,
         Triton put a warp's threads on 32 rows, 16 bytes each, not along a row's contiguous bytes
-        (the 7B step at group 32 ran 12% slower, run 43). The scale-and-zero words are loaded in 2D
-        and expanded: loaded in 3D, Triton moved the weights into their layout through shared memory."""
+        (the 7B step at group 32: 479 against 539 tok/s, runs 41 and 44). The scale-and-zero words
+        are loaded in 2D and expanded: loaded in 3D, Triton moved the weights into their layout
+        through shared memory."""
         groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
         cols = b * (BLOCK_G * (G // 8)) + tl.arange(0, BLOCK_G * (G // 8))
         w_at = w_ptr + rows[:, None] * (n_groups * (G // 8)) + cols[None, :]
@@ -640,8 +641,8 @@ INT4_DP4A = os.environ.get("GRAPHDECODE_INT4_DP4A", "auto")
 
 def int4_dp4a(K: int) -> bool:
     """Whether int4_gemv runs in integers for a K-column weight (INT4_DP4A): "auto" takes integers on
-    every shape. Since the words load as 2D tiles (_int4_load, run 43) they beat float16 pairs on the
-    down projection too (Llama-2-7B, K = 11008, tuned, run 44: 9.4 against 11.0 µs at group 32, 9.2
+    every shape. Since the words load as 2D tiles (_int4_load, run 44) they beat float16 pairs on the
+    down projection too (Llama-2-7B, K = 11008, tuned, run 45: 9.4 against 11.0 µs at group 32, 9.2
     against 10.8 at 128), where in run 35, loaded across rows, they lost (19.6 against 13.7). x in int8
     per int4 group costs the default model 0.2% perplexity at group 32, 0.5% at 128, with every int4
     layer doing it (benchmarks/x_int8_perplexity.py). K is kept for a rule by shape on other GPUs."""
@@ -806,7 +807,7 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False,
                 dp4a: bool = False) -> tuple[int, int, int, int, bool]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize`, from
     benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B with the fusions; float16 pairs run 30 at
-    group 32; integers run 35, and runs 43-44 at groups 32 and 128 after the 2D load): rows a program,
+    group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a program,
     columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Groups 64 and 256 take group
     128's (not tuned)."""
     small = groupsize <= 32
@@ -814,7 +815,7 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False,
         rows, columns, warps, prefetch = ((16 if small else 32, 1024, 8 if small else 4, False) if dp4a
                                           else (8, 512, 4, True))
     elif N > 8192:
-        rows, columns, warps, prefetch = (32, 1024, 8, False) if dp4a else (16, 512, 4, False)
+        rows, columns, warps, prefetch = (32, 1024, 4 if small else 8, False) if dp4a else (16, 512, 4, False)
     elif K > 8192:
         rows, columns, warps, prefetch = ((8, 2048, 8, False) if small else (16, 4096, 8, False)) if dp4a \
             else (8, 1024, 4, True)

@@ -252,17 +252,18 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   zk) # run 42 (final code): larger tiles a program than any grid so far (more bytes in flight a thread), int4 g32 in integers
       t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --tune \
         --grid 32:32,64:16,16:64,32:64,64:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-big.json" ;;
-  zl) # prepared in session 10, not run yet: the int4 GEMV's loads alone (benchmarks/int4_stream.py: words, words and
-      # scale-and-zero words, the words as a 2D tile) against the kernel, at int4_config's launches and 4 or 8 warps
+  zl) # run 43 (session 10's kernel; prepared then, run in session 11): the int4 GEMV's loads alone
+      # (benchmarks/int4_stream.py: words, words and scale-and-zero words, the words as a 2D tile) against the
+      # kernel, at int4_config's launches and 4 or 8 warps
       t 200 python3 benchmarks/int4_stream.py --model llama-2-7b --warps 4,8 --json "$OUT/int4-stream.json" ;;
-  zm) # run 43 (session 11: the int4 words loaded as a 2D tile [rows, groups x words] and reshaped, so that a warp reads
+  zm) # run 44 (session 11: the int4 words loaded as a 2D tile [rows, groups x words] and reshaped, so that a warp reads
       # one row's contiguous bytes; the 3D load had put a warp's 32 threads on 32 rows): the probe (its kernel column is
       # the new load), the 7B step at g32, g128 and bf16; then the one-row int4 launches retuned in integers
       t 200 python3 benchmarks/int4_stream.py --model llama-2-7b --json "$OUT/int4-stream.json"
       logged_variants 150 0 zm1:"--quantize int4-g32" zm2:"--quantize int4-g128" zm3:""
       t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --dp4a 1 --tune \
         --grid 8:32,16:16,16:32,16:64,32:16,32:32,64:16 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-flat.json" ;;
-  zn) # run 44 (run 43's retune: the down projection in integers at 8 rows of 2048 columns, 8 warps, no prefetch):
+  zn) # run 45 (run 44's retune: the down projection in integers at 8 rows of 2048 columns, 8 warps, no prefetch):
       # the down projection's launches in both arithmetics and gate/up's in integers, tuned; the 7B int4 step by shape
       # (auto: the down projection in float16 pairs) and in integers everywhere, g32 and g128
       t 200 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --layers w2 --dp4a 0,1 --tune \
@@ -271,9 +272,21 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --grid 16:8,32:8,16:16,16:32,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-w13.json"
       logged_variants 150 0 zn1:"--quantize int4-g32" zn2:"--quantize int4-g32 --int4-dp4a 1" \
         zn3:"--quantize int4-g128" zn4:"--quantize int4-g128 --int4-dp4a 1" ;;
-  zo) # run 45 (session 11's final code: the 2D int4 load, integers on every shape, launches of runs 43-44): the 7B
+  zo) # run 46 (session 11's final code: the 2D int4 load, integers on every shape, launches of runs 44-45): the 7B
       # int4 step at g32 with its costliest kernels and at g128, int8; then every test of test_cuda.py and test_kernels.py
       logged_variants 170 24 zo1:"--quantize int4-g32 --kernels"
       logged_variants 150 0 zo2:"--quantize int4-g128" zo3:"--quantize int8"
       t 330 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -8 ;;
+  zp) # run 47 (run 46's code): where the g32 step's time goes without PDL's overlap (each kernel alone), the probe at the
+      # new launches, and wqkv / wo at group 32 over a wider grid
+      logged_variants 170 24 zp1:"--quantize int4-g32 --kernels --no-pdl"
+      t 120 python3 benchmarks/int4_stream.py --model llama-2-7b --json "$OUT/int4-stream.json"
+      t 150 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wqkv,wo --dp4a 1 --tune \
+        --grid 16:32,32:16,32:32,64:16,16:64,32:64,64:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-qkvo.json" ;;
+  zq) # run 48 (wqkv, fused with the norm, at 4 warps at group 32: 9.5 against 11.8 µs in runs 44 and 47): wqkv at
+      # group 128 in 4 or 8 warps; the 7B int4 step at g32 and g128; the int4 GPU tests
+      t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --layers wqkv --dp4a 1 --tune \
+        --grid 32:8,32:16,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-qkv.json"
+      logged_variants 150 0 zq1:"--quantize int4-g32" zq2:"--quantize int4-g128"
+      t 150 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py -k "int4" | tail -3 ;;
 esac; done

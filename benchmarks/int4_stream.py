@@ -22,7 +22,10 @@ multiplying (gate/up: 2 BLOCK_N contiguous rows a program, where the kernel read
   kernel     kernels.int4_gemv itself (integers; the residual form, gate/up with SwiGLU; x times ones)
 
 Read in order (words, words+sz, math, math+sz, kernel), each step adds one part of the kernel's work: the
-first that falls well below the copy ceiling names what holds the kernel back. GB/s counts the bytes each variant reads. Timed as CUDA graph replays over
+first that falls well below the copy ceiling names what holds the kernel back. Run 43 (session 11): the
+first, words in the 3D tile, at 1.4-2.7 TB/s against flat's 2.7-4.1: the 3D load put a warp's threads on
+32 rows. kernels._int4_load has loaded the 2D tile since, so the math forms and the kernel, which call it,
+do too (BENCHMARKS.md, session 11). GB/s counts the bytes each variant reads. Timed as CUDA graph replays over
 >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls); the probe's result is checked against torch.
 
     python benchmarks/int4_stream.py --model llama-2-7b [--warps 4,8] [--json PATH]
