@@ -331,8 +331,8 @@ def main(argv=None) -> int:
     p.add_argument("--int8-float32", action="store_true",
                    help="one-row int8 GEMVs in float32 arithmetic instead of float16 pairs (A/B)")
     p.add_argument("--int4-dp4a", choices=["auto", "0", "1"], default=None,
-                   help="the one-row int4 GEMV's arithmetic: integers (1), float16 pairs (0), or by shape "
-                        "(auto, the default: kernels.int4_dp4a)")
+                   help="the one-row int4 GEMV's arithmetic: integers (1), float16 pairs (0), or "
+                        "kernels.int4_dp4a's rule (auto, the default: integers on every shape)")
     p.add_argument("--int4-tinygemm", action="store_true",
                    help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")

@@ -10,8 +10,9 @@ rows (many programs, no split, for one row of x; a split of the input dimension 
 dequantize in registers, and accumulate in float32 (but for the one-row int8 GEMVs with the norm
 fused, which multiply and sum in float16 pairs first: use_half). Everything they launch has fixed shapes:
 they replay inside CUDA graphs. int4 (one row, int4_gemv, further down) multiplies in integers
-(dp4a, x in int8 per group) or in float16 pairs, by shape (int4_dp4a); decode's int4 step is 1.37x
-as fast as through PyTorch's tinygemm on the Llama-2-7B shape (BENCHMARKS.md, session 9).
+(dp4a, x in int8 per group; float16 pairs with GRAPHDECODE_INT4_DP4A=0, int4_dp4a); decode's int4
+step at group 32 is 1.78x as fast as through PyTorch's tinygemm on the Llama-2-7B shape
+(BENCHMARKS.md, runs 34 and 48).
 
 Launch plan, per program (one block of outputs, one slice of K):
   1 row of x:        acc[BLOCK_N, BLOCK_K] += W_tile * x   (no reduction inside the loop; int8 with

@@ -370,7 +370,7 @@ def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused, dp
     assert ((y.double().cpu() - reference).abs() <= 2**-7 * reference.abs() + INT4_TOLERANCE[dp4a] * size).all()
 
 
-def test_int4_arithmetic_by_shape_and_its_setting(monkeypatch):
+def test_int4_arithmetic_and_its_setting(monkeypatch):
     """kernels.int4_dp4a: integers on every shape (auto), or by GRAPHDECODE_INT4_DP4A 0 / 1 everywhere;
     anything else is an error, not a silent choice."""
     assert kernels.int4_dp4a(4096) and kernels.int4_dp4a(11008)
