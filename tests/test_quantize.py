@@ -470,3 +470,29 @@ def test_int8_greedy_against_float(default_ckpt, default_float, default_int8):
     # kernels' bf16 activations (4/7 of chat prompts with fp32 activations; see BENCHMARKS.md).
     assert same >= 1
     assert sum(agree) / len(agree) >= 0.9
+
+
+def test_int4_scale_bits_rounds_scales_and_zeros_and_refits_the_levels():
+    """benchmarks/int4_scale_bits.py (BENCHMARKS.md session 11): scales and zeros rounded to k bits
+    relative to their row's (or block's) largest, within half a step of it; the re-rounded levels
+    reproduce the weights as well as the rounded scales allow; at 16 bits the layer is unchanged."""
+    from benchmarks.int4_scale_bits import requantize, round_relative
+    torch.manual_seed(0)
+    w = torch.randn(8, 128)
+    packed, scales, zeros = quantize_int4(w, 32)
+    sd = {"l.weight": packed, "l.scales": scales, "l.zeros": zeros, "head.weight": torch.ones(2, 2),
+          "head.scales": torch.ones(2)}  # (an int8 layer: scales, no zeros; left alone)
+    original = dequantize_int4(packed, scales.float(), zeros.float(), 32)
+    for bits, block in ((8, 0), (5, 2)):
+        s2 = round_relative(scales.float(), bits, block, signed=False)
+        step = scales.float().view(8, -1, block or 4).abs().amax(-1).repeat_interleave(block or 4, 1) / (2 ** bits - 1)
+        assert ((s2 - scales.float()).abs() <= step / 2 + 1e-7).all() and (s2 > 0).all()
+        out = requantize(sd, bits, block, 32)
+        assert out["head.weight"] is sd["head.weight"] and out["head.scales"] is sd["head.scales"]
+        got = dequantize_int4(out["l.weight"], out["l.scales"].float(), out["l.zeros"].float(), 32)
+        err, base = (got - w).pow(2).mean().sqrt(), (original - w).pow(2).mean().sqrt()
+        assert 0.9 * base < err < base * (1.3 if bits == 8 else 3), (bits, err, base)
+        assert not out["l.scales"].equal(scales)
+    same = requantize(sd, 16, 0, 32)
+    got = dequantize_int4(same["l.weight"], same["l.scales"].float(), same["l.zeros"].float(), 32)
+    assert (got - original).abs().max() <= 1e-2 * original.abs().max()
