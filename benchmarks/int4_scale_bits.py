@@ -48,13 +48,10 @@ def requantize(sd: dict, bits: int, block: int, groupsize: int) -> dict:
     out = dict(sd)
     for name in [k[:-len(".zeros")] for k in sd if k.endswith(".zeros")]:  # (int8 layers have scales only)
         packed, s, z = sd[name + ".weight"], sd[name + ".scales"].float(), sd[name + ".zeros"].float()
-        N = packed.shape[0]
-        q = torch.stack([packed & 15, packed >> 4], -1).view(N, -1).float()  # [N, K]: column 2i low nibble
-        K = q.shape[1]
-        expand = lambda t: t.repeat_interleave(groupsize, 1)[:, :K]  # noqa: E731
-        W = (q - 8) * expand(s) + expand(z)
+        W = M.dequantize_int4(packed, s, z, groupsize)
         s2, z2 = round_relative(s, bits, block, False), round_relative(z, bits, block, True)
-        q2 = ((W - expand(z2)) / expand(s2) + 8).round().clamp(0, 15).to(torch.uint8)
+        group = torch.arange(W.shape[1]) // groupsize  # column -> its group, as dequantize_int4's
+        q2 = ((W - z2[:, group]) / s2[:, group] + 8).round().clamp(0, 15).to(torch.uint8)
         out[name + ".weight"] = (q2[:, ::2] | q2[:, 1::2] << 4).contiguous()
         out[name + ".scales"] = s2.to(sd[name + ".scales"].dtype)
         out[name + ".zeros"] = z2.to(sd[name + ".zeros"].dtype)
