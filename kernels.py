@@ -640,13 +640,13 @@ def use_half(x: torch.Tensor, scales: torch.Tensor | None, M: int, norm_weight: 
 INT4_DP4A = os.environ.get("GRAPHDECODE_INT4_DP4A", "auto")
 
 
-def int4_dp4a(K: int) -> bool:
-    """Whether int4_gemv runs in integers for a K-column weight (INT4_DP4A): "auto" takes integers on
-    every shape. Since the words load as 2D tiles (_int4_load, run 44) they beat float16 pairs on the
-    down projection too (Llama-2-7B, K = 11008, tuned, run 45: 9.4 against 11.0 µs at group 32, 9.2
-    against 10.8 at 128), where in run 35, loaded across rows, they lost (19.6 against 13.7). x in int8
-    per int4 group costs the default model 0.2% perplexity at group 32, 0.5% at 128, with every int4
-    layer doing it (benchmarks/x_int8_perplexity.py). K is kept for a rule by shape on other GPUs."""
+def int4_dp4a() -> bool:
+    """Whether int4_gemv runs in integers (INT4_DP4A): "auto" takes integers on every shape. Since
+    the words load as 2D tiles (_int4_load, run 44) they beat float16 pairs on the down projection
+    too (Llama-2-7B, K = 11008, tuned, run 45: 9.4 against 11.0 µs at group 32, 9.2 against 10.8 at
+    128), where in run 35, loaded across rows, they lost (19.6 against 13.7; the rule was integers up
+    to 8192 columns). x in int8 per int4 group costs the default model 0.2% perplexity at group 32,
+    0.5% at 128, with every int4 layer doing it (benchmarks/x_int8_perplexity.py)."""
     if INT4_DP4A not in ("auto", "0", "1"):
         raise ValueError(f"GRAPHDECODE_INT4_DP4A must be auto, 0 or 1 (got {INT4_DP4A!r})")
     return INT4_DP4A in ("auto", "1")
@@ -803,25 +803,30 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return words.contiguous(), sz.contiguous(), 1.0 / c
 
 
-# A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH)
+# A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH). By layer shape: gate/up
+# (SwiGLU), wide (N > 8192: wqkv), long (K > 8192: the down projection), square (wo, and the rest); in
+# integers (rows, columns a step, warps) at group 32 and at group 128, or in float16 pairs (and PREFETCH).
+INT4_LAUNCHES = {
+    "gate/up": ((16, 1024, 8), (32, 1024, 4), (8, 512, 4, True)),
+    "wide": ((32, 1024, 4), (32, 1024, 8), (16, 512, 4, False)),
+    "long": ((8, 2048, 8), (16, 4096, 8), (8, 1024, 4, True)),
+    "square": ((16, 2048, 8), (16, 4096, 8), (16, 2048, 8, False)),
+}
+
+
 def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False,
                 dp4a: bool = False) -> tuple[int, int, int, int, bool]:
-    """The launch for one row of x times int4 weights [N, K] in groups of `groupsize`, from
-    benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B with the fusions; float16 pairs run 30 at
-    group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a program,
-    columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Groups 64 and 256 take group
-    128's (not tuned)."""
-    small = groupsize <= 32
-    if swiglu:
-        rows, columns, warps, prefetch = ((16 if small else 32, 1024, 8 if small else 4, False) if dp4a
-                                          else (8, 512, 4, True))
-    elif N > 8192:
-        rows, columns, warps, prefetch = (32, 1024, 4 if small else 8, False) if dp4a else (16, 512, 4, False)
-    elif K > 8192:
-        rows, columns, warps, prefetch = ((8, 2048, 8, False) if small else (16, 4096, 8, False)) if dp4a \
-            else (8, 1024, 4, True)
+    """The launch for one row of x times int4 weights [N, K] in groups of `groupsize` (INT4_LAUNCHES),
+    from benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B with the fusions; float16 pairs run 30
+    at group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a
+    program, columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Groups 64 and 256 take
+    group 128's (not tuned)."""
+    shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
+    at_32, at_128, half = INT4_LAUNCHES[shape]
+    if dp4a:
+        (rows, columns, warps), prefetch = at_32 if groupsize <= 32 else at_128, False
     else:
-        rows, columns, warps, prefetch = 16, 2048 if small or not dp4a else 4096, 8, False
+        rows, columns, warps, prefetch = half
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
     return rows, block_g, warps, 3, prefetch
 

@@ -619,7 +619,7 @@ class Int4Linear(nn.Module):
             self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
             return
         if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and kernels.triton is not None:  # (PTX)
-            self.gemv_dp4a = kernels.int4_dp4a(2 * self.weight.shape[1])
+            self.gemv_dp4a = kernels.int4_dp4a()
             weight, sz, self.gemv_unscale, self.gemv_group = int4_gemv_layout(self.weight, self.scales, self.zeros,
                                                                              self.groupsize, self.gemv_dp4a)
             # (buffers outside the state dict: derived, like the packed weight, and a step reads one
