@@ -189,7 +189,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
                     gen._decode_step(token, pos, tokens)
                     times.append(time.perf_counter() - t)
     total = sum(times)
-    weight_bytes = weight_bytes_per_step(model)
+    weight_bytes = weight_bytes_per_step(model, batch)
     a = model.args
     mean_len = prompt_tokens + new_tokens / 2
     kv_bytes = 2 * a.n_layers * batch * a.n_kv_heads * mean_len * a.head_dim * model.tok_embeddings.weight.element_size()
@@ -262,7 +262,7 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     synchronize(device)
     decode_s = time.perf_counter() - start
     # Weights read per round: the target once (verification), the draft K times.
-    gb_s = gen.rounds * (weight_bytes_per_step(target) + k * weight_bytes_per_step(draft)) / decode_s / 1e9
+    gb_s = gen.rounds * (weight_bytes_per_step(target, k + 1) + k * weight_bytes_per_step(draft)) / decode_s / 1e9
     record = {"mode": f"speculative-{mode}", "batch_size": 1, "prompt_tokens": prompt_tokens,
               "new_tokens": new_tokens, "speculate_k": k, "temperature": sampling.temperature,
               "tok_s": n / decode_s, "rounds": gen.rounds, "acceptance_histogram": gen.histogram,
@@ -335,6 +335,9 @@ def main(argv=None) -> int:
                         "kernels.int4_dp4a's rule (auto, the default: integers on every shape)")
     p.add_argument("--int4-tinygemm", action="store_true",
                    help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
+    p.add_argument("--int4-codes", choices=["0", "1"], default=None,
+                   help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1) or "
+                        "float16 (0); default: model.INT4_CODES (GRAPHDECODE_INT4_CODES, off)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -361,6 +364,8 @@ def main(argv=None) -> int:
     kernels.PDL = not a.no_pdl
     kernels.INT8_HALF = not a.int8_float32
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
+    if a.int4_codes is not None:
+        model_module.INT4_CODES = a.int4_codes == "1"
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     if not 1 <= a.gemv_max_rows <= 16:
         print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)
@@ -414,6 +419,7 @@ def main(argv=None) -> int:
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
+                 int4_codes=model_module.INT4_CODES if int4 else None,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

@@ -425,15 +425,23 @@ def check_speculative_graphs(gen, start: int) -> dict:
     return {"draft_loop": loop, "verify": verify}
 
 
-def weight_bytes_per_step(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: every stored tensor once (quantized weights and
-    their scales included), except the embedding table, of which a step reads one row per
-    sequence (unless it doubles as the output head)."""
+def weight_bytes_per_step(model: Transformer, rows: int = 1) -> int:
+    """Bytes of weights one decode step of `rows` sequences reads: every stored tensor once (quantized
+    weights and their scales included), except the embedding table, of which a step reads one row per
+    sequence (unless it doubles as the output head). An int4 layer with a one-row layout of its own
+    (model.Int4Linear's gemv_ buffers) counts that one for one row (with int4 codes it is smaller)."""
     persistent = model.state_dict().keys()
     tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
     tensors.update((n, b) for n, b in model.named_buffers() if n in persistent)  # not the KV cache
     if not model.args.tie_embeddings:
         tensors.pop("tok_embeddings.weight")
+    if rows == 1:
+        for name, module in model.named_modules():
+            if getattr(module, "gemv_weight", None) is not None:
+                for kind in ("weight", "scales_and_zeros"):
+                    tensors.pop(f"{name}.{kind}")
+                tensors.update((f"{name}.{kind}", t) for kind in ("gemv_weight", "gemv_sz", "gemv_units")
+                               if (t := getattr(module, kind)) is not None)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -336,13 +336,14 @@ if triton is not None:
                                          args=[w, x, acc], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
-    def _int4_dp4a_block(acc, acc_up, w, w_up, sz, sz_up, x, SWIGLU: tl.constexpr, G: tl.constexpr,
-                         BLOCK_G: tl.constexpr, EMULATE: tl.constexpr):
+    def _int4_dp4a_block(acc, acc_up, w, w_up, sz, sz_up, units, units_up, x, SWIGLU: tl.constexpr, G: tl.constexpr,
+                         BLOCK_G: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr):
         """The products of one block of the one-row int4 GEMV in integers (int4_layout(dp4a=True)): x
         [BLOCK_G * G] (times g) per group of G to int8, x ~ sx q with sx = max |x| / 127, four bytes to
         an int32. Each word's nibbles as bytes (w & 0x0F0F0F0F: columns 8j..8j+3; w >> 4 & 0x0F0F0F0F:
         8j+4..8j+7) take a dp4a each with x's bytes: 5 instructions for 8 weights. Per group, in
-        float32: acc += s sx (sum(q_w q) - 8 sum(q)) + z sum(x)."""
+        float32: acc += s sx (sum(q_w q) - 8 sum(q)) + z sum(x) (CODES: s and z from their codes and
+        the rows' units, _int4_scale_zero)."""
         x = tl.reshape(x, (BLOCK_G, G))
         amax = tl.max(tl.abs(x), axis=1)
         x_sum = tl.sum(x, axis=1)[None, :]
@@ -352,22 +353,35 @@ if triton is not None:
         q = tl.reshape(q & 255, (BLOCK_G, G // 8, 2, 4)) << (8 * tl.arange(0, 4))[None, None, None, :]
         x_lo, x_hi = tl.split(tl.sum(q, axis=3))  # (bytes apart: the sum is their bitwise or)
         x_lo, x_hi = x_lo[None, :, :], x_hi[None, :, :]
-        acc = _int4_dp4a_acc(acc, w, sz, x_lo, x_hi, q_sum, sx, x_sum, EMULATE)
+        acc = _int4_dp4a_acc(acc, w, sz, units, x_lo, x_hi, q_sum, sx, x_sum, CODES, EMULATE)
         if SWIGLU:
-            acc_up = _int4_dp4a_acc(acc_up, w_up, sz_up, x_lo, x_hi, q_sum, sx, x_sum, EMULATE)
+            acc_up = _int4_dp4a_acc(acc_up, w_up, sz_up, units_up, x_lo, x_hi, q_sum, sx, x_sum, CODES, EMULATE)
         return acc, acc_up
 
     @triton.jit
-    def _int4_dp4a_acc(acc, w, sz, x_lo, x_hi, q_sum, sx, x_sum, EMULATE: tl.constexpr):
+    def _int4_dp4a_acc(acc, w, sz, units, x_lo, x_hi, q_sum, sx, x_sum, CODES: tl.constexpr, EMULATE: tl.constexpr):
         """acc [BN, BLOCK_G] + each group's products of words w with x's bytes (_int4_dp4a_block)."""
         dot = _dp4a((w >> 4) & 0x0F0F0F0F, x_hi, _dp4a(w & 0x0F0F0F0F, x_lo, tl.zeros_like(w), EMULATE), EMULATE)
-        s, z = _f16_pair(sz)
+        s, z = _int4_scale_zero(sz, units, CODES)
         return acc + (tl.sum(dot, axis=2).to(tl.float32) - 8 * q_sum) * s * sx + z * x_sum
 
     @triton.jit
-    def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_row, g_ptr, x_scale, b, n_groups,
+    def _int4_scale_zero(sz, units, CODES: tl.constexpr):
+        """Each group's (scale, zero) in float32 from its scale-and-zero word: two float16, or
+        (CODES) an int16 of two codes, the scale's in the low byte (0..255) and the zero's in the
+        high byte (signed), times the row's units (units: [BN, 2] float32, one row of x's int4_layout)."""
+        if CODES:
+            v = sz.to(tl.int32)  # (sign-extended: v >> 8 is the zero's code)
+            unit_s, unit_z = tl.split(units)
+            s, z = (v & 255).to(tl.float32) * unit_s[:, None], (v >> 8).to(tl.float32) * unit_z[:, None]
+        else:
+            s, z = _f16_pair(sz)
+        return s, z
+
+    @triton.jit
+    def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up, x_row, g_ptr, x_scale, b, n_groups,
                     NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                    DP4A: tl.constexpr, EMULATE: tl.constexpr):
+                    DP4A: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr):
         """Block b (BLOCK_G groups of G columns) of the one-row int4 GEMV: x there, normed (NORM:
         squares, g); then (DP4A) in integers, _int4_dp4a_block, or scaled by x_scale in float32, as
         float16 pairs in int32 in 1D, moved into the weight tile's layout as the four pairs of each
@@ -382,7 +396,8 @@ if triton is not None:
         # for its groups: 4.1 instructions a weight against 2.7, sm_90 machine code)
         x *= tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32)
         if DP4A:
-            acc, acc_up = _int4_dp4a_block(acc, acc_up, w, w_up, sz, sz_up, x, SWIGLU, G, BLOCK_G, EMULATE)
+            acc, acc_up = _int4_dp4a_block(acc, acc_up, w, w_up, sz, sz_up, units, units_up, x, SWIGLU, G, BLOCK_G,
+                                           CODES, EMULATE)
         else:
             lo, hi = tl.split(tl.reshape(x * x_scale, (BLOCK_G * G // 2, 2)))
             pairs = tl.reshape(_to_f16_pair(lo, hi), (BLOCK_G, G // 8, 2, 2))  # [group, word, i // 2, i % 2]
@@ -424,17 +439,27 @@ if triton is not None:
         return w, sz
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
+    def _int4_units(u_ptr, rows, CODES: tl.constexpr):
+        """Rows `rows`' units [BN, 2] (float32: scale's, zero's) where CODES, else a placeholder."""
+        if CODES:
+            units = tl.load(u_ptr + rows[:, None] * 2 + tl.arange(0, 2)[None, :])
+        else:
+            units = tl.zeros((rows.shape[0], 2), tl.float32)
+        return units
+
+    @triton.jit
+    def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, u_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr,
-                          PDL: tl.constexpr, DP4A: tl.constexpr, EMULATE: tl.constexpr):
+                          PDL: tl.constexpr, DP4A: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr):
         """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
         G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
         PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each word's float16
         pair of the [BLOCK_N, BLOCK_G, G/8] tile sums its products (the first block of x sets x_scale,
         as for int8: _half_block), then the pairs are summed in float32. PREFETCH: each block's
         weights load one step ahead of its products. DP4A: in integers, each group's sum in float32
-        (_int4_dp4a_block; no x_scale)."""
+        (_int4_dp4a_block; no x_scale). CODES (DP4A only): the scale-and-zero words are int16 codes and
+        u_ptr holds each row's two units (int4_layout with units)."""
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -451,6 +476,10 @@ if triton is not None:
         w_up, sz_up = w, sz
         if SWIGLU:
             w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True, DP4A)
+        units = _int4_units(u_ptr, rows, CODES)
+        units_up = units
+        if SWIGLU:
+            units_up = _int4_units(u_ptr, rows + N, CODES)
         if PDL:
             tl.extra.cuda.gdc_wait()
         if DP4A:
@@ -467,26 +496,31 @@ if triton is not None:
                 w_up_next, sz_up_next = w_next, sz_next
                 if SWIGLU:
                     w_up_next, sz_up_next = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
-                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
-                                                   b - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
+                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                                   x_ptr, g_ptr, x_scale, b - 1, n_groups,
+                                                   NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
                 w, w_up, sz, sz_up = w_next, w_up_next, sz_next, sz_up_next
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
-                                               tl.maximum(full, 1) - 1, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                               x_ptr, g_ptr, x_scale, tl.maximum(full, 1) - 1, n_groups,
+                                               NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
         else:
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, 0,
-                                               n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                               x_ptr, g_ptr, x_scale, 0, n_groups,
+                                               NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
             for b in range(1, full):
                 w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, DP4A)
                 if SWIGLU:
                     w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
-                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale,
-                                                   b, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
+                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                                   x_ptr, g_ptr, x_scale, b, n_groups,
+                                                   NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
         if (full * BLOCK_G < n_groups) & (full > 0):
             w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True, DP4A)
             if SWIGLU:
                 w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True, DP4A)
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, x_ptr, g_ptr, x_scale, full,
-                                               n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, EMULATE)
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                               x_ptr, g_ptr, x_scale, full, n_groups,
+                                               NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
         unscale = w_unscale / x_scale
         if NORM:
             unscale *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -777,22 +811,35 @@ def _(x, weight, scales, norm_weight, eps, residual, swiglu):
 
 # -- int4, one row: the host side ------------------------------------------------------------------
 
-def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                dp4a: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
+def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dp4a: bool = False,
+                units: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """int4 values q [N, K] in 0..15 with a scale and zero [N, K/g] per group of g columns
     (W = (q - 8) s + z; model.int4_gemv_layout makes them from the file) -> (int32 words [N, K/8],
     scale-and-zero words [N, K/g], w_unscale) for int4_gemv. c = 1 / w_unscale is the power of two
     that brings the largest |(q - 8) s + z| to (1/2, 1] (float16 keeps its 11 bits for the small
-    groups; c is exact). Scale-and-zero words (s c, z c) in float16. Weights, float16 pairs: column
-    8j + 2i + h at bits 16 h + 4 i of word j; dp4a: column 8j + i at bits 8 i, 8j + 4 + i at 8 i + 4."""
+    groups; c is exact). Scale-and-zero words (s c, z c) in float16; or, given each row's units
+    [N, 2] (dp4a only: quantize.py's grid, model.int4_grid_units), int16 codes (s / u_s in the low
+    byte, 0..255; z / u_z in the high byte, -128..127), half the bytes, and w_unscale 1. Weights,
+    float16 pairs: column 8j + 2i + h at bits 16 h + 4 i of word j; dp4a: column 8j + i at bits 8 i,
+    8j + 4 + i at 8 i + 4."""
     N, K = q.shape
     if K % 32:
         raise ValueError(f"int4_layout: K must be a multiple of 32 (got {K})")
     s, z = scales.float(), zeros.float()
-    bound = (8 * s.abs() + z.abs()).max().item()  # |(q - 8) s + z| <= 8 |s| + |z|
-    c = 2.0 ** -math.ceil(math.log2(bound)) if bound > 0 else 1.0
-    halves = [(t * c).half().view(torch.int16).int() for t in (s, z)]
-    sz = (halves[0] & 0xFFFF) | (halves[1] << 16)
+    if units is not None:
+        if not dp4a:
+            raise ValueError("int4_layout: codes (units) are for the integer kernel (dp4a) only")
+        c = 1.0
+        codes_s, codes_z = s / units[:, :1], z / units[:, 1:]
+        if not all(bool(((k == k.round()) & (k >= lo) & (k <= hi)).all())
+                   for k, lo, hi in ((codes_s, 0, 255), (codes_z, -128, 127))):
+            raise ValueError("int4_layout: the scales and zeros are not whole codes of the units given")
+        sz = (codes_s + 256 * codes_z).to(torch.int16)
+    else:
+        bound = (8 * s.abs() + z.abs()).max().item()  # |(q - 8) s + z| <= 8 |s| + |z|
+        c = 2.0 ** -math.ceil(math.log2(bound)) if bound > 0 else 1.0
+        halves = [(t * c).half().view(torch.int16).int() for t in (s, z)]
+        sz = (halves[0] & 0xFFFF) | (halves[1] << 16)
     if dp4a:
         shifts = 4 * torch.arange(2, device=q.device)[:, None] + 8 * torch.arange(4, device=q.device)
         words = (q.view(N, K // 8, 2, 4).long() << shifts).sum((2, 3))
@@ -832,13 +879,13 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False,
 
 
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
-              norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-              swiglu: bool = False, ones: torch.Tensor | None = None, launch: tuple | None = None,
-              dp4a: bool = False) -> torch.Tensor:
-    """One row x [..., K] times int4 weights (int4_layout, of the same dp4a) -> [..., N] in x's dtype,
-    with gemv's fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the norm
-    the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its own).
-    dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma)."""
+              units: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+              residual: torch.Tensor | None = None, swiglu: bool = False, ones: torch.Tensor | None = None,
+              launch: tuple | None = None, dp4a: bool = False) -> torch.Tensor:
+    """One row x [..., K] times int4 weights (int4_layout, of the same dp4a and units) -> [..., N] in x's
+    dtype, with gemv's fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the
+    norm the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its
+    own). dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
@@ -846,40 +893,44 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
     if weight.shape[1] * 8 != K or K % groupsize or sz.shape != (weight.shape[0], K // groupsize):
         raise ValueError(f"int4_gemv: weight {tuple(weight.shape)} and sz {tuple(sz.shape)} do not fit K={K} "
                          f"in groups of {groupsize}")
+    if (units is not None) != (sz.dtype == torch.int16) or (units is not None and not dp4a):
+        raise ValueError("int4_gemv: int16 codes go with their units, in integers (dp4a)")
     N = weight.shape[0] // (2 if swiglu else 1)
     block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a)
     x2 = x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
     _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x2, weight, sz, norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K),
+        x2, weight, sz, sz if units is None else units,
+        norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K),
         weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
-        BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl, DP4A=dp4a,
+        BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl, DP4A=dp4a, CODES=units is not None,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return y.view(*x.shape[:-1], N)
 
 
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
-                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                units: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, swiglu: bool = False,
                 ones: torch.Tensor | None = None, dp4a: bool = False) -> torch.Tensor:
     """int4_gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
-        return int4_gemv_op(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a)
-    return int4_gemv(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a)
+        return int4_gemv_op(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a)
+    return int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a)
 
 
 @torch.library.custom_op("graphdecode::int4_gemv", mutates_args=())
 def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
-                 norm_weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
-                 swiglu: bool, ones: Optional[torch.Tensor], dp4a: bool) -> torch.Tensor:
-    return int4_gemv(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a)
+                 units: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor], eps: float,
+                 residual: Optional[torch.Tensor], swiglu: bool, ones: Optional[torch.Tensor],
+                 dp4a: bool) -> torch.Tensor:
+    return int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a)
 
 
 @int4_gemv_op.register_fake
-def _(x, weight, sz, w_unscale, groupsize, norm_weight, eps, residual, swiglu, ones, dp4a):
+def _(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 # -- decode attention ------------------------------------------------------------------------------

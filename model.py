@@ -355,8 +355,8 @@ def decode_gemv(x, weight, scales, norm, residual, swiglu=False):
 def decode_int4_gemv(x, layer, norm, residual, swiglu=False):
     """decode_gemv for an Int4Linear's one-row layout: kernels.int4_matmul."""
     return fused_matmul(lambda x, **fused: kernels.int4_matmul(x, layer.gemv_weight, layer.gemv_sz, layer.gemv_unscale,
-                                                              layer.gemv_group, **fused, ones=layer.gemv_ones,
-                                                              dp4a=layer.gemv_dp4a),
+                                                              layer.gemv_group, layer.gemv_units, **fused,
+                                                              ones=layer.gemv_ones, dp4a=layer.gemv_dp4a),
                         x, norm, residual, swiglu)
 
 
@@ -443,6 +443,10 @@ INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 # int4 weights on the GPU. GRAPHDECODE_INT4_GEMV=0 (or bench.py --int4-tinygemm) keeps tinygemm
 # alone, set before the model loads.
 INT4_GEMV = os.environ.get("GRAPHDECODE_INT4_GEMV", "1") == "1"
+# Where a layer's scales and zeros lie on quantize.py's grid (int4_grid_units), kernels.int4_gemv can
+# read them as one byte each instead of two (int4_layout's codes): at group 32, 4.5 bits a weight
+# instead of 5. Off (GRAPHDECODE_INT4_CODES=1 turns it on) until the H200 has timed it.
+INT4_CODES = os.environ.get("GRAPHDECODE_INT4_CODES", "0") == "1"
 CPU_KERNEL_MAX_ROWS = 32  # up to this many tokens the CPU int8 kernel beats dequantize + F.linear
 
 
@@ -515,6 +519,29 @@ def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return (q - 8) * scales[:, group] + zeros[:, group]
 
 
+def int4_grid_unit(v: torch.Tensor, levels: int) -> torch.Tensor:
+    """v [N, G] -> [N, 1] float32: per row, the smallest power of two u with max |v| <= levels u
+    (1 for a row of zeros)."""
+    m, e = torch.frexp(v.float().abs().amax(1, keepdim=True) / levels)
+    return torch.where(m > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
+
+
+def int4_units(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The units of quantize.py's grid for int4 scales and zeros [N, G]: [N, 2] float32, the scales'
+    (int4_grid_unit with 255 levels) and the zeros' (127 levels)."""
+    return torch.cat([int4_grid_unit(scales, 255), int4_grid_unit(zeros, 127)], dim=1)
+
+
+def int4_grid_units(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor | None:
+    """int4_units, if every scale is a whole number of its row's unit (0..255) and every zero one
+    too (-127..127): 8 bits each, exactly, and in bf16 too (a power of two times 8 bits); else None
+    (a file from elsewhere, such as a GGUF's)."""
+    units = int4_units(scales, zeros)
+    codes_s, codes_z = scales.float() / units[:, :1], zeros.float() / units[:, 1:]
+    whole = bool((codes_s == codes_s.round()).all() and (codes_z == codes_z.round()).all())
+    return units if whole and bool((scales >= 0).all()) else None
+
+
 def kernel_groups(scales, zeros, groupsize: int, K: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The file's scales and zeros for the GPU kernels, which want equal groups: a group size that
     does not divide K leaves a shorter last group in the file (576 = 4 x 128 + 64), so the kernels
@@ -541,11 +568,14 @@ def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torc
     return packed, scales_and_zeros
 
 
-def int4_gemv_layout(weight, scales, zeros, groupsize: int,
-                     dp4a: bool = False) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-    """The file's int4 layout -> kernels.int4_gemv's (words, scale-and-zero words, w_unscale, group g)."""
+def int4_gemv_layout(weight, scales, zeros, groupsize: int, dp4a: bool = False,
+                     codes: bool = False) -> tuple[torch.Tensor, torch.Tensor, float, int, torch.Tensor | None]:
+    """The file's int4 layout -> kernels.int4_gemv's (words, scale-and-zero words, w_unscale, group g,
+    units): codes (in integers only), where the scales and zeros are on quantize.py's grid, as int16
+    codes of their rows' units; else float16 pairs, and units None."""
     s, z, g = kernel_groups(scales, zeros, groupsize, 2 * weight.shape[1])
-    return (*kernels.int4_layout(unpack_int4(weight), s, z, dp4a), g)
+    units = int4_grid_units(s, z) if codes and dp4a else None
+    return (*kernels.int4_layout(unpack_int4(weight), s, z, dp4a, units), g, units)
 
 
 def _int_parameter(*shape, dtype) -> nn.Parameter:
@@ -620,12 +650,13 @@ class Int4Linear(nn.Module):
             return
         if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and kernels.triton is not None:  # (PTX)
             self.gemv_dp4a = kernels.int4_dp4a()
-            weight, sz, self.gemv_unscale, self.gemv_group = int4_gemv_layout(self.weight, self.scales, self.zeros,
-                                                                             self.groupsize, self.gemv_dp4a)
+            weight, sz, self.gemv_unscale, self.gemv_group, units = int4_gemv_layout(
+                self.weight, self.scales, self.zeros, self.groupsize, self.gemv_dp4a, INT4_CODES)
             # (buffers outside the state dict: derived, like the packed weight, and a step reads one
             # layout or the other, the same number of bytes, so weight_bytes_per_step counts one)
             self.register_buffer("gemv_weight", weight, persistent=False)
             self.register_buffer("gemv_sz", sz, persistent=False)
+            self.register_buffer("gemv_units", units, persistent=False)
             self.register_buffer("gemv_ones", torch.ones(weight.shape[1] * 8, device=weight.device, dtype=torch.bfloat16),
                                  persistent=False)  # (bf16: the kernel build benchmarks/gemv_int4.py timed)
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)

@@ -7,11 +7,13 @@ int8: every linear layer per output channel, symmetric (scale = max|w| / 127).
 int4: the blocks' linear layers in groups of G input columns, asymmetric: each group gets a scale
       and a zero (the middle level's value), fitted by least squares over a few clipping ranges
       (measured on the default model, it beats plain min/max and symmetric 4-bit: see
-      BENCHMARKS.md). The output head stays int8 per channel. With --calibration, int4 uses GPTQ
-      instead (Frantar et al. 2022): the float model reads the text, and each layer's columns are
-      rounded in turn, every rounding error compensated on the columns not yet rounded, weighted
-      by how the layer's inputs on that text correlate. Same format, better where rounding alone
-      loses most (the default model at group size 128: perplexity 1.39x float -> 1.14x).
+      BENCHMARKS.md), then rounded to a grid of 8 bits a row (on_grid: what lets the GPU kernel
+      read them as one byte each). The output head stays int8 per channel. With --calibration,
+      int4 uses GPTQ instead (Frantar et al. 2022): the float model reads the text, and each
+      layer's columns are rounded in turn, every rounding error compensated on the columns not yet
+      rounded, weighted by how the layer's inputs on that text correlate. Same format, better
+      where rounding alone loses most (the default model at group size 128: perplexity 1.39x
+      float -> 1.14x).
 Both: the embedding table stays float (one row read per token). The file formats, and the
 modules that run them, are at the end of model.py; generate.py and eval.py load the result with
 no extra flag.
@@ -35,7 +37,8 @@ import torch
 from safetensors import safe_open
 
 from convert_hf_checkpoint import write_safetensors
-from model import INT4_GROUPSIZES, ModelArgs, Transformer, check_quantization, quantized_constructor, read_config
+from model import (INT4_GROUPSIZES, ModelArgs, Transformer, check_quantization, int4_units, quantized_constructor,
+                   read_config)
 
 SCALE_DTYPE = torch.bfloat16  # the kernels' dtype: scales are fitted to the values they will have
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
@@ -59,7 +62,8 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int4(w: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric, per group of `groupsize` columns (the last group shorter when groupsize does
     not divide K): (uint8 [N, K/2] two values a byte, scales [N, G], zeros [N, G]) with
-    w ~ (q - 8) * scale + zero."""
+    w ~ (q - 8) * scale + zero, the scales and zeros on the grid (on_grid) and the levels rounded
+    against them."""
     N, K = w.shape
     if K % 2:
         raise QuantizeError(f"int4 needs an even input dim (got {K})")
@@ -67,9 +71,25 @@ def quantize_int4(w: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.
     parts = [_fit_int4(w[:, :full].float().view(N, -1, groupsize))] if full else []
     if full < K:
         parts.append(_fit_int4(w[:, full:].float().view(N, 1, K - full)))
-    q = torch.cat([p[0].flatten(1) for p in parts], dim=1).to(torch.uint8)  # [N, K] in 0..15
     scales, zeros = (torch.cat([p[i] for p in parts], dim=1) for i in (1, 2))
+    scales, zeros = on_grid(scales, zeros, int4_units(scales, zeros))
+    group = torch.arange(K, device=w.device) // groupsize  # column -> its group; the levels again, against the grid's values
+    q = ((w.float() - zeros.float()[:, group]) / scales.float()[:, group]).round().clamp(-8, 7) + 8
+    q = q.to(torch.uint8)
     return q[:, ::2] | q[:, 1::2] << 4, scales, zeros
+
+
+# Scales and zeros on a grid: each a whole number of a power of two per row, 8 bits (scales 1..255,
+# zeros -127..127; model.int4_grid_units). They stay bf16 in the file (exactly: 8 bits times a
+# power of two), so every kernel computes with the same weights, and kernels.int4_gemv can read them
+# as one byte each (model.INT4_CODES). Cost on the default model: BENCHMARKS.md.
+
+def on_grid(scales: torch.Tensor, zeros: torch.Tensor, units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zeros [N, G] rounded to whole numbers of their rows' units [N, 2] (scales at
+    least one: no group loses its scale), in SCALE_DTYPE."""
+    s = (scales.float() / units[:, :1]).round().clamp(1, 255) * units[:, :1]
+    z = (zeros.float() / units[:, 1:]).round().clamp(-127, 127) * units[:, 1:]
+    return s.to(SCALE_DTYPE), z.to(SCALE_DTYPE)
 
 
 def _fit_int4(w: torch.Tensor, clips=(0.0, 0.05, 0.1)) -> tuple[torch.Tensor, ...]:
@@ -119,6 +139,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
     W[:, dead] = 0
     H += damp * torch.diag(H).mean() * torch.eye(K, dtype=H.dtype, device=H.device)  # dampened, as the paper does
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    units = int4_units(*quantize_int4(w.float(), groupsize)[1:])  # the grid's, from the weights as they are
     q = torch.zeros(N, K, dtype=torch.uint8, device=w.device)
     scales, zeros = [], []
     for b0 in range(0, K, block):
@@ -129,6 +150,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
             if j % groupsize == 0:  # a new group: its scale and zero
                 group = torch.cat([Wb[:, i:], W[:, b1:j + groupsize]], dim=1)[:, :groupsize]
                 _, scale, zero = _fit_int4(group.float().unsqueeze(1))
+                scale, zero = on_grid(scale, zero, units)
                 scales.append(scale)
                 zeros.append(zero)
                 s, z = scale.double().view(N), zero.double().view(N)

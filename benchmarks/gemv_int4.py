@@ -2,9 +2,12 @@
 fuses into each GEMV: RMSNorm before wqkv and w13, SwiGLU in w13, the residual add after wo and w2) against PyTorch's
 tinygemm (_weight_int4pack_mm, the matmul alone), on a preset's shapes, timed as CUDA graph replays
 over >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls). Each result is checked against a
-float64 reference of the dequantized weights first. --tune tries a grid of launches.
+float64 reference of the dequantized weights first. --tune tries a grid of launches. The scales
+and zeros lie on quantize.py's grid, as it writes them; --codes 1 also times the integer kernel
+reading them as 8-bit codes (model.INT4_CODES), the bytes a call reads counted as it reads them.
 
-    python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--tune] [--json PATH]
+    python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--codes 0,1]
+        [--tune] [--json PATH]
 """
 import argparse
 import itertools
@@ -19,18 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
 import model as M  # noqa: E402
 from bench import PRESETS, copy_bandwidth  # noqa: E402
+from quantize import on_grid  # noqa: E402
 from benchmarks.gemv import L2_MULTIPLE_BYTES, fastest, shapes, time_calls  # noqa: E402
 
 FUSED = {"wqkv": "norm", "wo": "residual", "w13": "swiglu", "w2": "residual", "output": "norm"}
 
 
 def file_weights(N, K, G, device):
-    """Random int4 weights in model.py's file layout: q, packed bytes, scales, zeros [N, K/G]."""
+    """Random int4 weights in model.py's file layout: q, packed bytes, scales, zeros [N, K/G] (on
+    quantize.py's grid)."""
     q = torch.randint(0, 16, (N, K), device=device, dtype=torch.uint8)
     packed = q[:, ::2] | (q[:, 1::2] << 4)
     scales = (torch.rand(N, K // G, device=device) * 2e-3 + 5e-4).bfloat16()
     zeros = (torch.randn(N, K // G, device=device) * 1e-3).bfloat16()
-    return packed, scales, zeros
+    return packed, *on_grid(scales, zeros, M.int4_units(scales, zeros))
 
 
 def main():
@@ -46,10 +51,14 @@ def main():
     p.add_argument("--prefetch", default="0,1")
     p.add_argument("--dp4a", default="0,1", help="comma-separated int4_gemv arithmetics: 0 float16 pairs, "
                    "1 integers (dp4a)")
+    p.add_argument("--codes", default="0", help="comma-separated: 0 scales and zeros in float16, 1 also as "
+                   "8-bit codes (with --dp4a 1 only)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    if not set(a.dp4a.split(",")) <= {"0", "1"}:
-        p.error(f"--dp4a takes 0 and 1 (got {a.dp4a})")
+    if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
+        p.error(f"--dp4a and --codes take 0 and 1 (got {a.dp4a}, {a.codes})")
+    variants = [(dp4a, codes) for dp4a in (v == "1" for v in a.dp4a.split(","))
+                for codes in (v == "1" for v in a.codes.split(",")) if dp4a or not codes]
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)
@@ -84,9 +93,10 @@ def main():
         theirs_c = [theirs] + [tuple(t.clone() for t in theirs) for _ in range(copies - 1)]
         t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
         del theirs_c
-        for dp4a in (bool(int(v)) for v in a.dp4a.split(",")):
+        for dp4a, codes in variants:
             default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a)
-            ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a)
+            ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a, codes)
+            ours_bytes = sum(t.numel() * t.element_size() for t in (ours[0], ours[1], ours[4]) if t is not None)
             kw["dp4a"] = dp4a
             err = ((kernels.int4_gemv(x, *ours, **kw).double() - expect).abs().max() / expect.abs().max()).item()
             ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
@@ -99,13 +109,14 @@ def main():
                         for f in a.prefetch.split(",")]
                 best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
                                                                 for w in ours_c], reps), grid, best)
-            rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "bytes": nbytes,
+            rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "codes": codes,
+                   "bytes": nbytes, "ours_bytes": ours_bytes,
                    "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,
-                   "ours_gb_s": nbytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
-                   "best_gb_s": nbytes / best[0] / 1e9, "best": best[1], "err": err, "err_tinygemm": err_tg,
+                   "ours_gb_s": ours_bytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
+                   "best_gb_s": ours_bytes / best[0] / 1e9, "best": best[1], "err": err, "err_tinygemm": err_tg,
                    "ceiling_gb_s": ceiling}
             records.append(rec)
-            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} tinygemm {t_tg*1e6:6.1f} us "
+            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} codes {int(codes)} tinygemm {t_tg*1e6:6.1f} us "
                   f"{rec['tinygemm_gb_s']:5.0f} GB/s | ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | "
                   f"best {best[0]*1e6:6.1f} us {rec['best_gb_s']:5.0f} GB/s {best[1]} | err {err:.1e} tinygemm {err_tg:.1e}",
                   flush=True)

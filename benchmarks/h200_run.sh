@@ -290,4 +290,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --grid 32:8,32:16,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-qkv.json"
       logged_variants 150 0 zq1:"--quantize int4-g32" zq2:"--quantize int4-g128"
       t 150 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py -k "int4" | tail -3 ;;
+  zr) # prepared in session 12 (no GPU then), not yet run: int4 scales and zeros as 8-bit codes (quantize.py's grid,
+      # model.INT4_CODES): the GEMVs in float16 words against codes, at int4_config's launches and retuned around
+      # them; the 7B step at g32 and g128 with and without codes; the GPU tests
+      t 100 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --dp4a 1 --codes 0,1 \
+        --json "$OUT/gemv-int4-codes.json"
+      t 200 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --tune \
+        --grid 8:32,16:32,32:16,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-codes-tune.json"
+      logged_variants 150 0 zr1:"--quantize int4-g32 --int4-codes 0" zr2:"--quantize int4-g32 --int4-codes 1" \
+        zr3:"--quantize int4-g128 --int4-codes 0" zr4:"--quantize int4-g128 --int4-codes 1"
+      t 300 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -3 ;;
 esac; done

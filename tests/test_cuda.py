@@ -157,20 +157,23 @@ def test_kept_outputs_not_overwritten_by_replays(graphed):
     assert len(sum(early, []) + sum(rest, [])) == 120
 
 
-@pytest.mark.parametrize("mode, group, int4_gemv", [("int8", None, False), ("int4", 32, False), ("int4", 32, True),
-                                                   ("int4", 128, True)])
-def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int4_gemv, monkeypatch):
+@pytest.mark.parametrize("mode, group, int4_gemv, codes", [("int8", None, False, False), ("int4", 32, False, False),
+                                                          ("int4", 32, True, False), ("int4", 32, True, True),
+                                                          ("int4", 128, True, False)])
+def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int4_gemv, codes, monkeypatch):
     """Weight-only int8/int4 layers are capture-safe: graphed decode is one replay per token, each
     token it picks is the top one (up to bf16 rounding) of an eager forward over the same history,
     and the quantized logits stay near the float model's. int4_gemv: the one-row steps through
     kernels.int4_gemv (model.INT4_GEMV), against an eager forward of the prompt and history, whose
-    rows go through tinygemm."""
+    rows go through tinygemm. codes: its scales and zeros read as 8-bit codes (model.INT4_CODES)."""
     import model as model_module
     from quantize import quantize_model
 
     monkeypatch.setattr(model_module, "INT4_GEMV", int4_gemv)  # (read when the layers load)
+    monkeypatch.setattr(model_module, "INT4_CODES", codes)
     qmodel = quantize_model(model, mode, group)
     assert any(hasattr(m, "gemv_weight") for m in qmodel.modules()) == int4_gemv
+    assert any(getattr(m, "gemv_units", None) is not None for m in qmodel.modules()) == codes
     gen = make_generator(qmodel, "graphs")
     gen.reserve(1, 128)
     graphed = tokens_of(gen, 40)
@@ -193,18 +196,21 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int
     assert rel < (0.05 if mode == "int8" else 0.25), rel
 
 
-@pytest.mark.parametrize("dp4a", ["0", "1"])
+@pytest.mark.parametrize("dp4a, codes", [("0", False), ("1", False), ("1", True)])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("group", [32, 128])
-def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, monkeypatch):
+def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, codes, monkeypatch):
     """With model.INT4_GEMV (the default) an int4 model's one-row steps run kernels.int4_gemv (the
     norm, SwiGLU and the residual fused): a decode step gives the logits of the same step through
     PyTorch's tinygemm (the layout dropped), both built from the same file tensors, within bf16
-    rounding, in either arithmetic (kernels.INT4_DP4A). `wide`: dims of 1024 and 2560, so that
-    gate/up's loop runs two blocks (with PREFETCH in float16 pairs) and down's K ends in a partial
-    block (2560 = 2048 + 512), as at 7B and not in ARGS's model."""
+    rounding, in either arithmetic (kernels.INT4_DP4A), and with the scales and zeros as codes
+    (model.INT4_CODES: every layer, quantize.py's grid), whose step reads fewer bytes
+    (generate.weight_bytes_per_step). `wide`: dims of 1024 and 2560, so that gate/up's loop runs
+    two blocks (with PREFETCH in float16 pairs) and down's K ends in a partial block (2560 = 2048 +
+    512), as at 7B and not in ARGS's model."""
     import kernels
     import model as model_module
+    from generate import weight_bytes_per_step
     from quantize import quantize_model
 
     if wide:
@@ -213,9 +219,14 @@ def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, monkeypa
                                        intermediate_size=2560, max_seq_len=256), torch.device("cuda"), torch.bfloat16)
     monkeypatch.setattr(model_module, "INT4_GEMV", True)  # (read when the layers load)
     monkeypatch.setattr(kernels, "INT4_DP4A", dp4a)  # float16 pairs or integers everywhere
+    monkeypatch.setattr(model_module, "INT4_CODES", codes)
     qmodel = quantize_model(model, "int4", group)
     layers = [m for m in qmodel.modules() if isinstance(m, model_module.Int4Linear)]
     assert layers and all(hasattr(m, "gemv_weight") and m.gemv_dp4a == (dp4a == "1") for m in layers)
+    assert all((m.gemv_units is not None) == codes for m in layers)
+    # codes: 2 bytes a group instead of float16's 4, and 8 a row for the units
+    saved = sum(2 * m.gemv_sz.numel() - 4 * m.gemv_units.numel() for m in layers) if codes else 0
+    assert weight_bytes_per_step(qmodel, 2) - weight_bytes_per_step(qmodel) == saved
     idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
     logits = {}
     for ours in (True, False):

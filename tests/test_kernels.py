@@ -242,9 +242,11 @@ def test_int8_half_pairs_over_the_range_of_real_activations(scale, monkeypatch):
     assert (y.double().cpu() - reference).abs().max().item() <= 2e-3 * size
 
 
-def int4_weights(N, K, G, scale=1.0):
-    """Random int4 weights in model.py's file layout and their float64 values."""
-    from model import dequantize_int4
+def int4_weights(N, K, G, scale=1.0, grid=False):
+    """Random int4 weights in model.py's file layout and their float64 values; grid: the scales and
+    zeros on quantize.py's grid (as it writes them)."""
+    from model import dequantize_int4, int4_units
+    from quantize import on_grid
 
     torch.manual_seed(N * K + G)
     q = torch.randint(0, 16, (N, K))
@@ -252,6 +254,8 @@ def int4_weights(N, K, G, scale=1.0):
     groups = -(-K // G)
     scales = ((torch.rand(N, groups) / 50 + 1e-3) * scale).bfloat16()
     zeros = (torch.randn(N, groups) / 100 * scale).bfloat16()
+    if grid:
+        scales, zeros = on_grid(scales, zeros, int4_units(scales, zeros))
     return packed, scales, zeros, dequantize_int4(packed, scales.double(), zeros.double(), G)
 
 
@@ -282,21 +286,23 @@ def int4_case(fused, x, N, W):
 INT4_TOLERANCE = {False: 2e-3, True: 2.5e-2}
 
 
-@pytest.mark.parametrize("dp4a", [False, True])
+@pytest.mark.parametrize("dp4a, codes", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
 @pytest.mark.parametrize("N, K, G, launch", [(64, 256, 32, (16, 4, 4, 2, True)), (40, 576, 128, (16, 2, 4, 2, True)),
                                              (48, 1024, 32, None), (32, 512, 128, (8, 1, 4, 1, False)),
                                              (40, 576, 128, (16, 2, 4, 2, False))])
-def test_int4_gemv_matches_float64(N, K, G, launch, fused, dp4a):
-    """kernels.int4_gemv (one row, float16 pairs or dp4a, file layout repacked by int4_gemv_layout)
-    against the float64 product of the dequantized weights: float32 x within INT4_TOLERANCE of the
-    largest output, bf16 x also within bf16's rounding. Covers blocks that fit, a group size that
-    does not divide K (576 = 4 x 128 + 64: groups of 64 then), a partial block of rows (40 at 16)
-    and a last block K ends inside (9 groups at 2 a block)."""
+def test_int4_gemv_matches_float64(N, K, G, launch, fused, dp4a, codes):
+    """kernels.int4_gemv (one row, float16 pairs or dp4a, file layout repacked by int4_gemv_layout;
+    codes: scales and zeros on quantize.py's grid, read as int16 codes) against the float64 product
+    of the dequantized weights: float32 x within INT4_TOLERANCE of the largest output, bf16 x also
+    within bf16's rounding. Covers blocks that fit, a group size that does not divide K (576 = 4 x
+    128 + 64: groups of 64 then), a partial block of rows (40 at 16) and a last block K ends inside
+    (9 groups at 2 a block)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    packed, scales, zeros, W = int4_weights(N, K, G)
-    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, dp4a)
+    packed, scales, zeros, W = int4_weights(N, K, G, grid=codes)
+    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, dp4a, codes)
     assert layout[3] == math.gcd(G, K)
+    assert (layout[4] is not None) == codes and layout[1].dtype == (torch.int16 if codes else torch.int32)
     for dtype, rounding in ((torch.float32, 0.0), (torch.bfloat16, 2**-8 if device == "cuda" else 2**-7)):
         x = torch.randn(1, K).bfloat16().to(dtype)
         kwargs, reference, size = int4_case(fused, x, N, W)
@@ -307,27 +313,33 @@ def test_int4_gemv_matches_float64(N, K, G, launch, fused, dp4a):
                 + INT4_TOLERANCE[dp4a] * size).all(), (dtype, fused)
 
 
+@pytest.mark.parametrize("codes", [False, True])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("fused", ["norm", "swiglu", "residual"])
-def test_int4_gemv_dp4a_is_its_definition(fused, prefetch):
+def test_int4_gemv_dp4a_is_its_definition(fused, prefetch, codes):
     """dp4a's result is its definition: x (times g) to int8 per group of G, q = floor(x 127 / max|x| +
     0.5), and per group s max|x| / 127 sum((q_w - 8) q) + z sum(x), s and z as float16 times the
-    layout's power of two; over 5 blocks of 8 groups and a last one of 1. In the interpreter (exact
-    float32, as torch's here) to float32 rounding; on the GPU, whose division is approximate, a q at
-    a tie may round the other way: within 2e-3 of the output's scale (a 1% error of scale is 1e-2)."""
+    layout's power of two (codes: each code times its row's unit); over 5 blocks of 8 groups and a
+    last one of 1. In the interpreter (exact float32, as torch's here) to float32 rounding; on the
+    GPU, whose division is approximate, a q at a tie may round the other way: within 2e-3 of the
+    output's scale (a 1% error of scale is 1e-2)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     N, K, G = 48, 1312, 32
-    packed, scales, zeros, _ = int4_weights(N, K, G)
-    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, True)
-    sz, w_unscale = layout[1].cpu(), layout[2]
+    packed, scales, zeros, _ = int4_weights(N, K, G, grid=codes)
+    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, True, codes)
+    sz, w_unscale, units = layout[1].cpu(), layout[2], layout[4]
     x = torch.randn(1, K)
     kwargs, _, _ = int4_case(fused, x, N, torch.zeros(N, K, dtype=torch.float64))  # (its fused arguments)
     xg = x.float() * (kwargs["norm_weight"].float() if "norm_weight" in kwargs else 1.0)
     xg = xg.view(-1, G)
     amax = xg.abs().amax(1, keepdim=True)
     q = torch.floor(xg * (127 / amax) + 0.5).double()
-    halves = torch.stack([sz & 0xFFFF, (sz >> 16) & 0xFFFF]).to(torch.int16).view(torch.float16).double()
-    s, z = halves[0] * w_unscale, halves[1] * w_unscale  # [rows, groups]
+    if codes:  # the scale's code in the low byte, the zero's (signed) in the high byte
+        units = units.cpu().double()
+        s, z = (sz.int() & 255).double() * units[:, :1], (sz.int() >> 8).double() * units[:, 1:]
+    else:
+        halves = torch.stack([sz & 0xFFFF, (sz >> 16) & 0xFFFF]).to(torch.int16).view(torch.float16).double()
+        s, z = halves[0] * w_unscale, halves[1] * w_unscale  # [rows, groups]
     q_w = torch.stack([packed & 15, packed >> 4], -1).view(N, K).double().view(N, -1, G)
     y_def = (((q_w - 8) * q[None]).sum(-1) * s * (amax.double().T / 127) + z * xg.double().sum(1)[None]).sum(1)[None]
     if "norm_weight" in kwargs:
@@ -381,6 +393,33 @@ def test_int4_arithmetic_and_its_setting(monkeypatch):
     monkeypatch.setattr(kernels, "INT4_DP4A", "2")
     with pytest.raises(ValueError, match="GRAPHDECODE_INT4_DP4A must be auto, 0 or 1"):
         kernels.int4_dp4a()
+
+
+def test_int4_codes_only_on_the_grid():
+    """int4_gemv_layout reads the scales and zeros as codes only where every one lies on the grid
+    (quantize.py's), exactly; a file from elsewhere (these random bf16 scales, as a GGUF's) keeps
+    float16 pairs, and so does float16 arithmetic. The codes are the grid's numbers: code times
+    unit gives the file's scale and zero back."""
+    from model import int4_grid_units
+
+    packed, scales, zeros, _ = int4_weights(32, 256, 32)
+    assert int4_grid_units(scales, zeros) is None
+    assert int4_gemv_layout(packed, scales, zeros, 32, True, True)[4] is None
+    packed, scales, zeros, _ = int4_weights(32, 256, 32, grid=True)
+    assert int4_gemv_layout(packed, scales, zeros, 32, False, True)[4] is None  # (float16 pairs)
+    _, sz, w_unscale, _, units = int4_gemv_layout(packed, scales, zeros, 32, True, True)
+    assert sz.dtype == torch.int16 and w_unscale == 1.0 and units.shape == (32, 2)
+    assert torch.equal((sz.int() & 255).float() * units[:, :1], scales.float())
+    assert torch.equal((sz.int() >> 8).float() * units[:, 1:], zeros.float())
+    off = scales.clone()
+    off[3, 5] = 1.5 * units[3, 0]  # (half a unit past one: bf16 holds it exactly)
+    assert int4_grid_units(off, zeros) is None
+    with pytest.raises(ValueError, match="not whole codes"):
+        kernels.int4_layout(torch.zeros(32, 256, dtype=torch.int64), off, zeros, True, units)
+    with pytest.raises(ValueError, match="integer kernel"):
+        kernels.int4_layout(torch.zeros(32, 256, dtype=torch.int64), scales, zeros, False, units)
+    with pytest.raises(ValueError, match="go with their units"):
+        kernels.int4_gemv(torch.zeros(1, 256), *int4_gemv_layout(packed, scales, zeros, 32, True, True)[:4], dp4a=True)
 
 
 def test_int4_gemv_takes_one_row():
