@@ -410,6 +410,9 @@ def main(argv=None) -> int:
     records = []
 
     int4 = (a.quantize or "").startswith("int4") or (a.draft_quantize or "").startswith("int4")
+    # whether any int4 layer reads its scales as codes (--int4-codes asks; a layer off the grid keeps float16)
+    codes_used = any(getattr(m, "gemv_units", None) is not None for mod in (model, draft) if mod is not None
+                     for m in mod.modules())
 
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
@@ -419,7 +422,7 @@ def main(argv=None) -> int:
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
-                 int4_codes=model_module.INT4_CODES if int4 else None,
+                 int4_codes=codes_used if int4 else None,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

@@ -895,6 +895,10 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
                          f"in groups of {groupsize}")
     if (units is not None) != (sz.dtype == torch.int16) or (units is not None and not dp4a):
         raise ValueError("int4_gemv: int16 codes go with their units, in integers (dp4a)")
+    if units is not None and (units.shape != (weight.shape[0], 2) or units.dtype != torch.float32
+                              or not units.is_contiguous()):
+        raise ValueError(f"int4_gemv: units must be float32 [{weight.shape[0]}, 2], contiguous "
+                         f"(got {units.dtype} {tuple(units.shape)})")
     N = weight.shape[0] // (2 if swiglu else 1)
     block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a)
     x2 = x2.contiguous()

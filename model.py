@@ -538,8 +538,9 @@ def int4_grid_units(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor |
     (a file from elsewhere, such as a GGUF's)."""
     units = int4_units(scales, zeros)
     codes_s, codes_z = scales.float() / units[:, :1], zeros.float() / units[:, 1:]
-    whole = bool((codes_s == codes_s.round()).all() and (codes_z == codes_z.round()).all())
-    return units if whole and bool((scales >= 0).all()) else None
+    whole = all(bool(((k == k.round()) & (k >= lo) & (k <= hi)).all())
+                for k, lo, hi in ((codes_s, 0, 255), (codes_z, -127, 127)))  # (the range: float32's subnormals)
+    return units if whole else None
 
 
 def kernel_groups(scales, zeros, groupsize: int, K: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -652,8 +653,8 @@ class Int4Linear(nn.Module):
             self.gemv_dp4a = kernels.int4_dp4a()
             weight, sz, self.gemv_unscale, self.gemv_group, units = int4_gemv_layout(
                 self.weight, self.scales, self.zeros, self.groupsize, self.gemv_dp4a, INT4_CODES)
-            # (buffers outside the state dict: derived, like the packed weight, and a step reads one
-            # layout or the other, the same number of bytes, so weight_bytes_per_step counts one)
+            # (buffers outside the state dict: derived, like the packed weight; a step reads one layout
+            # or the other, and generate.weight_bytes_per_step counts this one for one row)
             self.register_buffer("gemv_weight", weight, persistent=False)
             self.register_buffer("gemv_sz", sz, persistent=False)
             self.register_buffer("gemv_units", units, persistent=False)

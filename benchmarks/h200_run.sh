@@ -51,6 +51,17 @@ logged_variants() {  # limit-s lines name:"flags" ... -> one cold 7B batch-1 ben
     else grep -v -E "Warning|warn\(" "$OUT/$d.log" | tail -"$lines"; fi
   done
 }
+shared_json_variants() {  # limit-s file name:"flags" ... -> one cold 7B batch-1 bench per entry, all records in one
+  # JSON file (bench.py appends), each log in /tmp/name.log; shows the exit status and the result lines
+  local limit=$1 json=$2; shift 2
+  for v in "$@"; do
+    d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
+    # shellcheck disable=SC2086
+    TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 "$limit" python3 bench.py \
+      --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$json" > "/tmp/$d.log" 2>&1
+    echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+  done
+}
 for part in "${@:-a b c1 c2 d}"; do case $part in
   a)  # run 9 (before the fused GEMVs): first call with the traced kernel and through the custom op
       # (then --opaque-gemv; the custom op is now the default and --traced-gemv the other way), cold then warm
@@ -290,14 +301,19 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --grid 32:8,32:16,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-qkv.json"
       logged_variants 150 0 zq1:"--quantize int4-g32" zq2:"--quantize int4-g128"
       t 150 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py -k "int4" | tail -3 ;;
-  zr) # prepared in session 12 (no GPU then), not yet run: int4 scales and zeros as 8-bit codes (quantize.py's grid,
-      # model.INT4_CODES): the GEMVs in float16 words against codes, at int4_config's launches and retuned around
-      # them; the 7B step at g32 and g128 with and without codes; the GPU tests
+  zr) # run 50 (session 12: int4 scales and zeros on quantize.py's grid; model.INT4_CODES): the GEMVs with float16
+      # scales against 8-bit codes at int4_config's launches; the 7B step in bf16, and at g32 without and with codes
+      # (one JSON for the benches, their logs left on the machine: the device tool returns at most 8 files)
       t 100 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --dp4a 1 --codes 0,1 \
         --json "$OUT/gemv-int4-codes.json"
+      shared_json_variants 120 "$OUT/h200-codes.json" zr0:"" zr1:"--quantize int4-g32 --int4-codes 0" \
+        zr2:"--quantize int4-g32 --int4-codes 1" ;;
+  zs) # run 51 (run 50's code): every GPU test with codes the default (GRAPHDECODE_INT4_CODES=1); the 7B g128 step with codes
+      GRAPHDECODE_INT4_CODES=1 t 330 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py \
+        | tail -5
+      shared_json_variants 120 "$OUT/h200-codes.json" zs1:"--quantize int4-g128 --int4-codes 1" ;;
+  zt) # run 52 (run 50's code): the 7B g128 step without codes; the codes' launches retuned at group 32
+      shared_json_variants 120 "$OUT/h200-codes.json" zt1:"--quantize int4-g128 --int4-codes 0"
       t 200 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --tune \
-        --grid 8:32,16:32,32:16,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-codes-tune.json"
-      logged_variants 150 0 zr1:"--quantize int4-g32 --int4-codes 0" zr2:"--quantize int4-g32 --int4-codes 1" \
-        zr3:"--quantize int4-g128 --int4-codes 0" zr4:"--quantize int4-g128 --int4-codes 1"
-      t 300 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -3 ;;
+        --grid 8:32,16:32,32:16,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-codes-tune.json" ;;
 esac; done

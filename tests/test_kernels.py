@@ -418,8 +418,11 @@ def test_int4_codes_only_on_the_grid():
         kernels.int4_layout(torch.zeros(32, 256, dtype=torch.int64), off, zeros, True, units)
     with pytest.raises(ValueError, match="integer kernel"):
         kernels.int4_layout(torch.zeros(32, 256, dtype=torch.int64), scales, zeros, False, units)
+    layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
     with pytest.raises(ValueError, match="go with their units"):
-        kernels.int4_gemv(torch.zeros(1, 256), *int4_gemv_layout(packed, scales, zeros, 32, True, True)[:4], dp4a=True)
+        kernels.int4_gemv(torch.zeros(1, 256), *layout[:4], dp4a=True)
+    with pytest.raises(ValueError, match=r"units must be float32 \[32, 2\]"):
+        kernels.int4_gemv(torch.zeros(1, 256), *layout[:4], layout[4].double(), dp4a=True)
 
 
 def test_int4_gemv_takes_one_row():

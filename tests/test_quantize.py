@@ -77,24 +77,27 @@ def test_int4_error_per_group_beats_min_max_rounding(groupsize):
 
 @pytest.mark.parametrize("groupsize", [32, 128])
 def test_int4_grid_costs_little(groupsize, monkeypatch):
-    """Scales and zeros on the grid (quantize.on_grid: 8 bits a row, the levels rounded again) move
-    the weights' squared error by at most 3% against the fit left in bf16 (measured here: 1.2% at group 32, 0.2% at 128), and
-    code times unit is the bf16 value, exactly."""
+    """Scales and zeros on the grid (quantize._grid_fit: 8 bits a row, the best of the grid points
+    around the fit) leave the weights' squared error within 3% of the fit's in bf16 (measured here:
+    0.5% smaller at group 32, 0.3% at 128: the search among grid points more than pays for the
+    grid)."""
     import quantize
 
     w = weights(64, 576, seed=groupsize)
     packed, scales, zeros = quantize_int4(w, groupsize)
     units = int4_grid_units(scales, zeros)
-    assert torch.equal((scales.float() / units[:, :1]).round() * units[:, :1], scales.float())
+    assert units is not None
     # (units are powers of two: the largest code of a row is 128..255, of a zero 64..127)
     codes_s, codes_z = scales.float().div(units[:, :1]).amax(1), zeros.float().div(units[:, 1:]).abs().amax(1)
     assert ((codes_s >= 128) & (codes_s <= 255)).all() and ((codes_z >= 64) & (codes_z <= 127)).all()
     err = (dequantize_int4(packed, scales.float(), zeros.float(), groupsize) - w).pow(2).sum()
-    monkeypatch.setattr(quantize, "on_grid", lambda s, z, units: (s, z))
+    monkeypatch.setattr(quantize, "_grid_fit",  # (the fit as it is: its levels against its bf16 scale and zero)
+                        lambda w, s, z, units: ((w - z.float()[..., None]).div(s.float()[..., None]).round()
+                                                .clamp(-8, 7) + 8, s, z))
     p, s, z = quantize_int4(w, groupsize)
     assert int4_grid_units(s, z) is None
     err_off = (dequantize_int4(p, s.float(), z.float(), groupsize) - w).pow(2).sum()
-    assert err_off <= err <= 1.03 * err_off, (err / err_off).item()
+    assert err <= 1.03 * err_off, (err / err_off).item()
 
 
 @pytest.mark.parametrize("groupsize", [32, 64, 256])
