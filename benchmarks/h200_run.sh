@@ -39,27 +39,19 @@ variants() {  # name:"flags" ... -> one cold 7B batch-1 bench per entry
   done
 }
 logged_variants() {  # limit-s lines name:"flags" ... -> one cold 7B batch-1 bench per entry, its whole output in
-  # $OUT/name.log; shows the exit status and the result lines (lines 0), or the log's last `lines` lines
+  # $OUT/name.log; shows the exit status and the result lines (lines 0), or the log's last `lines` lines.
+  # With JSON=file set: every record in that one file (bench.py appends) and the logs in /tmp (the device tool
+  # returns at most 8 files)
   local limit=$1 lines=$2; shift 2
   for v in "$@"; do
     d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
+    local log="$OUT/$d.log"; [ -n "${JSON:-}" ] && log="/tmp/$d.log"
     # shellcheck disable=SC2086
     TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 "$limit" python3 bench.py \
-      --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
+      --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "${JSON:-$OUT/$d.json}" > "$log" 2>&1
     echo "rc $?"
-    if [ "$lines" = 0 ]; then grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
-    else grep -v -E "Warning|warn\(" "$OUT/$d.log" | tail -"$lines"; fi
-  done
-}
-shared_json_variants() {  # limit-s file name:"flags" ... -> one cold 7B batch-1 bench per entry, all records in one
-  # JSON file (bench.py appends), each log in /tmp/name.log; shows the exit status and the result lines
-  local limit=$1 json=$2; shift 2
-  for v in "$@"; do
-    d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
-    # shellcheck disable=SC2086
-    TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton timeout -k 5 "$limit" python3 bench.py \
-      --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$json" > "/tmp/$d.log" 2>&1
-    echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+    if [ "$lines" = 0 ]; then grep -E "graphs  |Error|error" "$log" | head -5
+    else grep -v -E "Warning|warn\(" "$log" | tail -"$lines"; fi
   done
 }
 for part in "${@:-a b c1 c2 d}"; do case $part in
@@ -306,14 +298,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # (one JSON for the benches, their logs left on the machine: the device tool returns at most 8 files)
       t 100 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --dp4a 1 --codes 0,1 \
         --json "$OUT/gemv-int4-codes.json"
-      shared_json_variants 120 "$OUT/h200-codes.json" zr0:"" zr1:"--quantize int4-g32 --int4-codes 0" \
+      JSON=$OUT/h200-codes.json logged_variants 120 0 zr0:"" zr1:"--quantize int4-g32 --int4-codes 0" \
         zr2:"--quantize int4-g32 --int4-codes 1" ;;
   zs) # run 51 (run 50's code): every GPU test with codes the default (GRAPHDECODE_INT4_CODES=1); the 7B g128 step with codes
       GRAPHDECODE_INT4_CODES=1 t 330 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py \
         | tail -5
-      shared_json_variants 120 "$OUT/h200-codes.json" zs1:"--quantize int4-g128 --int4-codes 1" ;;
+      JSON=$OUT/h200-codes.json logged_variants 120 0 zs1:"--quantize int4-g128 --int4-codes 1" ;;
   zt) # run 52 (run 50's code): the 7B g128 step without codes; the codes' launches retuned at group 32
-      shared_json_variants 120 "$OUT/h200-codes.json" zt1:"--quantize int4-g128 --int4-codes 0"
+      JSON=$OUT/h200-codes.json logged_variants 120 0 zt1:"--quantize int4-g128 --int4-codes 0"
       t 200 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --tune \
         --grid 8:32,16:32,32:16,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-codes-tune.json" ;;
 esac; done
