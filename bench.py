@@ -335,9 +335,9 @@ def main(argv=None) -> int:
                         "kernels.int4_dp4a's rule (auto, the default: integers on every shape)")
     p.add_argument("--int4-tinygemm", action="store_true",
                    help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
-    p.add_argument("--int4-codes", choices=["0", "1"], default=None,
-                   help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1) or "
-                        "float16 (0); default: model.INT4_CODES (GRAPHDECODE_INT4_CODES, off)")
+    p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
+                   help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
+                        "float16 (0), or by model.int4_codes' rule (auto, the default: codes at group 32)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -364,8 +364,7 @@ def main(argv=None) -> int:
     kernels.PDL = not a.no_pdl
     kernels.INT8_HALF = not a.int8_float32
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
-    if a.int4_codes is not None:
-        model_module.INT4_CODES = a.int4_codes == "1"
+    model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     if not 1 <= a.gemv_max_rows <= 16:
         print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)

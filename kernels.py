@@ -852,26 +852,28 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dp4a
 
 # A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH). By layer shape: gate/up
 # (SwiGLU), wide (N > 8192: wqkv), long (K > 8192: the down projection), square (wo, and the rest); in
-# integers (rows, columns a step, warps) at group 32 and at group 128, or in float16 pairs (and PREFETCH).
+# integers (rows, columns a step, warps) at group 32 and at group 128, or in float16 pairs (and PREFETCH);
+# then in integers at group 32 with the scales and zeros as codes (int4_layout with units).
 INT4_LAUNCHES = {
-    "gate/up": ((16, 1024, 8), (32, 1024, 4), (8, 512, 4, True)),
-    "wide": ((32, 1024, 4), (32, 1024, 8), (16, 512, 4, False)),
-    "long": ((8, 2048, 8), (16, 4096, 8), (8, 1024, 4, True)),
-    "square": ((16, 2048, 8), (16, 4096, 8), (16, 2048, 8, False)),
+    "gate/up": ((16, 1024, 8), (32, 1024, 4), (8, 512, 4, True), (16, 1024, 8)),
+    "wide": ((32, 1024, 4), (32, 1024, 8), (16, 512, 4, False), (32, 1024, 4)),
+    "long": ((8, 2048, 8), (16, 4096, 8), (8, 1024, 4, True), (16, 2048, 8)),
+    "square": ((16, 2048, 8), (16, 4096, 8), (16, 2048, 8, False), (16, 2048, 8)),
 }
 
 
-def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False,
-                dp4a: bool = False) -> tuple[int, int, int, int, bool]:
+def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool = False,
+                codes: bool = False) -> tuple[int, int, int, int, bool]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize` (INT4_LAUNCHES),
     from benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B with the fusions; float16 pairs run 30
     at group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a
     program, columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Groups 64 and 256 take
-    group 128's (not tuned)."""
+    group 128's (not tuned). Codes at group 32: the down projection at 16 rows (8.9 µs against 9.8
+    at 8, run 51); codes at other groups take the integers' launches."""
     shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
-    at_32, at_128, half = INT4_LAUNCHES[shape]
+    at_32, at_128, half, codes_at_32 = INT4_LAUNCHES[shape]
     if dp4a:
-        (rows, columns, warps), prefetch = at_32 if groupsize <= 32 else at_128, False
+        (rows, columns, warps), prefetch = (codes_at_32 if codes else at_32) if groupsize <= 32 else at_128, False
     else:
         rows, columns, warps, prefetch = half
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
@@ -900,7 +902,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
         raise ValueError(f"int4_gemv: units must be float32 [{weight.shape[0]}, 2], contiguous "
                          f"(got {units.dtype} {tuple(units.shape)})")
     N = weight.shape[0] // (2 if swiglu else 1)
-    block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a)
+    block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a, units is not None)
     x2 = x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)

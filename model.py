@@ -445,8 +445,18 @@ INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 INT4_GEMV = os.environ.get("GRAPHDECODE_INT4_GEMV", "1") == "1"
 # Where a layer's scales and zeros lie on quantize.py's grid (int4_grid_units), kernels.int4_gemv can
 # read them as one byte each instead of two (int4_layout's codes): at group 32, 4.5 bits a weight
-# instead of 5. Off (GRAPHDECODE_INT4_CODES=1 turns it on) until the H200 has timed it.
-INT4_CODES = os.environ.get("GRAPHDECODE_INT4_CODES", "0") == "1"
+# instead of 5. GRAPHDECODE_INT4_CODES: auto (int4_codes' rule), 0 never, 1 wherever the grid holds.
+INT4_CODES = os.environ.get("GRAPHDECODE_INT4_CODES", "auto")
+
+
+def int4_codes(groupsize: int) -> bool:
+    """Whether an int4 layer of (kernel) group size `groupsize` reads its scales and zeros as codes
+    (INT4_CODES): "auto" takes them at group 32, where the 7B step runs 647 tok/s against 625 (run
+    50); at group 128 they save 3% of the bytes and the gate/up GEMV ran slower (15.6 µs at its
+    best launch against 14.0, run 51)."""
+    if INT4_CODES not in ("auto", "0", "1"):
+        raise ValueError(f"GRAPHDECODE_INT4_CODES must be auto, 0 or 1 (got {INT4_CODES!r})")
+    return INT4_CODES == "1" or (INT4_CODES == "auto" and groupsize <= 32)
 CPU_KERNEL_MAX_ROWS = 32  # up to this many tokens the CPU int8 kernel beats dequantize + F.linear
 
 
@@ -652,7 +662,8 @@ class Int4Linear(nn.Module):
         if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and kernels.triton is not None:  # (PTX)
             self.gemv_dp4a = kernels.int4_dp4a()
             weight, sz, self.gemv_unscale, self.gemv_group, units = int4_gemv_layout(
-                self.weight, self.scales, self.zeros, self.groupsize, self.gemv_dp4a, INT4_CODES)
+                self.weight, self.scales, self.zeros, self.groupsize, self.gemv_dp4a,
+                int4_codes(self.kernel_groupsize))
             # (buffers outside the state dict: derived, like the packed weight; a step reads one layout
             # or the other, and generate.weight_bytes_per_step counts this one for one row)
             self.register_buffer("gemv_weight", weight, persistent=False)

@@ -308,4 +308,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       JSON=$OUT/h200-codes.json logged_variants 120 0 zt1:"--quantize int4-g128 --int4-codes 0"
       t 200 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --tune \
         --grid 8:32,16:32,32:16,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-codes-tune.json" ;;
+  zu) # run 53 (model.int4_codes: codes at group 32, and the down projection's codes launch at 16 rows, from run 51):
+      # the 7B int4 step at g32 and g128 (codes by the rule), then every GPU test
+      JSON=$OUT/h200-codes.json logged_variants 110 0 zu1:"--quantize int4-g32" zu2:"--quantize int4-g128"
+      set -o pipefail; timeout 400 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py \
+        2>&1 | tee "$OUT/tests.log" | tail -5 ;;
 esac; done

@@ -170,7 +170,7 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int
     from quantize import quantize_model
 
     monkeypatch.setattr(model_module, "INT4_GEMV", int4_gemv)  # (read when the layers load)
-    monkeypatch.setattr(model_module, "INT4_CODES", codes)
+    monkeypatch.setattr(model_module, "INT4_CODES", "1" if codes else "0")
     qmodel = quantize_model(model, mode, group)
     assert any(hasattr(m, "gemv_weight") for m in qmodel.modules()) == int4_gemv
     assert any(getattr(m, "gemv_units", None) is not None for m in qmodel.modules()) == codes
@@ -219,7 +219,7 @@ def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, codes, m
                                        intermediate_size=2560, max_seq_len=256), torch.device("cuda"), torch.bfloat16)
     monkeypatch.setattr(model_module, "INT4_GEMV", True)  # (read when the layers load)
     monkeypatch.setattr(kernels, "INT4_DP4A", dp4a)  # float16 pairs or integers everywhere
-    monkeypatch.setattr(model_module, "INT4_CODES", codes)
+    monkeypatch.setattr(model_module, "INT4_CODES", "1" if codes else "0")
     qmodel = quantize_model(model, "int4", group)
     layers = [m for m in qmodel.modules() if isinstance(m, model_module.Int4Linear)]
     assert layers and all(hasattr(m, "gemv_weight") and m.gemv_dp4a == (dp4a == "1") for m in layers)

@@ -425,6 +425,23 @@ def test_int4_codes_only_on_the_grid():
         kernels.int4_gemv(torch.zeros(1, 256), *layout[:4], layout[4].double(), dp4a=True)
 
 
+def test_int4_codes_setting_and_launch(monkeypatch):
+    """model.int4_codes: codes at group 32 (auto), or by GRAPHDECODE_INT4_CODES 0 / 1 everywhere, else an
+    error; with codes the down projection at group 32 takes its own launch (16 rows, not 8)."""
+    import model as model_module
+
+    assert model_module.int4_codes(32) and not model_module.int4_codes(128)
+    monkeypatch.setattr(model_module, "INT4_CODES", "0")
+    assert not model_module.int4_codes(32)
+    monkeypatch.setattr(model_module, "INT4_CODES", "1")
+    assert model_module.int4_codes(128)
+    monkeypatch.setattr(model_module, "INT4_CODES", "yes")
+    with pytest.raises(ValueError, match="GRAPHDECODE_INT4_CODES must be auto, 0 or 1"):
+        model_module.int4_codes(32)
+    assert kernels.int4_config(4096, 11008, 32, dp4a=True)[0] == 8
+    assert kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True)[0] == 16
+
+
 def test_int4_gemv_takes_one_row():
     packed, scales, zeros, _ = int4_weights(16, 64, 32)
     layout = int4_gemv_layout(packed, scales, zeros, 32)
