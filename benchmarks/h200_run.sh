@@ -300,17 +300,19 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/gemv-int4-codes.json"
       JSON=$OUT/h200-codes.json logged_variants 120 0 zr0:"" zr1:"--quantize int4-g32 --int4-codes 0" \
         zr2:"--quantize int4-g32 --int4-codes 1" ;;
-  zs) # run 51 (run 50's code): every GPU test with codes the default (GRAPHDECODE_INT4_CODES=1); the 7B g128 step with codes
-      GRAPHDECODE_INT4_CODES=1 t 330 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py \
-        | tail -5
-      JSON=$OUT/h200-codes.json logged_variants 120 0 zs1:"--quantize int4-g128 --int4-codes 1" ;;
-  zt) # run 52 (run 50's code): the 7B g128 step without codes; the codes' launches retuned at group 32
-      JSON=$OUT/h200-codes.json logged_variants 120 0 zt1:"--quantize int4-g128 --int4-codes 0"
-      t 200 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --tune \
-        --grid 8:32,16:32,32:16,32:32 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-codes-tune.json" ;;
+  zs) # run 51 (run 50's code, as run): the codes' launches for gate/up and down at groups 32 and 128; every GPU test
+      # with codes everywhere (GRAPHDECODE_INT4_CODES=1; cut off at 320 s, ~70% in, no failure so far)
+      t 250 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --layers w13,w2 --dp4a 1 --codes 1 \
+        --tune --grid 8:32,16:32,32:16,32:32,16:64,8:64 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-codes-tune.json"
+      GRAPHDECODE_INT4_CODES=1 t 320 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py \
+        | tail -8 ;;
   zu) # run 53 (model.int4_codes: codes at group 32, and the down projection's codes launch at 16 rows, from run 51):
       # the 7B int4 step at g32 and g128 (codes by the rule), then every GPU test
       JSON=$OUT/h200-codes.json logged_variants 110 0 zu1:"--quantize int4-g32" zu2:"--quantize int4-g128"
       set -o pipefail; timeout 400 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py \
         2>&1 | tee "$OUT/tests.log" | tail -5 ;;
+  zv) # run 54 (run 53's code): the 14 GPU tests last in order (run 53's 400 s ended after 225 of 228)
+      ids=$(python3 -m pytest -q --co -p no:warnings tests/test_cuda.py tests/test_kernels.py 2>/dev/null | grep "::" | tail -14)
+      # shellcheck disable=SC2086
+      t 300 python3 -m pytest -q -p no:warnings --tb=short $ids | tail -5 ;;
 esac; done
