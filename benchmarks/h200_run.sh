@@ -315,4 +315,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       ids=$(python3 -m pytest -q --co -p no:warnings tests/test_cuda.py tests/test_kernels.py 2>/dev/null | grep "::" | tail -14)
       # shellcheck disable=SC2086
       t 300 python3 -m pytest -q -p no:warnings --tb=short $ids | tail -5 ;;
+  zw) # run 55 (run 53's code): the codes' launches for wqkv and wo at group 32 (they stay: 8.3 against 8.4 µs, 4.2 and
+      # 4.2); a repeat of the default 7B int4 g32 step
+      t 150 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wqkv,wo --dp4a 1 --codes 1 --tune \
+        --grid 16:32,32:16,32:32,16:64,8:64,32:64 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-codes-qkvo.json"
+      JSON=$OUT/h200-zw.json logged_variants 110 0 zw1:"--quantize int4-g32" ;;
 esac; done
