@@ -10,9 +10,10 @@ rows (many programs, no split, for one row of x; a split of the input dimension 
 dequantize in registers, and accumulate in float32 (but for the one-row int8 GEMVs with the norm
 fused, which multiply and sum in float16 pairs first: use_half). Everything they launch has fixed shapes:
 they replay inside CUDA graphs. int4 (one row, int4_gemv, further down) multiplies in integers
-(dp4a, x in int8 per group; float16 pairs with GRAPHDECODE_INT4_DP4A=0, int4_dp4a); decode's int4
-step at group 32 is 1.78x as fast as through PyTorch's tinygemm on the Llama-2-7B shape
-(BENCHMARKS.md, runs 34 and 48).
+(dp4a, x in int8 per group; float16 pairs with GRAPHDECODE_INT4_DP4A=0, int4_dp4a), its scales and
+zeros in 8-bit codes where quantize.py's grid allows (int4_layout's units); decode's int4
+step at group 32 is 1.86x as fast as through PyTorch's tinygemm on the Llama-2-7B shape
+(BENCHMARKS.md, runs 34 and 53).
 
 Launch plan, per program (one block of outputs, one slice of K):
   1 row of x:        acc[BLOCK_N, BLOCK_K] += W_tile * x   (no reduction inside the loop; int8 with
@@ -369,7 +370,7 @@ if triton is not None:
     def _int4_scale_zero(sz, units, CODES: tl.constexpr):
         """Each group's (scale, zero) in float32 from its scale-and-zero word: two float16, or
         (CODES) an int16 of two codes, the scale's in the low byte (0..255) and the zero's in the
-        high byte (signed), times the row's units (units: [BN, 2] float32, one row of x's int4_layout)."""
+        high byte (signed), times their row's units (units [BN, 2] float32: int4_layout's, a row each)."""
         if CODES:
             v = sz.to(tl.int32)  # (sign-extended: v >> 8 is the zero's code)
             unit_s, unit_z = tl.split(units)

@@ -439,7 +439,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 # One row of int4 x on CUDA runs kernels.int4_gemv (its layout built at load time, beside tinygemm's,
 # which prefill and batches use; in integers unless kernels.int4_dp4a says float16 pairs) instead of
-# tinygemm: the 7B step 1.78x faster at group 32 (runs 34 and 48, BENCHMARKS.md), for a second copy of the
+# tinygemm: the 7B step 1.86x faster at group 32 (runs 34 and 53, BENCHMARKS.md), for a second copy of the
 # int4 weights on the GPU. GRAPHDECODE_INT4_GEMV=0 (or bench.py --int4-tinygemm) keeps tinygemm
 # alone, set before the model loads.
 INT4_GEMV = os.environ.get("GRAPHDECODE_INT4_GEMV", "1") == "1"
