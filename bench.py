@@ -337,7 +337,7 @@ def main(argv=None) -> int:
                    help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
     p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
                    help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
-                        "float16 (0), or by model.int4_codes' rule (auto, the default: codes at group 32)")
+                        "float16 (0), or by model.int4_codes' rule (auto, the default: codes up to group 64)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")

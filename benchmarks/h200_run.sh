@@ -320,4 +320,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 150 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wqkv,wo --dp4a 1 --codes 1 --tune \
         --grid 16:32,32:16,32:32,16:64,8:64,32:64 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-codes-qkvo.json"
       JSON=$OUT/h200-zw.json logged_variants 110 0 zw1:"--quantize int4-g32" ;;
+  zx) # run 56 (commit ecc4897): group 64, float16 scales against codes, the GEMVs and the 7B step
+      t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 64 --dp4a 1 --codes 0,1 \
+        --json "$OUT/gemv-int4-codes-g64.json"
+      JSON=$OUT/h200-g64.json logged_variants 75 0 zx1:"--quantize int4-g64 --int4-codes 0" \
+        zx2:"--quantize int4-g64 --int4-codes 1" ;;
 esac; done

@@ -426,11 +426,11 @@ def test_int4_codes_only_on_the_grid():
 
 
 def test_int4_codes_setting_and_launch(monkeypatch):
-    """model.int4_codes: codes at group 32 (auto), or by GRAPHDECODE_INT4_CODES 0 / 1 everywhere, else an
-    error; with codes the down projection at group 32 takes its own launch (16 rows, not 8)."""
+    """model.int4_codes: codes up to group 64 (auto), or by GRAPHDECODE_INT4_CODES 0 / 1 everywhere, else
+    an error; with codes the down projection at group 32 takes its own launch (16 rows, not 8)."""
     import model as model_module
 
-    assert model_module.int4_codes(32) and not model_module.int4_codes(128)
+    assert model_module.int4_codes(32) and model_module.int4_codes(64) and not model_module.int4_codes(128)
     monkeypatch.setattr(model_module, "INT4_CODES", "0")
     assert not model_module.int4_codes(32)
     monkeypatch.setattr(model_module, "INT4_CODES", "1")
