@@ -5,6 +5,8 @@ rounded to BITS bits relative to the largest of their block of groups in the sam
 s = k max(s) / (2^BITS - 1), k >= 1; z signed, z = k max|z| / (2^(BITS-1) - 1)), as llama.cpp's Q4_K
 does with 6 bits in blocks of 8 groups; then each weight's level q is rounded again against the new s
 and z (W from the checkpoint as it is). eval.py's perplexity of each variant, on the CPU in float32.
+(Session 12 built the answer: quantize.py writes 8-bit scales and zeros on a grid with a power-of-two
+unit a row, and kernels.int4_gemv reads them as codes; BENCHMARKS.md session 12.)
 
     python benchmarks/int4_scale_bits.py [--checkpoint checkpoints/SmolLM2-135M-Instruct-int4-g32]
         [--bits 8,6,5] [--blocks 0,6]    (--blocks: groups a block, 0 = the whole row)
