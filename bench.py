@@ -366,6 +366,11 @@ def main(argv=None) -> int:
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
+    try:  # (the environment's settings, checked before any model loads)
+        kernels.int4_dp4a(), model_module.int4_codes(32)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if not 1 <= a.gemv_max_rows <= 16:
         print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)
         return 1
@@ -408,10 +413,12 @@ def main(argv=None) -> int:
           + ("; PDL" if device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)) else ""), file=sys.stderr)
     records = []
 
-    int4 = (a.quantize or "").startswith("int4") or (a.draft_quantize or "").startswith("int4")
-    # whether any int4 layer reads its scales as codes (--int4-codes asks; a layer off the grid keeps float16)
-    codes_used = any(getattr(m, "gemv_units", None) is not None for mod in (model, draft) if mod is not None
-                     for m in mod.modules())
+    int4_layers = [m for mod in (model, draft) if mod is not None for m in mod.modules()
+                   if isinstance(m, model_module.Int4Linear)]
+    int4 = bool(int4_layers)
+    # the int4 layers that read their scales as codes (by model.int4_codes' rule, per kernel group; a layer
+    # off quantize.py's grid keeps float16)
+    codes_used = sum(getattr(m, "gemv_units", None) is not None for m in int4_layers)
 
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
@@ -421,7 +428,8 @@ def main(argv=None) -> int:
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
-                 int4_codes=codes_used if int4 else None,
+                 int4_codes=codes_used > 0 if int4 else None,
+                 int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

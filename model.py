@@ -450,13 +450,16 @@ INT4_CODES = os.environ.get("GRAPHDECODE_INT4_CODES", "auto")
 
 
 def int4_codes(groupsize: int) -> bool:
-    """Whether an int4 layer of (kernel) group size `groupsize` reads its scales and zeros as codes
+    """Whether an int4 layer of kernel group size `groupsize` (Int4Linear.kernel_groupsize: the file's
+    group size or, where that does not divide K, gcd(group size, K)) reads its scales and zeros as codes
     (INT4_CODES): "auto" takes them up to group 64, where the 7B step runs 647 tok/s against 625 at
     group 32 (run 50) and 639.6 against 624.2 at 64 (run 56); at group 128 they save 3% of the bytes
     and the gate/up GEMV ran slower (15.6 µs at its best launch against 14.0, run 51)."""
     if INT4_CODES not in ("auto", "0", "1"):
         raise ValueError(f"GRAPHDECODE_INT4_CODES must be auto, 0 or 1 (got {INT4_CODES!r})")
     return INT4_CODES == "1" or (INT4_CODES == "auto" and groupsize <= 64)
+
+
 CPU_KERNEL_MAX_ROWS = 32  # up to this many tokens the CPU int8 kernel beats dequantize + F.linear
 
 

@@ -63,18 +63,24 @@ def quantize_int4(w: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.
     """Asymmetric, per group of `groupsize` columns (the last group shorter when groupsize does
     not divide K): (uint8 [N, K/2] two values a byte, scales [N, G], zeros [N, G]) with
     w ~ (q - 8) * scale + zero, the scales and zeros on the grid (_grid_fit)."""
-    N, K = w.shape
-    if K % 2:
-        raise QuantizeError(f"int4 needs an even input dim (got {K})")
-    full = K // groupsize * groupsize
-    pieces = ([w[:, :full].float().view(N, -1, groupsize)] if full else []) + \
-             ([w[:, full:].float().view(N, 1, K - full)] if full < K else [])
+    if w.shape[1] % 2:
+        raise QuantizeError(f"int4 needs an even input dim (got {w.shape[1]})")
+    pieces = _group_pieces(w, groupsize)
     fits = [_fit_int4(piece) for piece in pieces]
     units = int4_units(*(torch.cat([f[i] for f in fits], dim=1) for i in (1, 2)))  # the grid of each row
     parts = [_grid_fit(piece, fit[1], fit[2], units) for piece, fit in zip(pieces, fits)]
     q = torch.cat([p[0].flatten(1) for p in parts], dim=1).to(torch.uint8)  # [N, K] in 0..15
     scales, zeros = (torch.cat([p[i] for p in parts], dim=1) for i in (1, 2))
     return q[:, ::2] | q[:, 1::2] << 4, scales, zeros
+
+
+def _group_pieces(w: torch.Tensor, groupsize: int) -> list[torch.Tensor]:
+    """w [N, K] in float32 as groups: [N, K // groupsize, groupsize], then the shorter last group
+    [N, 1, K % groupsize] if groupsize does not divide K."""
+    N, K = w.shape
+    full = K // groupsize * groupsize
+    return ([w[:, :full].float().view(N, -1, groupsize)] if full else []) + \
+           ([w[:, full:].float().view(N, 1, K - full)] if full < K else [])
 
 
 # Scales and zeros on a grid: each a whole number of a power of two per row, 8 bits (scales 1..255,
@@ -158,7 +164,8 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
     W[:, dead] = 0
     H += damp * torch.diag(H).mean() * torch.eye(K, dtype=H.dtype, device=H.device)  # dampened, as the paper does
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    units = int4_units(*quantize_int4(w.float(), groupsize)[1:])  # the grid's, from the weights as they are
+    fits = [_fit_int4(piece) for piece in _group_pieces(W.float(), groupsize)]  # (dead columns zeroed)
+    units = int4_units(*(torch.cat([f[i] for f in fits], dim=1) for i in (1, 2)))  # the grid, from W as it starts
     q = torch.zeros(N, K, dtype=torch.uint8, device=w.device)
     scales, zeros = [], []
     for b0 in range(0, K, block):

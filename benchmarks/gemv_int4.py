@@ -94,8 +94,9 @@ def main():
         t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
         del theirs_c
         for dp4a, codes in variants:
-            default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a, codes)
             ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a, codes)
+            codes = ours[4] is not None  # (what was built: the grid holds)
+            default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a, codes)
             ours_bytes = sum(t.numel() * t.element_size() for t in (ours[0], ours[1], ours[4]) if t is not None)
             kw["dp4a"] = dp4a
             err = ((kernels.int4_gemv(x, *ours, **kw).double() - expect).abs().max() / expect.abs().max()).item()

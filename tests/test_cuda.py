@@ -166,11 +166,13 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int
     and the quantized logits stay near the float model's. int4_gemv: the one-row steps through
     kernels.int4_gemv (model.INT4_GEMV), against an eager forward of the prompt and history, whose
     rows go through tinygemm. codes: its scales and zeros read as 8-bit codes (model.INT4_CODES)."""
+    import kernels
     import model as model_module
     from quantize import quantize_model
 
     monkeypatch.setattr(model_module, "INT4_GEMV", int4_gemv)  # (read when the layers load)
     monkeypatch.setattr(model_module, "INT4_CODES", "1" if codes else "0")
+    monkeypatch.setattr(kernels, "INT4_DP4A", "1" if codes else kernels.INT4_DP4A)  # (codes are for integers)
     qmodel = quantize_model(model, mode, group)
     assert any(hasattr(m, "gemv_weight") for m in qmodel.modules()) == int4_gemv
     assert any(getattr(m, "gemv_units", None) is not None for m in qmodel.modules()) == codes

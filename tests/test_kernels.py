@@ -430,6 +430,7 @@ def test_int4_codes_setting_and_launch(monkeypatch):
     an error; with codes the down projection at group 32 takes its own launch (16 rows, not 8)."""
     import model as model_module
 
+    monkeypatch.setattr(model_module, "INT4_CODES", "auto")
     assert model_module.int4_codes(32) and model_module.int4_codes(64) and not model_module.int4_codes(128)
     monkeypatch.setattr(model_module, "INT4_CODES", "0")
     assert not model_module.int4_codes(32)
@@ -440,6 +441,19 @@ def test_int4_codes_setting_and_launch(monkeypatch):
         model_module.int4_codes(32)
     assert kernels.int4_config(4096, 11008, 32, dp4a=True)[0] == 8
     assert kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True)[0] == 16
+
+
+def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
+    """bench.py checks GRAPHDECODE_INT4_CODES and GRAPHDECODE_INT4_DP4A before any model loads: a bad
+    value is a one-line error and exit status 1."""
+    import model as model_module
+    from bench import main
+
+    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A")):
+        with monkeypatch.context() as m:
+            m.setattr(module, name, "yes")
+            assert main(["--device", "cpu", "--model", "smollm2-135m"]) == 1
+            assert capsys.readouterr().err.startswith(f"error: GRAPHDECODE_{name} must be auto, 0 or 1")
 
 
 def test_int4_gemv_takes_one_row():
