@@ -67,7 +67,7 @@ def quantize_int4(w: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.
         raise QuantizeError(f"int4 needs an even input dim (got {w.shape[1]})")
     pieces = _group_pieces(w, groupsize)
     fits = [_fit_int4(piece) for piece in pieces]
-    units = int4_units(*(torch.cat([f[i] for f in fits], dim=1) for i in (1, 2)))  # the grid of each row
+    units = _fit_units(fits)
     parts = [_grid_fit(piece, fit[1], fit[2], units) for piece, fit in zip(pieces, fits)]
     q = torch.cat([p[0].flatten(1) for p in parts], dim=1).to(torch.uint8)  # [N, K] in 0..15
     scales, zeros = (torch.cat([p[i] for p in parts], dim=1) for i in (1, 2))
@@ -81,6 +81,11 @@ def _group_pieces(w: torch.Tensor, groupsize: int) -> list[torch.Tensor]:
     full = K // groupsize * groupsize
     return ([w[:, :full].float().view(N, -1, groupsize)] if full else []) + \
            ([w[:, full:].float().view(N, 1, K - full)] if full < K else [])
+
+
+def _fit_units(fits: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The grid's units [N, 2] of each row, from the _fit_int4 results of its pieces."""
+    return int4_units(*(torch.cat([f[i] for f in fits], dim=1) for i in (1, 2)))
 
 
 # Scales and zeros on a grid: each a whole number of a power of two per row, 8 bits (scales 1..255,
@@ -152,9 +157,10 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
     """quantize_int4's format by GPTQ: w [N, K] and hessian [K, K] = sum of x x^T over the layer's
     inputs x. Columns are rounded left to right with their group's scale and zero, fitted by
     _fit_int4 when the group starts (on the weights as updated so far) and moved onto the grid
-    (_grid_fit; each row's units from quantize_int4 of w as given); each rounding error is
-    spread over the columns to its right through the Cholesky factor of the inverse Hessian, which
-    minimises the error of x @ w.T rather than of w. Updates are applied lazily per block of columns."""
+    (_grid_fit; each row's units from the fits of W before any update, its dead columns zeroed);
+    each rounding error is spread over the columns to its right through the Cholesky factor of the
+    inverse Hessian, which minimises the error of x @ w.T rather than of w. Updates are applied
+    lazily per block of columns."""
     N, K = w.shape
     if block % groupsize and groupsize % block:
         raise ValueError(f"gptq_int4: block {block} and group size {groupsize} must divide one another")
@@ -164,8 +170,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
     W[:, dead] = 0
     H += damp * torch.diag(H).mean() * torch.eye(K, dtype=H.dtype, device=H.device)  # dampened, as the paper does
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    fits = [_fit_int4(piece) for piece in _group_pieces(W.float(), groupsize)]  # (dead columns zeroed)
-    units = int4_units(*(torch.cat([f[i] for f in fits], dim=1) for i in (1, 2)))  # the grid, from W as it starts
+    units = _fit_units([_fit_int4(piece) for piece in _group_pieces(W.float(), groupsize)])  # W as it starts
     q = torch.zeros(N, K, dtype=torch.uint8, device=w.device)
     scales, zeros = [], []
     for b0 in range(0, K, block):
