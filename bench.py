@@ -338,6 +338,9 @@ def main(argv=None) -> int:
     p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
                    help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
                         "float16 (0), or by model.int4_codes' rule (auto, the default: codes up to group 64)")
+    p.add_argument("--int4-xq", choices=["auto", "0", "8", "16", "32"], default=None,
+                   help="x in int8 between decode's int4 kernels per group of this many columns, or 0: x in bf16, "
+                        "each GEMV quantizing it itself (kernels.INT4_XQ; auto, the default: 16)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -366,8 +369,9 @@ def main(argv=None) -> int:
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
+    kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
     try:  # (the environment's settings, checked before any model loads)
-        kernels.int4_dp4a(), model_module.int4_codes(32)
+        kernels.int4_dp4a(), model_module.int4_codes(32), kernels.int4_x_group(32)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -419,6 +423,8 @@ def main(argv=None) -> int:
     # the int4 layers that read their scales as codes (by model.int4_codes' rule, per kernel group; a layer
     # off quantize.py's grid keeps float16)
     codes_used = sum(getattr(m, "gemv_units", None) is not None for m in int4_layers)
+    # the group of x in int8 between decode's int4 kernels, as the target's one-row step runs (0: none)
+    x_group = model.x_group(torch.zeros(1, 1, model.args.dim, device=device, dtype=dtype)) if int4 else None
 
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
@@ -429,7 +435,7 @@ def main(argv=None) -> int:
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,
-                 int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None,
+                 int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

@@ -380,6 +380,80 @@ if triton is not None:
         return s, z
 
     @triton.jit
+    def _int4_xq_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up, xw_ptr, xs_ptr, b, n_groups,
+                       NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, XG: tl.constexpr,
+                       BLOCK_G: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr):
+        """Block b of the one-row int4 GEMV in integers with x already in int8 per group of XG
+        columns (int4_quantize_x's layout, written by the kernel that made x): x's words (four
+        bytes each) as the weights' nibbles pair them, and per group of XG its scale sx, sx sum(q),
+        sum(x) and (NORM) the sum of squares before g. Per group of G, in float32: acc += s
+        (sum over its x groups of sx sum(q_w q) - 8 sx sum(q)) + z sum(x)."""
+        XB: tl.constexpr = BLOCK_G * G // XG  # x groups in the block
+        n_x = n_groups * (G // XG)
+        words = b * (BLOCK_G * G // 4) + tl.arange(0, BLOCK_G * G // 4)
+        x_lo, x_hi = tl.split(tl.reshape(tl.load(xw_ptr + words, mask=words < n_groups * (G // 4), other=0),
+                                         (BLOCK_G, G // 8, 2)))
+        xg = b * XB + tl.arange(0, XB)
+        ok = xg < n_x
+        sx = tl.reshape(tl.load(xs_ptr + xg, mask=ok, other=0), (BLOCK_G, G // XG))[None, :, :]
+        qs = tl.sum(tl.reshape(tl.load(xs_ptr + n_x + xg, mask=ok, other=0), (BLOCK_G, G // XG)), axis=1)[None, :]
+        x_sum = tl.sum(tl.reshape(tl.load(xs_ptr + 2 * n_x + xg, mask=ok, other=0), (BLOCK_G, G // XG)), axis=1)[None, :]
+        if NORM:
+            squares += tl.load(xs_ptr + 3 * n_x + xg, mask=ok, other=0)
+        x_lo, x_hi = x_lo[None, :, :], x_hi[None, :, :]
+        acc = _int4_xq_acc(acc, w, sz, units, x_lo, x_hi, sx, qs, x_sum, G, XG, CODES, EMULATE)
+        if SWIGLU:
+            acc_up = _int4_xq_acc(acc_up, w_up, sz_up, units_up, x_lo, x_hi, sx, qs, x_sum, G, XG, CODES, EMULATE)
+        return acc, acc_up, squares
+
+    @triton.jit
+    def _int4_xq_acc(acc, w, sz, units, x_lo, x_hi, sx, qs, x_sum, G: tl.constexpr, XG: tl.constexpr,
+                     CODES: tl.constexpr, EMULATE: tl.constexpr):
+        """acc [BN, BLOCK_G] + each group's products of words w with x's bytes (_int4_xq_block)."""
+        dot = _dp4a((w >> 4) & 0x0F0F0F0F, x_hi, _dp4a(w & 0x0F0F0F0F, x_lo, tl.zeros_like(w), EMULATE), EMULATE)
+        dot = tl.sum(tl.reshape(dot, (w.shape[0], w.shape[1], G // XG, XG // 8)), axis=3)  # per x group
+        s, z = _int4_scale_zero(sz, units, CODES)
+        return acc + (tl.sum(dot.to(tl.float32) * sx, axis=2) - 8 * qs) * s + z * x_sum
+
+    @triton.jit
+    def _int4_quantize_store(v, g, col0, n_valid, yw_ptr, ys_ptr, n_cols, XG: tl.constexpr):
+        """Columns col0 + [0, len(v)) of a GEMV's x, v [len] float32 (len and col0 multiples of XG;
+        those from n_valid on not stored), for the int4 GEMV that takes it (int4_quantize_x's layout):
+        u = v g per group of XG to int8, q = floor(u 127 / max|u| + 0.5), four to a word at yw_ptr, and
+        the group's max|u| / 127, that times sum(q), sum(u) and sum(v^2) at ys_ptr, n_cols / XG apart."""
+        BLOCK: tl.constexpr = v.shape[0]
+        u = tl.reshape(v * g, (BLOCK // XG, XG))
+        amax = tl.max(tl.abs(u), axis=1)
+        q = tl.floor(u * tl.where(amax > 0, 127 / amax, 0)[:, None] + 0.5).to(tl.int32)
+        sx = amax / 127
+        words = tl.sum(tl.reshape(q & 255, (BLOCK // 4, 4)) << (8 * tl.arange(0, 4))[None, :], axis=1)
+        rw = tl.arange(0, BLOCK // 4)
+        tl.store(yw_ptr + col0 // 4 + rw, words, mask=rw * 4 < n_valid)
+        rg = tl.arange(0, BLOCK // XG)
+        ok = rg * XG < n_valid
+        at = ys_ptr + col0 // XG + rg
+        n_x = n_cols // XG
+        tl.store(at, sx, mask=ok)
+        tl.store(at + n_x, tl.sum(q, axis=1).to(tl.float32) * sx, mask=ok)
+        tl.store(at + 2 * n_x, tl.sum(u, axis=1), mask=ok)
+        tl.store(at + 3 * n_x, tl.sum(tl.reshape(v * v, (BLOCK // XG, XG)), axis=1), mask=ok)
+
+    @triton.jit
+    def _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up, x_row, xs_ptr, g_ptr, x_scale, b,
+                   n_groups, NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, XG: tl.constexpr,
+                   BLOCK_G: tl.constexpr, DP4A: tl.constexpr, XQ: tl.constexpr, CODES: tl.constexpr,
+                   EMULATE: tl.constexpr):
+        """Block b of the one-row int4 GEMV: from x in int8 (XQ: _int4_xq_block), or from x (_int4_block)."""
+        if XQ:
+            acc, acc_up, squares = _int4_xq_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up, x_row,
+                                                  xs_ptr, b, n_groups, NORM, SWIGLU, G, XG, BLOCK_G, CODES, EMULATE)
+        else:
+            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up, x_row,
+                                               g_ptr, x_scale, b, n_groups, NORM, SWIGLU, G, BLOCK_G, DP4A, CODES,
+                                               EMULATE)
+        return acc, acc_up, squares
+
+    @triton.jit
     def _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up, x_row, g_ptr, x_scale, b, n_groups,
                     NORM: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                     DP4A: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr):
@@ -449,10 +523,12 @@ if triton is not None:
         return units
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, w_ptr, sz_ptr, u_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
+    def _int4_gemv_kernel(x_ptr, xs_ptr, w_ptr, sz_ptr, u_ptr, g_ptr, r_ptr, y_ptr, yw_ptr, ys_ptr, og_ptr,
+                          N, K, n_groups, eps, w_unscale,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr,
-                          PDL: tl.constexpr, DP4A: tl.constexpr, CODES: tl.constexpr, EMULATE: tl.constexpr):
+                          PDL: tl.constexpr, DP4A: tl.constexpr, CODES: tl.constexpr, XQ: tl.constexpr,
+                          XQ_OUT: tl.constexpr, OUT_GAMMA: tl.constexpr, XG: tl.constexpr, EMULATE: tl.constexpr):
         """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
         G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
         PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each word's float16
@@ -460,7 +536,10 @@ if triton is not None:
         as for int8: _half_block), then the pairs are summed in float32. PREFETCH: each block's
         weights load one step ahead of its products. DP4A: in integers, each group's sum in float32
         (_int4_dp4a_block; no x_scale). CODES (DP4A only): the scale-and-zero words are int16 codes and
-        u_ptr holds each row's two units (int4_layout with units)."""
+        u_ptr holds each row's two units (int4_layout with units). XQ (DP4A only): x is already in int8
+        (x_ptr its words, xs_ptr its groups' numbers: int4_quantize_x, groups of XG), written by the
+        kernel before. XQ_OUT: the output y is also written that way (yw_ptr, ys_ptr), times og_ptr's
+        g (OUT_GAMMA; else ones), for the int4 GEMV after (BLOCK_N a multiple of XG: each program quantizes its own rows)."""
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -472,7 +551,10 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # float16 pairs (0, 0)
             acc_up = tl.zeros((BLOCK_N, BLOCK_G, G // 8), tl.int32)  # SWIGLU only
-        squares = tl.zeros((BLOCK_G * G,), tl.float32)
+        if XQ:
+            squares = tl.zeros((BLOCK_G * G // XG,), tl.float32)  # each x group's sum of squares
+        else:
+            squares = tl.zeros((BLOCK_G * G,), tl.float32)
         w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True, DP4A)  # before the wait
         w_up, sz_up = w, sz
         if SWIGLU:
@@ -497,31 +579,31 @@ if triton is not None:
                 w_up_next, sz_up_next = w_next, sz_next
                 if SWIGLU:
                     w_up_next, sz_up_next = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
-                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
-                                                   x_ptr, g_ptr, x_scale, b - 1, n_groups,
-                                                   NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
+                acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                                   x_ptr, xs_ptr, g_ptr, x_scale, b - 1, n_groups,
+                                                   NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
                 w, w_up, sz, sz_up = w_next, w_up_next, sz_next, sz_up_next
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
-                                               x_ptr, g_ptr, x_scale, tl.maximum(full, 1) - 1, n_groups,
-                                               NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
+            acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                               x_ptr, xs_ptr, g_ptr, x_scale, tl.maximum(full, 1) - 1, n_groups,
+                                               NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
         else:
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
-                                               x_ptr, g_ptr, x_scale, 0, n_groups,
-                                               NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
+            acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                               x_ptr, xs_ptr, g_ptr, x_scale, 0, n_groups,
+                                               NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
             for b in range(1, full):
                 w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, DP4A)
                 if SWIGLU:
                     w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
-                acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
-                                                   x_ptr, g_ptr, x_scale, b, n_groups,
-                                                   NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
+                acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                                   x_ptr, xs_ptr, g_ptr, x_scale, b, n_groups,
+                                                   NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
         if (full * BLOCK_G < n_groups) & (full > 0):
             w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True, DP4A)
             if SWIGLU:
                 w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True, DP4A)
-            acc, acc_up, squares = _int4_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
-                                               x_ptr, g_ptr, x_scale, full, n_groups,
-                                               NORM, SWIGLU, G, BLOCK_G, DP4A, CODES, EMULATE)
+            acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
+                                               x_ptr, xs_ptr, g_ptr, x_scale, full, n_groups,
+                                               NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
         unscale = w_unscale / x_scale
         if NORM:
             unscale *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -540,6 +622,12 @@ if triton is not None:
         if RESIDUAL:
             out += tl.load(r_ptr + rn, mask=rn < N, other=0).to(tl.float32)
         tl.store(y_ptr + rn, out, mask=rn < N)
+        if XQ_OUT:  # (y as stored, rounded to its dtype)
+            v = out.to(y_ptr.dtype.element_ty).to(tl.float32)
+            g = 1.0
+            if OUT_GAMMA:
+                g = tl.load(og_ptr + rn, mask=rn < N, other=0).to(tl.float32)
+            _int4_quantize_store(v, g, pid * BLOCK_N, N - pid * BLOCK_N, yw_ptr, ys_ptr, N, XG)
 
 if triton is not None:
 
@@ -881,14 +969,68 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     return rows, block_g, warps, 3, prefetch
 
 
+# x in int8 for the integer kernel, written by the kernel that made it (decode's one-row int4 steps:
+# model.py's Transformer.quantizes_x): instead of each of a GEMV's programs quantizing all of x
+# again, the attention kernel and each int4 GEMV write their output also in int8 per group of
+# X_GROUP columns, with the next GEMV's norm weight applied (its norm's scale, one number for the
+# row, it applies from the groups' sums of squares). GRAPHDECODE_INT4_XQ: "auto" (the rule below),
+# "0" (off: every GEMV quantizes x itself), or a group size (8, 16 or 32, which must divide the
+# int4 groups). Read when a model loads (Transformer.quantizes_x).
+INT4_XQ = os.environ.get("GRAPHDECODE_INT4_XQ", "auto")
+X_GROUPS = (8, 16, 32)
+
+
+def int4_x_group(groupsize: int) -> int:
+    """The group of x in int8 between decode's int4 kernels (INT4_XQ), for layers whose kernel groups
+    are `groupsize`; 0: none (x in bf16, quantized by each GEMV's programs)."""
+    if INT4_XQ not in ("auto", "0", *map(str, X_GROUPS)):
+        raise ValueError(f"GRAPHDECODE_INT4_XQ must be auto, 0, 8, 16 or 32 (got {INT4_XQ!r})")
+    group = 16 if INT4_XQ == "auto" else int(INT4_XQ)
+    return group if group and groupsize % group == 0 else 0
+
+
+def int4_quantize_x(x: torch.Tensor, g: torch.Tensor | None = None, group: int = 16) -> torch.Tensor:
+    """One row x [..., K] (times g [K], the next GEMV's norm weight) in int8 per group of `group`
+    columns: what int4_gemv(xq=) reads and our kernels write beside their output (_int4_quantize_store).
+    int32 [K/4 + 4 K/group]: the codes q = floor(u 127 / max|u| + 0.5) of u = x g, four to a word
+    (column 4i + j at bits 8j of word i), then per group, as float32, max|u| / 127, that times sum(q),
+    sum(u) and sum(x^2), each K/group long. In PyTorch: the tests' reference, and for an x that no
+    kernel of ours wrote."""
+    K = x.shape[-1]
+    if x.numel() != K or K % group or group not in X_GROUPS:
+        raise ValueError(f"int4_quantize_x takes one row of whole groups of 8, 16 or 32 (got {tuple(x.shape)}, {group})")
+    v = x.reshape(K).float()
+    u = (v if g is None else v * g.float()).view(-1, group)
+    amax = u.abs().amax(1, keepdim=True)
+    q = torch.floor(u * torch.where(amax > 0, 127 / amax, 0) + 0.5).int()
+    sx = amax[:, 0] / 127
+    words = ((q.view(-1, 4).long() & 255) << (8 * torch.arange(4, device=x.device))).sum(1)
+    words = torch.where(words >= 2**31, words - 2**32, words).int()
+    stats = torch.stack([sx, q.sum(1).float() * sx, u.sum(1), v.pow(2).view(-1, group).sum(1)])
+    return torch.cat([words, stats.flatten().view(torch.int32)])
+
+
+def _x_group_of(xq: torch.Tensor, K: int) -> int:
+    """The group size of x in int8 (int4_quantize_x's layout) for K columns, from its length."""
+    extra = xq.numel() - K // 4
+    group = 4 * K // extra if extra > 0 and (4 * K) % extra == 0 else 0
+    if xq.dtype != torch.int32 or group not in X_GROUPS or K % group:
+        raise ValueError(f"int4_gemv: xq ({xq.dtype}, {xq.numel()}) is not {K} columns of int4_quantize_x")
+    return group
+
+
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
               units: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               residual: torch.Tensor | None = None, swiglu: bool = False, ones: torch.Tensor | None = None,
-              launch: tuple | None = None, dp4a: bool = False) -> torch.Tensor:
+              launch: tuple | None = None, dp4a: bool = False, xq: torch.Tensor | None = None,
+              out_gamma: torch.Tensor | None = None, out_group: int = 0):
     """One row x [..., K] times int4 weights (int4_layout, of the same dp4a and units) -> [..., N] in x's
     dtype, with gemv's fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the
     norm the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its
-    own). dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma)."""
+    own). dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma).
+    xq (dp4a only): x in int8 already (int4_quantize_x(x, norm_weight)), read instead of x (x then gives
+    only the shape and dtype). out_group: also return the output in int8 per group of out_group, times
+    out_gamma [N] (or ones): (y, int4_quantize_x(y, out_gamma, out_group)), from the same kernel."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
@@ -903,42 +1045,68 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
         raise ValueError(f"int4_gemv: units must be float32 [{weight.shape[0]}, 2], contiguous "
                          f"(got {units.dtype} {tuple(units.shape)})")
     N = weight.shape[0] // (2 if swiglu else 1)
+    x_group = _x_group_of(xq, K) if xq is not None else out_group or 16
+    if xq is not None and (not dp4a or groupsize % x_group):
+        raise ValueError(f"int4_gemv: x in int8 (groups of {x_group}) is for integers (dp4a) at int4 groups "
+                         f"it divides (got {groupsize})")
+    if out_group and (out_group != x_group or out_group not in X_GROUPS or N % out_group):
+        raise ValueError(f"int4_gemv: out_group {out_group} must be 8, 16 or 32, divide N={N} and match xq's")
     block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a, units is not None)
+    if out_group and block_n % out_group:
+        block_n = out_group * -(-block_n // out_group)  # (each program quantizes whole groups of its rows)
     x2 = x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
+    yq = torch.empty(N // 4 + 4 * N // out_group if out_group else 0, device=x.device, dtype=torch.int32)
     use_pdl = pdl(x)
+    if xq is not None:
+        x_words, x_stats = xq[:K // 4], xq[K // 4:].view(torch.float32)
+    else:
+        x_words = x_stats = x2
+    y_words, y_stats = (yq[:N // 4], yq[N // 4:].view(torch.float32)) if out_group else (y, y)
     _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x2, weight, sz, sz if units is None else units,
+        x_words, x_stats, weight, sz, sz if units is None else units,
         norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K),
-        weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
+        weight if residual is None else residual.reshape(1, N).contiguous(), y, y_words, y_stats,
+        y if out_gamma is None else out_gamma, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
         BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl, DP4A=dp4a, CODES=units is not None,
-        EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        XQ=xq is not None, XQ_OUT=bool(out_group), OUT_GAMMA=out_gamma is not None, XG=x_group, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
-    return y.view(*x.shape[:-1], N)
+    y = y.view(*x.shape[:-1], N)
+    return (y, yq) if out_group else y
 
 
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                 units: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, swiglu: bool = False,
-                ones: torch.Tensor | None = None, dp4a: bool = False) -> torch.Tensor:
+                ones: torch.Tensor | None = None, dp4a: bool = False, xq: torch.Tensor | None = None,
+                out_gamma: torch.Tensor | None = None, out_group: int = 0):
     """int4_gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
-        return int4_gemv_op(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a)
-    return int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a)
+        y, yq = int4_gemv_op(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones,
+                             dp4a, xq, out_gamma, out_group)
+        return (y, yq) if out_group else y
+    return int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a,
+                     xq=xq, out_gamma=out_gamma, out_group=out_group)
 
 
 @torch.library.custom_op("graphdecode::int4_gemv", mutates_args=())
 def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                  units: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor], eps: float,
                  residual: Optional[torch.Tensor], swiglu: bool, ones: Optional[torch.Tensor],
-                 dp4a: bool) -> torch.Tensor:
-    return int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a)
+                 dp4a: bool, xq: Optional[torch.Tensor], out_gamma: Optional[torch.Tensor],
+                 out_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out = int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones,
+                    dp4a=dp4a, xq=xq, out_gamma=out_gamma, out_group=out_group)
+    return out if out_group else (out, x.new_empty(0, dtype=torch.int32))
 
 
 @int4_gemv_op.register_fake
-def _(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a):
-    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu else weight.shape[0]))
+def _(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a, xq, out_gamma,
+      out_group):
+    N = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return (x.new_empty((*x.shape[:-1], N)),
+            x.new_empty(N // 4 + 4 * N // out_group if out_group else 0, dtype=torch.int32))
 
 # -- decode attention ------------------------------------------------------------------------------
 #
@@ -975,10 +1143,10 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
-                          count_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
+                          count_ptr, yw_ptr, ys_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr):
         b, hkv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # as in _gemv_kernel: the next kernel may start once all programs here have
             tl.extra.cuda.gdc_launch_dependents()
@@ -1040,7 +1208,11 @@ if triton is not None:
         tl.store(vc_ptr + cache + pos * D + rd, v_new, mask=write)
         y_at = y_ptr + (b * H + heads[:, None]) * D + rd[None, :]
         if SPLITS == 1:
-            tl.store(y_at, (acc / l[:, None]).to(y_ptr.dtype.element_ty), mask=qd_ok)
+            y = (acc / l[:, None]).to(y_ptr.dtype.element_ty)
+            tl.store(y_at, y, mask=qd_ok)
+            if XQ_OUT:  # (one sequence, BLOCK_D = D): also in int8 for the int4 GEMV wo, as it rounded
+                _int4_quantize_store(tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D,)), 1.0, hkv * G * D, G * D,
+                                     yw_ptr, ys_ptr, H * D, XG)
         else:
             # Each slice leaves its (max, sum, weighted sum); the last slice of this sequence and
             # KV head to finish (an atomic count) merges them and resets the count for the next call.
@@ -1061,8 +1233,11 @@ if triton is not None:
                                mask=gs_ok[:, :, None] & d_ok[None, None, :], other=0, cache_modifier=".cg")
                 top = tl.max(ms, axis=1)  # finite for real heads: slice 0 has the new token
                 w = tl.exp2(ms - tl.where(top == -float("inf"), 0.0, top)[:, None])  # (padded heads: 0)
-                y = tl.sum(w[:, :, None] * accs, axis=1) / tl.sum(w * ls, axis=1)[:, None]
-                tl.store(y_at, y.to(y_ptr.dtype.element_ty), mask=qd_ok)
+                y = (tl.sum(w[:, :, None] * accs, axis=1) / tl.sum(w * ls, axis=1)[:, None]).to(y_ptr.dtype.element_ty)
+                tl.store(y_at, y, mask=qd_ok)
+                if XQ_OUT:
+                    _int4_quantize_store(tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D,)), 1.0, hkv * G * D,
+                                         G * D, yw_ptr, ys_ptr, H * D, XG)
                 tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
 
 
@@ -1071,10 +1246,12 @@ def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
     return triton is not None and qkv.is_cuda and pos.numel() == 1
 
 
-def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0):
     """decode_attention, through the custom op (OPAQUE) or directly."""
-    f = decode_attention_op if OPAQUE else decode_attention
-    return f(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads)
+    if OPAQUE:
+        y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group)
+        return (y, yq) if out_group else y
+    return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group)
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
@@ -1093,13 +1270,15 @@ def attention_splits(batch: int, n_kv_heads: int, length: int) -> int:
 
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                     n_kv_heads: int, splits: int | None = None) -> torch.Tensor:
+                     n_kv_heads: int, splits: int | None = None, out_group: int = 0):
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
     [>= B Hkv] of zeros (the slices' finishing count; left at zero)
     -> y [B, 1, H D], the attention output over positions 0..pos, heads side by side.
-    pos must be < L; the kernel reads and writes nothing outside the cache if it is not."""
+    pos must be < L; the kernel reads and writes nothing outside the cache if it is not.
+    out_group (one sequence, D a power of two and a multiple of it): also return y in int8 per
+    group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group))."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:
@@ -1112,6 +1291,9 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     G = n_heads // n_kv_heads
     block_g = triton.next_power_of_2(G)
     block_d = triton.next_power_of_2(D)
+    if out_group and (B != 1 or block_d != D or D % out_group or out_group not in X_GROUPS):
+        raise ValueError(f"decode_attention: y in int8 takes one sequence and groups of 8, 16 or 32 that divide "
+                         f"a power-of-two D (got B={B}, D={D}, group {out_group})")
     # Products [BLOCK_G, BLOCK_L, BLOCK_D] a step. One query head a KV head (Llama-2-7B) measured best at
     # 32 positions a step, with 8 warps while the programs fit one per SM and 4 beyond, where smaller
     # programs let more of them run at once (benchmarks/attention.py, run 18: batch 1 6.8 -> 5.1 µs,
@@ -1126,21 +1308,27 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         m = torch.empty((B, n_heads, splits), device=qkv.device, dtype=torch.float32)
         l = torch.empty_like(m)
         acc = torch.empty((B, n_heads, splits, D), device=qkv.device, dtype=torch.float32)
+    width = n_heads * D
+    yq = torch.empty(width // 4 + 4 * width // out_group if out_group else 0, device=qkv.device, dtype=torch.int32)
+    y_words, y_stats = (yq[:width // 4], yq[width // 4:].view(torch.float32)) if out_group else (y, y)
     _attention_kernel[(B, Hkv, splits)](
-        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, qkv.stride(0), k_cache.stride(0),
-        k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
+        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
+        k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
-        num_warps=warps, **({"launch_pdl": True} if use_pdl else {}))
-    return y
+        XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}))
+    return (y, yq) if out_group else y
 
 
 @torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts"))
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                        n_kv_heads: int) -> torch.Tensor:
-    return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads)
+                        n_kv_heads: int, out_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group)
+    return out if out_group else (out, qkv.new_empty(0, dtype=torch.int32))
 
 
 @decode_attention_op.register_fake
-def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads):
-    return qkv.new_empty((qkv.shape[0], 1, n_heads * k_cache.shape[-1]))
+def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group):
+    width = n_heads * k_cache.shape[-1]
+    return (qkv.new_empty((qkv.shape[0], 1, width)),
+            qkv.new_empty(width // 4 + 4 * width // out_group if out_group else 0, dtype=torch.int32))

@@ -5,9 +5,12 @@ over >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls). Each result is
 float64 reference of the dequantized weights first. --tune tries a grid of launches. The scales
 and zeros lie on quantize.py's grid, as it writes them; --codes 1 also times the integer kernel
 reading them as 8-bit codes (model.INT4_CODES), the bytes a call reads counted as it reads them.
+--xq 16 (or 8, 32) times the integer kernel as decode runs it with x in int8 between kernels
+(kernels.INT4_XQ): x read in int8 per group of that many columns (kernels.int4_quantize_x), and
+wo, w13 and w2 also writing their output so (wo and w2 times the next norm's weight).
 
     python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--codes 0,1]
-        [--tune] [--json PATH]
+        [--xq 0,16] [--tune] [--json PATH]
 """
 import argparse
 import itertools
@@ -53,12 +56,17 @@ def main():
                    "1 integers (dp4a)")
     p.add_argument("--codes", default="0", help="comma-separated: 0 scales and zeros in float16, 1 also as "
                    "8-bit codes (with --dp4a 1 only)")
+    p.add_argument("--xq", default="0", help="comma-separated: 0 x in bf16, or groups (8, 16, 32) of x in int8 "
+                   "between kernels (with --dp4a 1 only)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
         p.error(f"--dp4a and --codes take 0 and 1 (got {a.dp4a}, {a.codes})")
-    variants = [(dp4a, codes) for dp4a in (v == "1" for v in a.dp4a.split(","))
-                for codes in (v == "1" for v in a.codes.split(",")) if dp4a or not codes]
+    if not set(a.xq.split(",")) <= {"0", *map(str, kernels.X_GROUPS)}:
+        p.error(f"--xq takes 0, 8, 16 and 32 (got {a.xq})")
+    variants = [(dp4a, codes, xq) for dp4a in (v == "1" for v in a.dp4a.split(","))
+                for codes in (v == "1" for v in a.codes.split(",")) for xq in (int(v) for v in a.xq.split(","))
+                if dp4a or not (codes or xq)]
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)
@@ -93,13 +101,22 @@ def main():
         theirs_c = [theirs] + [tuple(t.clone() for t in theirs) for _ in range(copies - 1)]
         t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
         del theirs_c
-        for dp4a, codes in variants:
+        for dp4a, codes, xq in variants:
+            kw = {k: v for k, v in kw.items() if k not in ("xq", "out_group", "out_gamma")}
+            if xq:  # x in int8 as its producer writes it; wo, w13, w2 write their output so (wo, w2 times a norm's)
+                kw["xq"] = kernels.int4_quantize_x(x, kw.get("norm_weight"), xq)
+                if name in ("wo", "w13", "w2"):
+                    kw["out_group"] = xq
+                    if name != "w13":
+                        kw["out_gamma"] = (0.5 + torch.rand(out_n, device=dev)).bfloat16()
             ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a, codes)
             codes = ours[4] is not None  # (what was built: the grid holds)
             default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a, codes)
             ours_bytes = sum(t.numel() * t.element_size() for t in (ours[0], ours[1], ours[4]) if t is not None)
             kw["dp4a"] = dp4a
-            err = ((kernels.int4_gemv(x, *ours, **kw).double() - expect).abs().max() / expect.abs().max()).item()
+            y = kernels.int4_gemv(x, *ours, **kw)
+            y = y[0] if isinstance(y, tuple) else y
+            err = ((y.double() - expect).abs().max() / expect.abs().max()).item()
             ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
             t_ours = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw) for w in ours_c])
             best = (t_ours, default)
@@ -110,14 +127,14 @@ def main():
                         for f in a.prefetch.split(",")]
                 best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
                                                                 for w in ours_c], reps), grid, best)
-            rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "codes": codes,
+            rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,
                    "bytes": nbytes, "ours_bytes": ours_bytes,
                    "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,
                    "ours_gb_s": ours_bytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
                    "best_gb_s": ours_bytes / best[0] / 1e9, "best": best[1], "err": err, "err_tinygemm": err_tg,
                    "ceiling_gb_s": ceiling}
             records.append(rec)
-            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} codes {int(codes)} tinygemm {t_tg*1e6:6.1f} us "
+            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} codes {int(codes)} xq {xq:2d} tinygemm {t_tg*1e6:6.1f} us "
                   f"{rec['tinygemm_gb_s']:5.0f} GB/s | ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | "
                   f"best {best[0]*1e6:6.1f} us {rec['best_gb_s']:5.0f} GB/s {best[1]} | err {err:.1e} tinygemm {err_tg:.1e}",
                   flush=True)

@@ -325,4 +325,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/gemv-int4-codes-g64.json"
       JSON=$OUT/h200-g64.json logged_variants 75 0 zx1:"--quantize int4-g64 --int4-codes 0" \
         zx2:"--quantize int4-g64 --int4-codes 1" ;;
+  zy) # run 57 (session 13): x in int8 between decode's int4 kernels (kernels.INT4_XQ): the new kernels' tests,
+      # the GEMVs with x in int8 per 8, 16, 32 columns against x in bf16, and the 7B step at group 32
+      t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
+        -k "int8 or quantize_x or attention_matches" | tail -6
+      t 120 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0,8,16,32 \
+        --json "$OUT/gemv-int4-xq.json" | grep -v "^$"
+      JSON=$OUT/h200-xq.json logged_variants 90 0 zy1:"--quantize int4-g32 --int4-xq 16" \
+        zy2:"--quantize int4-g32 --int4-xq 32" zy3:"--quantize int4-g32 --int4-xq 0" ;;
 esac; done

@@ -444,16 +444,132 @@ def test_int4_codes_setting_and_launch(monkeypatch):
 
 
 def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
-    """bench.py checks GRAPHDECODE_INT4_CODES and GRAPHDECODE_INT4_DP4A before any model loads: a bad
+    """bench.py checks GRAPHDECODE_INT4_CODES, _DP4A and _XQ before any model loads: a bad
     value is a one-line error and exit status 1."""
     import model as model_module
     from bench import main
 
-    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A")):
+    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A"), (kernels, "INT4_XQ")):
         with monkeypatch.context() as m:
             m.setattr(module, name, "yes")
             assert main(["--device", "cpu", "--model", "smollm2-135m"]) == 1
-            assert capsys.readouterr().err.startswith(f"error: GRAPHDECODE_{name} must be auto, 0 or 1")
+            assert capsys.readouterr().err.startswith(f"error: GRAPHDECODE_{name} must be auto, 0")
+
+
+def unpack_x_int8(xq, K, group):
+    """kernels.int4_quantize_x's layout -> (codes q [K], its numbers [4, K / group]: sx, sx sum(q),
+    sum(u), sum(x^2))."""
+    words = xq[:K // 4].cpu().long() & 0xFFFFFFFF
+    q = (words[:, None] >> (8 * torch.arange(4))) & 255
+    return torch.where(q >= 128, q - 256, q).flatten(), xq[K // 4:].cpu().view(torch.float32).view(4, -1)
+
+
+def assert_x_int8(xq, x, g, group):
+    """xq is int4_quantize_x(x, g, group), written by a kernel: the same codes (on the GPU, whose
+    division is approximate, a code at a rounding tie may be one off, moving sx sum(q) by sx) and
+    the same numbers to float32 rounding (sums in another order)."""
+    K = x.shape[-1]
+    q, stats = unpack_x_int8(xq, K, group)
+    q_ref, ref = unpack_x_int8(kernels.int4_quantize_x(x.cpu(), None if g is None else g.cpu(), group), K, group)
+    off = 1 if xq.is_cuda else 0
+    assert (q - q_ref).abs().max().item() <= off and xq.numel() == K // 4 + 4 * K // group
+    sx = ref[0]
+    assert torch.allclose(stats[0], sx, rtol=1e-6, atol=0)
+    assert ((stats[1] - ref[1]).abs() <= 1e-5 * ref[1].abs() + off * 4 * sx).all()
+    scale = ref[2:].abs().max(1, keepdim=True).values
+    assert ((stats[2:] - ref[2:]).abs() <= 1e-5 * scale).all()
+
+
+@pytest.mark.parametrize("group", [8, 16, 32])
+def test_int4_quantize_x_is_its_definition(group):
+    """kernels.int4_quantize_x: codes q = round(u / sx) of u = x g with sx = max|u| / 127 per group,
+    in -127..127, four to a word; then sx, sx sum(q), sum(u), sum(x^2) per group; a group of zeros
+    codes to zeros."""
+    torch.manual_seed(group)
+    x = torch.randn(1, 1, 256).bfloat16()
+    x[..., :group] = 0
+    g = (0.5 + torch.rand(256)).bfloat16()
+    q, stats = unpack_x_int8(kernels.int4_quantize_x(x, g, group), 256, group)
+    u = (x.double() * g.double()).view(-1, group)
+    sx = u.abs().amax(1) / 127
+    assert torch.allclose(stats[0].double(), sx, rtol=1e-6)
+    assert q.abs().max() <= 127 and q[:group].eq(0).all() and stats[:, 0].eq(0).all()
+    assert ((q.view(-1, group).double() * sx[:, None] - u).abs() <= sx[:, None] * (0.5 + 1e-5)).all()
+    assert torch.allclose(stats[1].double(), q.view(-1, group).sum(1).double() * sx, rtol=1e-5)
+    assert torch.allclose(stats[2].double(), u.sum(1), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(stats[3].double(), x.double().view(-1, group).pow(2).sum(1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
+@pytest.mark.parametrize("G, group, launch", [(32, 16, (16, 4, 4, 2, False)), (32, 32, (16, 4, 4, 2, True)),
+                                              (32, 8, (8, 8, 4, 2, False)), (128, 16, (16, 2, 4, 2, False))])
+def test_int4_gemv_reads_and_writes_x_in_int8(G, group, launch, fused):
+    """int4_gemv(xq=) takes x in int8 from int4_quantize_x (x times the norm's g) and gives its
+    definition: per group of G, s (sum over its x groups of sx sum(q_w q) - 8 sx sum(q)) + z sum(u), times
+    the norm's 1 / rms (from the sums of squares), then SwiGLU or the residual; within INT4_TOLERANCE
+    of the float64 product. With out_group it also writes its output so (assert_x_int8), times a g
+    of the next GEMV's or none, and the output itself is unchanged. K = 544 ends in a partial block."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    N, K = 64, 544
+    packed, scales, zeros, W = int4_weights(N, K, G, grid=True)
+    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, True, True)
+    _, sz, _, kernel_g, units = layout
+    x = torch.randn(1, K)  # (float32: y unrounded, for the definition)
+    kwargs, reference, size = int4_case(fused, x, N, W)
+    xq = kernels.int4_quantize_x(x, kwargs.get("norm_weight"), group)
+    q, (sx, qs, x_sum, squares) = unpack_x_int8(xq, K, group)
+    per = kernel_g // group  # x groups in an int4 group
+    q_w = torch.stack([packed & 15, packed >> 4], -1).view(N, K).double()
+    dots = (q_w * q.double()).view(N, -1, per, group).sum(-1)
+    s, z = (sz.cpu().int() & 255).double() * units.cpu().double()[:, :1], (sz.cpu().int() >> 8).double() * units.cpu().double()[:, 1:]
+    y_def = ((dots * sx.double().view(-1, per)).sum(-1) * s + z * x_sum.double().view(-1, per).sum(-1)).sum(1)[None]
+    y_def = y_def - 8 * (s * qs.double().view(-1, per).sum(-1)).sum(1)[None]
+    if "norm_weight" in kwargs:
+        y_def = y_def * torch.rsqrt(squares.double().sum() / K + 1e-5)
+    scale = y_def.abs().max().item()
+    if kwargs.get("swiglu"):
+        gate, up = y_def.chunk(2, dim=-1)
+        y_def, scale = gate * torch.sigmoid(gate) * up, 2.1 * gate.abs().max().item() * up.abs().max().item()
+    if "residual" in kwargs:
+        y_def = y_def + kwargs["residual"].double()
+        scale = y_def.abs().max().item()
+    kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    y = kernels.int4_gemv(x.to(device), *layout, launch=launch, dp4a=True, xq=xq.to(device), **kwargs)
+    atol = (1e-5 if device == "cpu" else 2e-3) * scale
+    assert torch.allclose(y.double().cpu(), y_def, rtol=1e-5 if device == "cpu" else 1e-2, atol=atol)
+    assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
+    for gamma in (None, (0.5 + torch.rand(y.shape[-1])).bfloat16().to(device)):
+        y_out, yq = kernels.int4_gemv(x.to(device), *layout, launch=launch, dp4a=True, xq=xq.to(device),
+                                      out_gamma=gamma, out_group=group, **kwargs)
+        assert torch.equal(y_out, y)
+        assert_x_int8(yq, y_out, gamma, group)
+
+
+def test_int4_x_in_int8_errors_and_setting(monkeypatch):
+    """x in int8 goes with integers at int4 groups it divides, in int4_quantize_x's length; the output's
+    groups divide N; GRAPHDECODE_INT4_XQ picks the group (auto: 16, or 0: none), anything else is an
+    error; a group that does not divide the int4 groups gives none."""
+    packed, scales, zeros, _ = int4_weights(16, 64, 32, grid=True)
+    layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
+    x = torch.zeros(1, 64)
+    xq = kernels.int4_quantize_x(x, group=16)
+    with pytest.raises(ValueError, match="not 64 columns of int4_quantize_x"):
+        kernels.int4_gemv(x, *layout, dp4a=True, xq=xq[:-1])
+    with pytest.raises(ValueError, match="must be 8, 16 or 32, divide N=16"):
+        kernels.int4_gemv(x, *layout, dp4a=True, xq=xq, out_group=32)
+    with pytest.raises(ValueError, match="for integers"):
+        kernels.int4_gemv(x, *int4_gemv_layout(packed, scales, zeros, 32), xq=xq)
+    with pytest.raises(ValueError, match="one row of whole groups"):
+        kernels.int4_quantize_x(torch.zeros(2, 64))
+    monkeypatch.setattr(kernels, "INT4_XQ", "auto")
+    assert kernels.int4_x_group(32) == 16 and kernels.int4_x_group(8) == 0
+    monkeypatch.setattr(kernels, "INT4_XQ", "0")
+    assert kernels.int4_x_group(32) == 0
+    monkeypatch.setattr(kernels, "INT4_XQ", "32")
+    assert kernels.int4_x_group(128) == 32 and kernels.int4_x_group(64) == 32
+    monkeypatch.setattr(kernels, "INT4_XQ", "64")
+    with pytest.raises(ValueError, match="GRAPHDECODE_INT4_XQ must be auto, 0, 8, 16 or 32"):
+        kernels.int4_x_group(32)
 
 
 def test_int4_gemv_takes_one_row():
@@ -572,8 +688,14 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     expected = reference_attention(qkv, p, cos[p], sin[p], k_ref, v_ref, H, Hkv).float()
     counts = torch.zeros(rows * Hkv, dtype=torch.int32, device=device)
+    before = (k_cache.clone(), v_cache.clone())
     y = kernels.decode_attention(qkv, p, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
     assert not counts.any()  # left at zero for the next call
+    if B == 1 and D & (D - 1) == 0:  # y also in int8 for an int4 wo, groups of 16: the same y
+        caches = tuple(t.clone() for t in before)
+        y_again, yq = kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, Hkv, splits, out_group=16)
+        assert torch.equal(y_again, y) and not counts.any()
+        assert_x_int8(yq, y, None, 16)
     assert y.shape == (B, 1, H * D) and y.dtype == torch.bfloat16
     assert (y.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
     rounding = 2**-8 if device == "cuda" else 2**-7  # the interpreter truncates to bf16
@@ -621,7 +743,7 @@ def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     cos, sin = torch.ones(L, D).bfloat16().to(device), torch.zeros(L, D).bfloat16().to(device)
     pos = torch.tensor([0], device=device)
     counts = torch.zeros(H, dtype=torch.int32, device=device)
-    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H) * 1,
+    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H, 0)[0] * 1,
                       fullgraph=True)
     seen = []
     attention = kernels.decode_attention
