@@ -136,7 +136,7 @@ class Transformer(nn.Module):
                         and m.bias is None for m in linears)):
             return 0
         group = kernels.int4_x_group(min(m.kernel_groupsize for m in linears))
-        return group if D % group == 0 and all(m.kernel_groupsize % group == 0 for m in linears) else 0
+        return group if group and D % group == 0 and all(m.kernel_groupsize % group == 0 for m in linears) else 0
 
     # -- loading ---------------------------------------------------------------------------
 

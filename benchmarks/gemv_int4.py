@@ -58,14 +58,17 @@ def main():
                    "8-bit codes (with --dp4a 1 only)")
     p.add_argument("--xq", default="0", help="comma-separated: 0 x in bf16, or groups (8, 16, 32) of x in int8 "
                    "between kernels (with --dp4a 1 only)")
+    p.add_argument("--xq-write", default="1", help="comma-separated, with --xq: 1 wo, w13, w2 also write their "
+                   "output in int8 (as in decode), 0 they only read x so (the reading alone)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
         p.error(f"--dp4a and --codes take 0 and 1 (got {a.dp4a}, {a.codes})")
     if not set(a.xq.split(",")) <= {"0", *map(str, kernels.X_GROUPS)}:
         p.error(f"--xq takes 0, 8, 16 and 32 (got {a.xq})")
-    variants = [(dp4a, codes, xq) for dp4a in (v == "1" for v in a.dp4a.split(","))
+    variants = [(dp4a, codes, xq, write) for dp4a in (v == "1" for v in a.dp4a.split(","))
                 for codes in (v == "1" for v in a.codes.split(",")) for xq in (int(v) for v in a.xq.split(","))
+                for write in ((v == "1" for v in a.xq_write.split(",")) if xq else (False,))
                 if dp4a or not (codes or xq)]
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
@@ -101,11 +104,11 @@ def main():
         theirs_c = [theirs] + [tuple(t.clone() for t in theirs) for _ in range(copies - 1)]
         t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
         del theirs_c
-        for dp4a, codes, xq in variants:
+        for dp4a, codes, xq, write in variants:
             kw = {k: v for k, v in kw.items() if k not in ("xq", "out_group", "out_gamma")}
             if xq:  # x in int8 as its producer writes it; wo, w13, w2 write their output so (wo, w2 times a norm's)
                 kw["xq"] = kernels.int4_quantize_x(x, kw.get("norm_weight"), xq)
-                if name in ("wo", "w13", "w2"):
+                if write and name in ("wo", "w13", "w2"):
                     kw["out_group"] = xq
                     if name != "w13":
                         kw["out_gamma"] = (0.5 + torch.rand(out_n, device=dev)).bfloat16()
@@ -128,13 +131,14 @@ def main():
                 best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
                                                                 for w in ours_c], reps), grid, best)
             rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,
+                   "xq_write": "out_group" in kw,
                    "bytes": nbytes, "ours_bytes": ours_bytes,
                    "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,
                    "ours_gb_s": ours_bytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
                    "best_gb_s": ours_bytes / best[0] / 1e9, "best": best[1], "err": err, "err_tinygemm": err_tg,
                    "ceiling_gb_s": ceiling}
             records.append(rec)
-            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} codes {int(codes)} xq {xq:2d} tinygemm {t_tg*1e6:6.1f} us "
+            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} codes {int(codes)} xq {xq:2d}{'w' if 'out_group' in kw else ' '} tinygemm {t_tg*1e6:6.1f} us "
                   f"{rec['tinygemm_gb_s']:5.0f} GB/s | ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | "
                   f"best {best[0]*1e6:6.1f} us {rec['best_gb_s']:5.0f} GB/s {best[1]} | err {err:.1e} tinygemm {err_tg:.1e}",
                   flush=True)

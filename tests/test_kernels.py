@@ -501,7 +501,7 @@ def test_int4_quantize_x_is_its_definition(group):
 
 
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
-@pytest.mark.parametrize("G, group, launch", [(32, 16, (16, 4, 4, 2, False)), (32, 32, (16, 4, 4, 2, True)),
+@pytest.mark.parametrize("G, group, launch", [(32, 16, (16, 4, 4, 2, False)), (32, 32, (32, 4, 4, 2, True)),
                                               (32, 8, (8, 8, 4, 2, False)), (128, 16, (16, 2, 4, 2, False))])
 def test_int4_gemv_reads_and_writes_x_in_int8(G, group, launch, fused):
     """int4_gemv(xq=) takes x in int8 from int4_quantize_x (x times the norm's g) and gives its
