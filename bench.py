@@ -339,8 +339,8 @@ def main(argv=None) -> int:
                    help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
                         "float16 (0), or by model.int4_codes' rule (auto, the default: codes up to group 64)")
     p.add_argument("--int4-xq", choices=["auto", "0", "8", "16", "32"], default=None,
-                   help="x in int8 between decode's int4 kernels per group of this many columns, or 0: x in bf16, "
-                        "each GEMV quantizing it itself (kernels.INT4_XQ; auto, the default: 16)")
+                   help="the attention kernel hands an int4 wo its output in int8 per group of this many columns, "
+                        "or 0: in bf16 only, wo quantizing it itself (kernels.INT4_XQ; auto, the default: 16)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -423,8 +423,9 @@ def main(argv=None) -> int:
     # the int4 layers that read their scales as codes (by model.int4_codes' rule, per kernel group; a layer
     # off quantize.py's grid keeps float16)
     codes_used = sum(getattr(m, "gemv_units", None) is not None for m in int4_layers)
-    # the group of x in int8 between decode's int4 kernels, as the target's one-row step runs (0: none)
-    x_group = model.x_group(torch.zeros(1, 1, model.args.dim, device=device, dtype=dtype)) if int4 else None
+    # the group of x in int8 that the target's one-row step hands an int4 wo (0: none; kernels.INT4_XQ)
+    wo = model.layers[0].attention.wo
+    x_group = wo.x_group(torch.zeros(1, 1, 1, device=device)) if isinstance(wo, model_module.Int4Linear) else None
 
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),

@@ -416,27 +416,28 @@ if triton is not None:
         return acc + (tl.sum(dot.to(tl.float32) * sx, axis=2) - 8 * qs) * s + z * x_sum
 
     @triton.jit
-    def _int4_quantize_store(v, g, col0, n_valid, yw_ptr, ys_ptr, n_cols, XG: tl.constexpr):
-        """Columns col0 + [0, len(v)) of a GEMV's x, v [len] float32 (len and col0 multiples of XG;
-        those from n_valid on not stored), for the int4 GEMV that takes it (int4_quantize_x's layout):
-        u = v g per group of XG to int8, q = floor(u 127 / max|u| + 0.5), four to a word at yw_ptr, and
-        the group's max|u| / 127, that times sum(q), sum(u) and sum(v^2) at ys_ptr, n_cols / XG apart."""
-        BLOCK: tl.constexpr = v.shape[0]
-        u = tl.reshape(v * g, (BLOCK // XG, XG))
-        amax = tl.max(tl.abs(u), axis=1)
-        q = tl.floor(u * tl.where(amax > 0, 127 / amax, 0)[:, None] + 0.5).to(tl.int32)
-        sx = amax / 127
-        words = tl.sum(tl.reshape(q & 255, (BLOCK // 4, 4)) << (8 * tl.arange(0, 4))[None, :], axis=1)
-        rw = tl.arange(0, BLOCK // 4)
+    def _int4_quantize_store(v, u, col0, n_valid, yw_ptr, ys_ptr, n_cols, XG: tl.constexpr):
+        """Columns col0 + [0, A XG) of a GEMV's x, for the int4 GEMV that takes it (int4_quantize_x's
+        layout): v [A, XG / 4, 4] float32 as stored, u = v g (g the GEMV's norm weight, if any); col0
+        a multiple of XG, the columns from n_valid on not stored. Per group of XG (one row of v):
+        q = floor(u 127 / max|u| + 0.5), four to a word at yw_ptr, and max|u| / 127, that times
+        sum(q), sum(u) and sum(v^2) at ys_ptr, n_cols / XG apart."""
+        A: tl.constexpr = v.shape[0]
+        B: tl.constexpr = v.shape[1]
+        amax = tl.max(tl.max(tl.abs(u), axis=2), axis=1)
+        q = tl.floor(u * tl.where(amax > 0, 127 / amax, 0)[:, None, None] + 0.5).to(tl.int32)
+        words = tl.sum((q & 255) << (8 * tl.arange(0, 4))[None, None, :], axis=2)  # [A, B]
+        rw = tl.arange(0, A)[:, None] * B + tl.arange(0, B)[None, :]
         tl.store(yw_ptr + col0 // 4 + rw, words, mask=rw * 4 < n_valid)
-        rg = tl.arange(0, BLOCK // XG)
+        rg = tl.arange(0, A)
         ok = rg * XG < n_valid
         at = ys_ptr + col0 // XG + rg
         n_x = n_cols // XG
+        sx = amax / 127
         tl.store(at, sx, mask=ok)
-        tl.store(at + n_x, tl.sum(q, axis=1).to(tl.float32) * sx, mask=ok)
-        tl.store(at + 2 * n_x, tl.sum(u, axis=1), mask=ok)
-        tl.store(at + 3 * n_x, tl.sum(tl.reshape(v * v, (BLOCK // XG, XG)), axis=1), mask=ok)
+        tl.store(at + n_x, tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32) * sx, mask=ok)
+        tl.store(at + 2 * n_x, tl.sum(tl.sum(u, axis=2), axis=1), mask=ok)
+        tl.store(at + 3 * n_x, tl.sum(tl.sum(v * v, axis=2), axis=1), mask=ok)
 
     @triton.jit
     def _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up, x_row, xs_ptr, g_ptr, x_scale, b,
@@ -523,12 +524,11 @@ if triton is not None:
         return units
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, xs_ptr, w_ptr, sz_ptr, u_ptr, g_ptr, r_ptr, y_ptr, yw_ptr, ys_ptr, og_ptr,
-                          N, K, n_groups, eps, w_unscale,
+    def _int4_gemv_kernel(x_ptr, xs_ptr, w_ptr, sz_ptr, u_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr,
                           PDL: tl.constexpr, DP4A: tl.constexpr, CODES: tl.constexpr, XQ: tl.constexpr,
-                          XQ_OUT: tl.constexpr, OUT_GAMMA: tl.constexpr, XG: tl.constexpr, EMULATE: tl.constexpr):
+                          XG: tl.constexpr, EMULATE: tl.constexpr):
         """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
         G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
         PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each word's float16
@@ -538,8 +538,7 @@ if triton is not None:
         (_int4_dp4a_block; no x_scale). CODES (DP4A only): the scale-and-zero words are int16 codes and
         u_ptr holds each row's two units (int4_layout with units). XQ (DP4A only): x is already in int8
         (x_ptr its words, xs_ptr its groups' numbers: int4_quantize_x, groups of XG), written by the
-        kernel before. XQ_OUT: the output y is also written that way (yw_ptr, ys_ptr), times og_ptr's
-        g (OUT_GAMMA; else ones), for the int4 GEMV after (BLOCK_N a multiple of XG: each program quantizes its own rows)."""
+        kernel before (the attention kernel, for wo)."""
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -622,12 +621,6 @@ if triton is not None:
         if RESIDUAL:
             out += tl.load(r_ptr + rn, mask=rn < N, other=0).to(tl.float32)
         tl.store(y_ptr + rn, out, mask=rn < N)
-        if XQ_OUT:  # (y as stored, rounded to its dtype)
-            v = out.to(y_ptr.dtype.element_ty).to(tl.float32)
-            g = 1.0
-            if OUT_GAMMA:
-                g = tl.load(og_ptr + rn, mask=rn < N, other=0).to(tl.float32)
-            _int4_quantize_store(v, g, pid * BLOCK_N, N - pid * BLOCK_N, yw_ptr, ys_ptr, N, XG)
 
 if triton is not None:
 
@@ -952,16 +945,20 @@ INT4_LAUNCHES = {
 
 
 def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool = False,
-                codes: bool = False) -> tuple[int, int, int, int, bool]:
+                codes: bool = False, xq: bool = False) -> tuple[int, int, int, int, bool]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize` (INT4_LAUNCHES),
     from benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B with the fusions; float16 pairs run 30
     at group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a
     program, columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Groups 64 and 256 take
     group 128's (not tuned). Codes at group 32: the down projection at 16 rows (8.9 µs against 9.8
-    at 8, run 51); codes at other groups take the integers' launches."""
+    at 8, run 51); codes at other groups take the integers' launches. xq (x in int8 already, wo's
+    case): the square shape at 16 rows, 4096 columns a step, 4 warps (wo at group 32 with codes,
+    3.1 µs against 3.9 at the codes' launch, run 58; other groups not tuned)."""
     shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
     at_32, at_128, half, codes_at_32 = INT4_LAUNCHES[shape]
-    if dp4a:
+    if dp4a and xq and shape == "square":
+        rows, columns, warps, prefetch = 16, 4096, 4, False
+    elif dp4a:
         (rows, columns, warps), prefetch = (codes_at_32 if codes else at_32) if groupsize <= 32 else at_128, False
     else:
         rows, columns, warps, prefetch = half
@@ -969,20 +966,21 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     return rows, block_g, warps, 3, prefetch
 
 
-# x in int8 for the integer kernel, written by the kernel that made it (decode's one-row int4 steps:
-# model.py's Transformer.quantizes_x): instead of each of a GEMV's programs quantizing all of x
-# again, the attention kernel and each int4 GEMV write their output also in int8 per group of
-# X_GROUP columns, with the next GEMV's norm weight applied (its norm's scale, one number for the
-# row, it applies from the groups' sums of squares). GRAPHDECODE_INT4_XQ: "auto" (the rule below),
-# "0" (off: every GEMV quantizes x itself), or a group size (8, 16 or 32, which must divide the
-# int4 groups). Read when a model loads (Transformer.quantizes_x).
+# x in int8 for the integer kernel, written by the kernel that made it: the attention kernel also
+# writes its output in int8 per group of X columns (decode_attention's out_group) for an int4 wo
+# (model.py's Attention), whose programs then read that instead of each quantizing all of x again
+# (Llama-2-7B at group 32, tuned: 4.2 -> 3.1 µs, run 58). The int4 GEMVs do not write theirs: their
+# epilogue's group reductions over rows spread across warps cost more than the next GEMV saved
+# (run 58: w13 15.2 -> 17.6 µs writing, against 14.2 reading; BENCHMARKS.md, session 13).
+# GRAPHDECODE_INT4_XQ: "auto" (groups of 16), "0" (off: wo quantizes x itself), or 8, 16, 32 (which
+# must divide the int4 groups). Read at each trace (model.Int4Linear.x_group).
 INT4_XQ = os.environ.get("GRAPHDECODE_INT4_XQ", "auto")
 X_GROUPS = (8, 16, 32)
 
 
 def int4_x_group(groupsize: int) -> int:
-    """The group of x in int8 between decode's int4 kernels (INT4_XQ), for layers whose kernel groups
-    are `groupsize`; 0: none (x in bf16, quantized by each GEMV's programs)."""
+    """The group of x in int8 for an int4 GEMV whose kernel groups are `groupsize` (INT4_XQ); 0: none
+    (x in bf16, quantized by each of its programs)."""
     if INT4_XQ not in ("auto", "0", *map(str, X_GROUPS)):
         raise ValueError(f"GRAPHDECODE_INT4_XQ must be auto, 0, 8, 16 or 32 (got {INT4_XQ!r})")
     group = 16 if INT4_XQ == "auto" else int(INT4_XQ)
@@ -991,7 +989,7 @@ def int4_x_group(groupsize: int) -> int:
 
 def int4_quantize_x(x: torch.Tensor, g: torch.Tensor | None = None, group: int = 16) -> torch.Tensor:
     """One row x [..., K] (times g [K], the next GEMV's norm weight) in int8 per group of `group`
-    columns: what int4_gemv(xq=) reads and our kernels write beside their output (_int4_quantize_store).
+    columns: what int4_gemv(xq=) reads and decode_attention(out_group=) writes (_int4_quantize_store).
     int32 [K/4 + 4 K/group]: the codes q = floor(u 127 / max|u| + 0.5) of u = x g, four to a word
     (column 4i + j at bits 8j of word i), then per group, as float32, max|u| / 127, that times sum(q),
     sum(u) and sum(x^2), each K/group long. In PyTorch: the tests' reference, and for an x that no
@@ -1022,15 +1020,13 @@ def _x_group_of(xq: torch.Tensor, K: int) -> int:
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
               units: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               residual: torch.Tensor | None = None, swiglu: bool = False, ones: torch.Tensor | None = None,
-              launch: tuple | None = None, dp4a: bool = False, xq: torch.Tensor | None = None,
-              out_gamma: torch.Tensor | None = None, out_group: int = 0):
+              launch: tuple | None = None, dp4a: bool = False, xq: torch.Tensor | None = None) -> torch.Tensor:
     """One row x [..., K] times int4 weights (int4_layout, of the same dp4a and units) -> [..., N] in x's
     dtype, with gemv's fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the
     norm the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its
     own). dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma).
-    xq (dp4a only): x in int8 already (int4_quantize_x(x, norm_weight)), read instead of x (x then gives
-    only the shape and dtype). out_group: also return the output in int8 per group of out_group, times
-    out_gamma [N] (or ones): (y, int4_quantize_x(y, out_gamma, out_group)), from the same kernel."""
+    xq (dp4a only): x in int8 already (int4_quantize_x(x, norm_weight), in groups that divide the int4
+    groups), read instead of x, which then gives only the shape and dtype (_int4_xq_block)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
@@ -1044,69 +1040,52 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
                               or not units.is_contiguous()):
         raise ValueError(f"int4_gemv: units must be float32 [{weight.shape[0]}, 2], contiguous "
                          f"(got {units.dtype} {tuple(units.shape)})")
-    N = weight.shape[0] // (2 if swiglu else 1)
-    x_group = _x_group_of(xq, K) if xq is not None else out_group or 16
+    x_group = _x_group_of(xq, K) if xq is not None else 16  # (16: unused)
     if xq is not None and (not dp4a or groupsize % x_group):
         raise ValueError(f"int4_gemv: x in int8 (groups of {x_group}) is for integers (dp4a) at int4 groups "
                          f"it divides (got {groupsize})")
-    if out_group and (out_group != x_group or out_group not in X_GROUPS or N % out_group):
-        raise ValueError(f"int4_gemv: out_group {out_group} must be 8, 16 or 32, divide N={N} and match xq's")
-    block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a, units is not None)
-    if out_group and block_n % out_group:
-        block_n = out_group * -(-block_n // out_group)  # (each program quantizes whole groups of its rows)
+    N = weight.shape[0] // (2 if swiglu else 1)
+    block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a, units is not None,
+                                                                      xq is not None)
     x2 = x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
-    yq = torch.empty(N // 4 + 4 * N // out_group if out_group else 0, device=x.device, dtype=torch.int32)
     use_pdl = pdl(x)
-    if xq is not None:
-        x_words, x_stats = xq[:K // 4], xq[K // 4:].view(torch.float32)
-    else:
-        x_words = x_stats = x2
-    y_words, y_stats = (yq[:N // 4], yq[N // 4:].view(torch.float32)) if out_group else (y, y)
+    x_words, x_stats = (xq[:K // 4], xq[K // 4:].view(torch.float32)) if xq is not None else (x2, x2)
     _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
         x_words, x_stats, weight, sz, sz if units is None else units,
         norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K),
-        weight if residual is None else residual.reshape(1, N).contiguous(), y, y_words, y_stats,
-        y if out_gamma is None else out_gamma, N, K, K // groupsize, eps, w_unscale,
+        weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
         BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl, DP4A=dp4a, CODES=units is not None,
-        XQ=xq is not None, XQ_OUT=bool(out_group), OUT_GAMMA=out_gamma is not None, XG=x_group, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        XQ=xq is not None, XG=x_group, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
-    y = y.view(*x.shape[:-1], N)
-    return (y, yq) if out_group else y
+    return y.view(*x.shape[:-1], N)
 
 
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                 units: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, swiglu: bool = False,
-                ones: torch.Tensor | None = None, dp4a: bool = False, xq: torch.Tensor | None = None,
-                out_gamma: torch.Tensor | None = None, out_group: int = 0):
+                ones: torch.Tensor | None = None, dp4a: bool = False, xq: torch.Tensor | None = None) -> torch.Tensor:
     """int4_gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
-        y, yq = int4_gemv_op(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones,
-                             dp4a, xq, out_gamma, out_group)
-        return (y, yq) if out_group else y
+        return int4_gemv_op(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones,
+                            dp4a, xq)
     return int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a,
-                     xq=xq, out_gamma=out_gamma, out_group=out_group)
+                     xq=xq)
 
 
 @torch.library.custom_op("graphdecode::int4_gemv", mutates_args=())
 def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                  units: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor], eps: float,
                  residual: Optional[torch.Tensor], swiglu: bool, ones: Optional[torch.Tensor],
-                 dp4a: bool, xq: Optional[torch.Tensor], out_gamma: Optional[torch.Tensor],
-                 out_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out = int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones,
-                    dp4a=dp4a, xq=xq, out_gamma=out_gamma, out_group=out_group)
-    return out if out_group else (out, x.new_empty(0, dtype=torch.int32))
+                 dp4a: bool, xq: Optional[torch.Tensor]) -> torch.Tensor:
+    return int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a,
+                     xq=xq)
 
 
 @int4_gemv_op.register_fake
-def _(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a, xq, out_gamma,
-      out_group):
-    N = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    return (x.new_empty((*x.shape[:-1], N)),
-            x.new_empty(N // 4 + 4 * N // out_group if out_group else 0, dtype=torch.int32))
+def _(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a, xq):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 # -- decode attention ------------------------------------------------------------------------------
 #
@@ -1211,8 +1190,8 @@ if triton is not None:
             y = (acc / l[:, None]).to(y_ptr.dtype.element_ty)
             tl.store(y_at, y, mask=qd_ok)
             if XQ_OUT:  # (one sequence, BLOCK_D = D): also in int8 for the int4 GEMV wo, as it rounded
-                _int4_quantize_store(tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D,)), 1.0, hkv * G * D, G * D,
-                                     yw_ptr, ys_ptr, H * D, XG)
+                v = tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D // XG, XG // 4, 4))
+                _int4_quantize_store(v, v, hkv * G * D, G * D, yw_ptr, ys_ptr, H * D, XG)
         else:
             # Each slice leaves its (max, sum, weighted sum); the last slice of this sequence and
             # KV head to finish (an atomic count) merges them and resets the count for the next call.
@@ -1236,8 +1215,8 @@ if triton is not None:
                 y = (tl.sum(w[:, :, None] * accs, axis=1) / tl.sum(w * ls, axis=1)[:, None]).to(y_ptr.dtype.element_ty)
                 tl.store(y_at, y, mask=qd_ok)
                 if XQ_OUT:
-                    _int4_quantize_store(tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D,)), 1.0, hkv * G * D,
-                                         G * D, yw_ptr, ys_ptr, H * D, XG)
+                    v = tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D // XG, XG // 4, 4))
+                    _int4_quantize_store(v, v, hkv * G * D, G * D, yw_ptr, ys_ptr, H * D, XG)
                 tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
 
 

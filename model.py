@@ -116,27 +116,9 @@ class Transformer(nn.Module):
             raise RuntimeError("call setup_caches() before forward()")
         x = self.tok_embeddings(idx)
         mask = self.kv_pos <= input_pos.unsqueeze(-1)  # [S, L]: True where a query may look
-        x_group, xq = self.x_group(x), None  # (int4 decode on CUDA: x in int8 between kernels, see below)
-        for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].attention_norm if i + 1 < len(self.layers) else None
-            x, xq = layer(x, input_pos, self.rope_cos, self.rope_sin, mask, xq, x_group, next_norm)
+        for layer in self.layers:
+            x = layer(x, input_pos, self.rope_cos, self.rope_sin, mask)
         return self.output(x, norm=self.norm)  # = output(norm(x)): see Linear
-
-    def x_group(self, x: torch.Tensor) -> int:
-        """Where decode's matmuls are all kernels.int4_gemv in integers (one row on CUDA, with the
-        fusions and the attention kernel), each kernel also writes its output in int8 per group of
-        this many columns for the GEMV after it (kernels.int4_x_group), which then reads that
-        instead of quantizing x in each of its programs (TransformerBlock). 0: x goes in bf16 only."""
-        linears = [m for layer in self.layers for m in (layer.attention.wqkv, layer.attention.wo,
-                                                         layer.feed_forward.w13, layer.feed_forward.w2)]
-        D = self.args.head_dim
-        if not (x.is_cuda and x.shape[0] * x.shape[1] == 1 and FUSE_NORM_AND_RESIDUAL and FUSE_SWIGLU
-                and FUSE_ATTENTION and kernels.triton is not None and not self.args.qk_norm and D & (D - 1) == 0
-                and all(isinstance(m, Int4Linear) and getattr(m, "gemv_dp4a", False) and hasattr(m, "gemv_weight")
-                        and m.bias is None for m in linears)):
-            return 0
-        group = kernels.int4_x_group(min(m.kernel_groupsize for m in linears))
-        return group if group and D % group == 0 and all(m.kernel_groupsize % group == 0 for m in linears) else 0
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -210,18 +192,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, input_pos, rope_cos, rope_sin, mask, xq=None, x_group=0, next_norm=None):
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask):
         # h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h)). The norm and the
         # residual are handed to the first and the last matmul of each sublayer, so that decode
         # on CUDA (up to 16 rows) does them inside its GEMVs (Linear).
-        # With x_group (Transformer.x_group), each kernel also writes its output in int8 per group
-        # (kernels.int4_quantize_x's layout) times the norm weight of the GEMV that reads it: the
-        # attention kernel for wo, wo for w13 (ffn_norm), w13 for w2, and w2 for the next block's
-        # wqkv (next_norm; none after the last block). xq is x's, if the kernel before wrote it.
-        # Returns (out, out in int8 or None).
-        h, hq = self.attention(x, input_pos, rope_cos, rope_sin, mask, norm=self.attention_norm, residual=x,
-                               xq=xq, x_group=x_group, out_norm=self.ffn_norm)
-        return self.feed_forward(h, norm=self.ffn_norm, residual=h, xq=hq, x_group=x_group, out_norm=next_norm)
+        h = self.attention(x, input_pos, rope_cos, rope_sin, mask, norm=self.attention_norm, residual=x)
+        return self.feed_forward(h, norm=self.ffn_norm, residual=h)
 
 
 class Attention(nn.Module):
@@ -237,20 +213,22 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, input_pos, rope_cos, rope_sin, mask, norm, residual, xq=None, x_group=0, out_norm=None):
-        """residual + attention over norm(x), and with x_group that in int8 (TransformerBlock) or None.
-        rope_cos, rope_sin: the RoPE tables [L, D]."""
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask, norm, residual):
+        """residual + attention over norm(x). rope_cos, rope_sin: the RoPE tables [L, D]."""
         B, S, _ = x.shape
-        qkv = self.wqkv(x, norm=norm, xq=xq) if x_group else self.wqkv(x, norm=norm)
+        qkv = self.wqkv(x, norm=norm)
         if S == 1 and FUSE_ATTENTION and kernels.attention_usable(qkv, input_pos) and not hasattr(self, "q_norm"):
             # Decode on CUDA: RoPE, the cache write and the attention below in one Triton kernel
             cache = self.kv_cache
             args = (qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
                     self.n_heads, self.n_kv_heads)
-            if x_group:
-                y, yq = kernels.attention(*args, out_group=x_group)
-                return self.wo(y, residual=residual, xq=yq, quantize=(x_group, out_norm))
-            return self.wo(kernels.attention(*args), residual=residual), None
+            group = self.wo.x_group(qkv) if isinstance(self.wo, Int4Linear) else 0
+            D = self.head_dim
+            if group and B == 1 and D & (D - 1) == 0 and D % group == 0:
+                # an int4 wo: the kernel also writes its output in int8, which wo reads (kernels.INT4_XQ)
+                y, yq = kernels.attention(*args, out_group=group)
+                return self.wo(y, residual=residual, xq=yq)
+            return self.wo(kernels.attention(*args), residual=residual)
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
@@ -266,7 +244,7 @@ class Attention(nn.Module):
             y = decode_attention(q, k, v, mask)
         else:  # prefill: grouped-query attention without repeating K and V (enable_gqa)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual), None
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
 
 def decode_attention(q, k, v, mask):
@@ -324,14 +302,8 @@ class FeedForward(nn.Module):
         self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
 
-    def forward(self, x, norm, residual, xq=None, x_group=0, out_norm=None):
-        """residual + w2(...), and with x_group that in int8 for out_norm's GEMV (TransformerBlock) or None."""
-        if not x_group:
-            return self.w2(self.w13(x, norm=norm, swiglu=True), residual=residual), None
-        a, aq = self.w13(x, norm=norm, swiglu=True, xq=xq, quantize=(x_group, None))
-        if out_norm is None:  # (the last block: the head takes bf16)
-            return self.w2(a, residual=residual, xq=aq), None
-        return self.w2(a, residual=residual, xq=aq, quantize=(x_group, out_norm))
+    def forward(self, x, norm, residual):
+        return self.w2(self.w13(x, norm=norm, swiglu=True), residual=residual)
 
 
 class RMSNorm(nn.Module):
@@ -386,13 +358,11 @@ def decode_gemv(x, weight, scales, norm, residual, swiglu=False):
     return fused_matmul(lambda x, **fused: kernels.matmul(x, weight, scales, **fused), x, norm, residual, swiglu)
 
 
-def decode_int4_gemv(x, layer, norm, residual, swiglu=False, xq=None, quantize=None):
-    """decode_gemv for an Int4Linear's one-row layout: kernels.int4_matmul (xq, quantize: Int4Linear's)."""
-    group, out_norm = quantize or (0, None)
-    int8 = dict(xq=xq, out_gamma=None if out_norm is None else out_norm.weight, out_group=group)
+def decode_int4_gemv(x, layer, norm, residual, swiglu=False, xq=None):
+    """decode_gemv for an Int4Linear's one-row layout: kernels.int4_matmul (xq: x in int8 too)."""
     return fused_matmul(lambda x, **fused: kernels.int4_matmul(x, layer.gemv_weight, layer.gemv_sz, layer.gemv_unscale,
                                                               layer.gemv_group, layer.gemv_units, **fused,
-                                                              ones=layer.gemv_ones, dp4a=layer.gemv_dp4a, **int8),
+                                                              ones=layer.gemv_ones, dp4a=layer.gemv_dp4a, xq=xq),
                         x, norm, residual, swiglu)
 
 
@@ -671,24 +641,22 @@ class Int4Linear(nn.Module):
         self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
         self.register_load_state_dict_post_hook(Int4Linear._after_load)
 
-    def forward(self, x, norm=None, residual=None, swiglu=False, xq=None, quantize=None):
-        """As Linear's; xq: x in int8 too (kernels.int4_quantize_x(norm(x) before its scale), from the
-        kernel that made x), quantize (group, norm or None): also return the output in int8 for
-        the GEMV after, whose norm that is: (y, yq) (TransformerBlock). Decode's one-row kernel
-        takes both; elsewhere xq is left unread and yq made in PyTorch."""
+    def forward(self, x, norm=None, residual=None, swiglu=False, xq=None):
+        """As Linear's; xq: x in int8 too, from the kernel that made x (kernels.int4_quantize_x's layout,
+        groups of x_group(x)), which decode's one-row kernel then reads instead of x."""
         if (hasattr(self, "gemv_weight") and kernels.usable(x, self.gemv_weight, max_rows=1)
                 and (self.bias is None or (residual is None and not swiglu))):
-            y = decode_int4_gemv(x, self, norm, residual, swiglu, xq if self.gemv_dp4a else None,
-                                 quantize if self.bias is None else None)
-            if self.bias is None:
-                return y
-            y = y + self.bias
-        else:
-            y = unfused(self.linear, x, norm, residual, swiglu)
-        if quantize is None:
-            return y
-        group, out_norm = quantize
-        return y, kernels.int4_quantize_x(y, None if out_norm is None else out_norm.weight, group)
+            y = decode_int4_gemv(x, self, norm, residual, swiglu, xq if self.x_group(x) else None)
+            return y if self.bias is None else y + self.bias
+        return unfused(self.linear, x, norm, residual, swiglu)
+
+    def x_group(self, x) -> int:
+        """The group of x in int8 that the one-row kernel can read for this x (kernels.int4_x_group), or
+        0: x in bf16 only (the kernel not run, float16 pairs, or FUSE_NORM_AND_RESIDUAL off)."""
+        if not (getattr(self, "gemv_dp4a", False) and hasattr(self, "gemv_weight") and FUSE_NORM_AND_RESIDUAL
+                and kernels.usable(x, self.gemv_weight, max_rows=1)):
+            return 0
+        return kernels.int4_x_group(self.kernel_groupsize)
 
     def linear(self, x):
         if hasattr(self, "block_scales"):

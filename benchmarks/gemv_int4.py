@@ -5,9 +5,8 @@ over >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls). Each result is
 float64 reference of the dequantized weights first. --tune tries a grid of launches. The scales
 and zeros lie on quantize.py's grid, as it writes them; --codes 1 also times the integer kernel
 reading them as 8-bit codes (model.INT4_CODES), the bytes a call reads counted as it reads them.
---xq 16 (or 8, 32) times the integer kernel as decode runs it with x in int8 between kernels
-(kernels.INT4_XQ): x read in int8 per group of that many columns (kernels.int4_quantize_x), and
-wo, w13 and w2 also writing their output so (wo and w2 times the next norm's weight).
+--xq 16 (or 8, 32) times the integer kernel reading x in int8 per group of that many columns
+(kernels.int4_quantize_x, as decode's wo reads the attention kernel's output: kernels.INT4_XQ).
 
     python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--codes 0,1]
         [--xq 0,16] [--tune] [--json PATH]
@@ -58,17 +57,14 @@ def main():
                    "8-bit codes (with --dp4a 1 only)")
     p.add_argument("--xq", default="0", help="comma-separated: 0 x in bf16, or groups (8, 16, 32) of x in int8 "
                    "between kernels (with --dp4a 1 only)")
-    p.add_argument("--xq-write", default="1", help="comma-separated, with --xq: 1 wo, w13, w2 also write their "
-                   "output in int8 (as in decode), 0 they only read x so (the reading alone)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
         p.error(f"--dp4a and --codes take 0 and 1 (got {a.dp4a}, {a.codes})")
     if not set(a.xq.split(",")) <= {"0", *map(str, kernels.X_GROUPS)}:
         p.error(f"--xq takes 0, 8, 16 and 32 (got {a.xq})")
-    variants = [(dp4a, codes, xq, write) for dp4a in (v == "1" for v in a.dp4a.split(","))
+    variants = [(dp4a, codes, xq) for dp4a in (v == "1" for v in a.dp4a.split(","))
                 for codes in (v == "1" for v in a.codes.split(",")) for xq in (int(v) for v in a.xq.split(","))
-                for write in ((v == "1" for v in a.xq_write.split(",")) if xq else (False,))
                 if dp4a or not (codes or xq)]
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
@@ -104,22 +100,16 @@ def main():
         theirs_c = [theirs] + [tuple(t.clone() for t in theirs) for _ in range(copies - 1)]
         t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
         del theirs_c
-        for dp4a, codes, xq, write in variants:
-            kw = {k: v for k, v in kw.items() if k not in ("xq", "out_group", "out_gamma")}
-            if xq:  # x in int8 as its producer writes it; wo, w13, w2 write their output so (wo, w2 times a norm's)
+        for dp4a, codes, xq in variants:
+            kw.pop("xq", None)
+            if xq:  # x in int8 as its producer would write it (times the norm's g)
                 kw["xq"] = kernels.int4_quantize_x(x, kw.get("norm_weight"), xq)
-                if write and name in ("wo", "w13", "w2"):
-                    kw["out_group"] = xq
-                    if name != "w13":
-                        kw["out_gamma"] = (0.5 + torch.rand(out_n, device=dev)).bfloat16()
             ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a, codes)
             codes = ours[4] is not None  # (what was built: the grid holds)
-            default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a, codes)
+            default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a, codes, bool(xq))
             ours_bytes = sum(t.numel() * t.element_size() for t in (ours[0], ours[1], ours[4]) if t is not None)
             kw["dp4a"] = dp4a
-            y = kernels.int4_gemv(x, *ours, **kw)
-            y = y[0] if isinstance(y, tuple) else y
-            err = ((y.double() - expect).abs().max() / expect.abs().max()).item()
+            err = ((kernels.int4_gemv(x, *ours, **kw).double() - expect).abs().max() / expect.abs().max()).item()
             ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
             t_ours = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw) for w in ours_c])
             best = (t_ours, default)
@@ -131,14 +121,13 @@ def main():
                 best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
                                                                 for w in ours_c], reps), grid, best)
             rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,
-                   "xq_write": "out_group" in kw,
                    "bytes": nbytes, "ours_bytes": ours_bytes,
                    "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,
                    "ours_gb_s": ours_bytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
                    "best_gb_s": ours_bytes / best[0] / 1e9, "best": best[1], "err": err, "err_tinygemm": err_tg,
                    "ceiling_gb_s": ceiling}
             records.append(rec)
-            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} codes {int(codes)} xq {xq:2d}{'w' if 'out_group' in kw else ' '} tinygemm {t_tg*1e6:6.1f} us "
+            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} codes {int(codes)} xq {xq:2d} tinygemm {t_tg*1e6:6.1f} us "
                   f"{rec['tinygemm_gb_s']:5.0f} GB/s | ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | "
                   f"best {best[0]*1e6:6.1f} us {rec['best_gb_s']:5.0f} GB/s {best[1]} | err {err:.1e} tinygemm {err_tg:.1e}",
                   flush=True)

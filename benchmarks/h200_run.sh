@@ -333,10 +333,17 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/gemv-int4-xq.json" | grep -v "^$"
       JSON=$OUT/h200-xq.json logged_variants 90 0 zy1:"--quantize int4-g32 --int4-xq 16" \
         zy2:"--quantize int4-g32 --int4-xq 32" zy3:"--quantize int4-g32 --int4-xq 0" ;;
-  zz) # run 58 (session 13): x in int8 per 16 columns, reading it alone and with the output written too, tuned
+  zz) # run 58 (session 13, commit e63173d's gemv_int4.py): x in int8 per 16 columns, reading it alone and with the
+      # output written too, tuned
       t 60 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
         -k "reads_and_writes" | tail -4
       t 420 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0,16 \
         --xq-write 0,1 --tune --grid 8:64,16:64,16:32,32:32,16:16,32:16,8:32,16:128 --warps 4,8 --prefetch 0 \
         --json "$OUT/gemv-int4-xq-tuned.json" | grep -v "^$" ;;
+  z0) # run 59 (session 13): the attention kernel hands an int4 wo its output in int8; the GPU tests of what changed,
+      # then the 7B step at group 32 with it (auto) and without (0), and at group 128
+      t 330 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py \
+        -k "int4 or int8 or quantize or attention or one_graph" | tail -8
+      JSON=$OUT/h200-wo-xq.json logged_variants 90 0 z01:"--quantize int4-g32" z02:"--quantize int4-g32 --int4-xq 0" \
+        z03:"--quantize int4-g128" ;;
 esac; done

@@ -176,8 +176,8 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int
     qmodel = quantize_model(model, mode, group)
     assert any(hasattr(m, "gemv_weight") for m in qmodel.modules()) == int4_gemv
     assert any(getattr(m, "gemv_units", None) is not None for m in qmodel.modules()) == codes
-    one_row = torch.zeros(1, 1, ARGS.dim, device="cuda", dtype=torch.bfloat16)
-    assert qmodel.x_group(one_row) == (16 if int4_gemv and kernels.int4_dp4a() else 0)  # (x in int8 between kernels)
+    wo, one_row = qmodel.layers[0].attention.wo, torch.zeros(1, 1, ARGS.dim, device="cuda", dtype=torch.bfloat16)
+    assert getattr(wo, "x_group", lambda x: 0)(one_row) == (16 if int4_gemv and kernels.int4_dp4a() else 0)
     gen = make_generator(qmodel, "graphs")
     gen.reserve(1, 128)
     graphed = tokens_of(gen, 40)
@@ -246,31 +246,32 @@ def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, codes, m
 
 
 @pytest.mark.parametrize("group, x_group", [(32, "auto"), (32, "32"), (128, "8")])
-def test_int4_x_in_int8_between_kernels(model, group, x_group, monkeypatch):
-    """Where decode's matmuls are all the int4 kernel's in integers, the attention kernel and the int4
-    GEMVs also write their outputs in int8 for the GEMV after (Transformer.x_group, kernels.INT4_XQ;
-    auto: groups of 16): a decode step's logits stay within bf16 rounding of the step with x in bf16
-    (each GEMV quantizing it itself, INT4_XQ 0), and equal them to float rounding where the groups
-    are the int4 groups (32 at 32: the same quantization); graphed decode of it is one replay a
-    token and gives the same tokens as eager decode of it, within near-ties."""
+def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monkeypatch):
+    """With an int4 wo in integers, the attention kernel also writes its output in int8 and wo reads
+    that (kernels.INT4_XQ; auto: groups of 16): a decode step's logits stay within bf16 rounding of
+    the step with wo quantizing it itself (INT4_XQ 0), and equal them to float rounding where the
+    groups are the int4 groups (32 at 32: the same quantization); graphed decode of it is one replay
+    a token, and it picks eager decode's tokens."""
     import kernels
     from quantize import quantize_model
 
     monkeypatch.setattr(kernels, "INT4_DP4A", "1")
     qmodel = quantize_model(model, "int4", group)
-    one_row = torch.zeros(1, 1, ARGS.dim, device="cuda", dtype=torch.bfloat16)
+    wo, one_row = qmodel.layers[0].attention.wo, torch.zeros(1, 1, ARGS.dim, device="cuda", dtype=torch.bfloat16)
     idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
     logits, calls = {}, []
-    quantize_x = kernels.int4_quantize_x
-    monkeypatch.setattr(kernels, "int4_quantize_x", lambda *a, **k: calls.append(1) or quantize_x(*a, **k))
+    attention = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append(k.get("out_group", 0)) or attention(*a, **k))
     for setting in (x_group, "0"):
         monkeypatch.setattr(kernels, "INT4_XQ", setting)
-        assert qmodel.x_group(one_row) == (0 if setting == "0" else 16 if setting == "auto" else int(setting))
+        expect = 0 if setting == "0" else 16 if setting == "auto" else int(setting)
+        assert wo.x_group(one_row) == expect
+        calls.clear()
         with torch.no_grad():
             qmodel.setup_caches(1, 64)
             qmodel(idx, pos)
             logits[setting] = qmodel(torch.tensor([[3]], device="cuda"), torch.tensor([8], device="cuda")).float()
-    assert not calls  # every int8 x came from a kernel, none from PyTorch
+        assert calls == [expect] * ARGS.n_layers  # (the one-row step: every layer's attention)
     rel = ((logits[x_group] - logits["0"]).norm() / logits["0"].norm()).item()
     assert rel < (1e-3 if x_group == "32" else 0.02), rel
     monkeypatch.setattr(kernels, "INT4_XQ", x_group)
@@ -280,8 +281,7 @@ def test_int4_x_in_int8_between_kernels(model, group, x_group, monkeypatch):
     check_graphs(gen, steps=4)
     eager = make_generator(qmodel, "eager")
     eager.reserve(1, 128)
-    plain = tokens_of(eager, 24)
-    assert graphed[:8] == plain[:8], (graphed, plain)
+    assert graphed[:8] == tokens_of(eager, 24)[:8]
 
 
 @pytest.mark.parametrize("k", [2, 4])
