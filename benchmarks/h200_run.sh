@@ -346,4 +346,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         -k "int4 or int8 or quantize or attention or one_graph" | tail -8
       JSON=$OUT/h200-wo-xq.json logged_variants 90 0 z01:"--quantize int4-g32" z02:"--quantize int4-g32 --int4-xq 0" \
         z03:"--quantize int4-g128" ;;
+  z1) # run 60 (session 13): the new kernels' tests; group 128 with and without x in int8 for wo
+      t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
+        -k "reads_x or quantize_x or attention_matches or x_in_int8" | tail -3
+      JSON=$OUT/h200-g128-xq.json logged_variants 90 0 z11:"--quantize int4-g128 --int4-xq 0" z12:"--quantize int4-g128" ;;
 esac; done
