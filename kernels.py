@@ -972,18 +972,20 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
 # (Llama-2-7B at group 32, tuned: 4.2 -> 3.1 µs, run 58). The int4 GEMVs do not write theirs: their
 # epilogue's group reductions over rows spread across warps cost more than the next GEMV saved
 # (run 58: w13 15.2 -> 17.6 µs writing, against 14.2 reading; BENCHMARKS.md, session 13).
-# GRAPHDECODE_INT4_XQ: "auto" (groups of 16), "0" (off: wo quantizes x itself), or 8, 16, 32 (which
-# must divide the int4 groups). Read at each trace (model.Int4Linear.x_group).
+# GRAPHDECODE_INT4_XQ: "auto" (groups of 16 at int4 groups of 32: int4_x_group), "0" (off: wo quantizes
+# x itself), or 8, 16, 32 (which must divide the int4 groups). Read at each trace (model.Int4Linear.x_group).
 INT4_XQ = os.environ.get("GRAPHDECODE_INT4_XQ", "auto")
 X_GROUPS = (8, 16, 32)
 
 
 def int4_x_group(groupsize: int) -> int:
     """The group of x in int8 for an int4 GEMV whose kernel groups are `groupsize` (INT4_XQ); 0: none
-    (x in bf16, quantized by each of its programs)."""
+    (x in bf16, quantized by each of its programs). auto: 16 at groups of 32, where it won (the 7B
+    step 668.9 against 653.5 tok/s, run 59); none above (group 128: 685.6 against 693.6, run 60;
+    64 not measured)."""
     if INT4_XQ not in ("auto", "0", *map(str, X_GROUPS)):
         raise ValueError(f"GRAPHDECODE_INT4_XQ must be auto, 0, 8, 16 or 32 (got {INT4_XQ!r})")
-    group = 16 if INT4_XQ == "auto" else int(INT4_XQ)
+    group = (16 if groupsize <= 32 else 0) if INT4_XQ == "auto" else int(INT4_XQ)
     return group if group and groupsize % group == 0 else 0
 
 

@@ -540,8 +540,8 @@ def test_int4_gemv_reads_x_in_int8(G, group, launch, fused):
 
 def test_int4_x_in_int8_errors_and_setting(monkeypatch):
     """x in int8 goes with integers at int4 groups it divides, in int4_quantize_x's length;
-    GRAPHDECODE_INT4_XQ picks the group (auto: 16, or 0: none), anything else is an error; a group
-    that does not divide the int4 groups gives none."""
+    GRAPHDECODE_INT4_XQ picks the group (auto: 16 at int4 groups of 32, none at 128; or 0: none),
+    anything else is an error; a group that does not divide the int4 groups gives none."""
     packed, scales, zeros, _ = int4_weights(16, 64, 32, grid=True)
     layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
     x = torch.zeros(1, 64)
@@ -553,7 +553,7 @@ def test_int4_x_in_int8_errors_and_setting(monkeypatch):
     with pytest.raises(ValueError, match="one row of whole groups"):
         kernels.int4_quantize_x(torch.zeros(2, 64))
     monkeypatch.setattr(kernels, "INT4_XQ", "auto")
-    assert kernels.int4_x_group(32) == 16 and kernels.int4_x_group(8) == 0
+    assert kernels.int4_x_group(32) == 16 and kernels.int4_x_group(8) == kernels.int4_x_group(128) == 0
     monkeypatch.setattr(kernels, "INT4_XQ", "0")
     assert kernels.int4_x_group(32) == 0
     monkeypatch.setattr(kernels, "INT4_XQ", "32")
