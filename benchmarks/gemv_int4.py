@@ -56,7 +56,7 @@ def main():
     p.add_argument("--codes", default="0", help="comma-separated: 0 scales and zeros in float16, 1 also as "
                    "8-bit codes (with --dp4a 1 only)")
     p.add_argument("--xq", default="0", help="comma-separated: 0 x in bf16, or groups (8, 16, 32) of x in int8 "
-                   "between kernels (with --dp4a 1 only)")
+                   "as decode's wo reads the attention output (with --dp4a 1 only)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
