@@ -423,9 +423,8 @@ def main(argv=None) -> int:
     # the int4 layers that read their scales as codes (by model.int4_codes' rule, per kernel group; a layer
     # off quantize.py's grid keeps float16)
     codes_used = sum(getattr(m, "gemv_units", None) is not None for m in int4_layers)
-    # the group of x in int8 that the target's one-row step hands an int4 wo (0: none; kernels.INT4_XQ)
-    wo = model.layers[0].attention.wo
-    x_group = wo.x_group(torch.zeros(1, 1, 1, device=device)) if isinstance(wo, model_module.Int4Linear) else None
+    # the group of the attention output in int8 that the target's one-row step hands an int4 wo (0: none)
+    x_group = model.layers[0].attention.wo_x_group(torch.zeros(1, 1, 1, device=device)) if int4 else None
 
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),

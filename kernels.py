@@ -1014,7 +1014,7 @@ def _x_group_of(xq: torch.Tensor, K: int) -> int:
     """The group size of x in int8 (int4_quantize_x's layout) for K columns, from its length."""
     extra = xq.numel() - K // 4
     group = 4 * K // extra if extra > 0 and (4 * K) % extra == 0 else 0
-    if xq.dtype != torch.int32 or group not in X_GROUPS or K % group:
+    if xq.dtype != torch.int32 or xq.dim() != 1 or not xq.is_contiguous() or group not in X_GROUPS or K % group:
         raise ValueError(f"int4_gemv: xq ({xq.dtype}, {xq.numel()}) is not {K} columns of int4_quantize_x")
     return group
 
@@ -1049,13 +1049,14 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
     N = weight.shape[0] // (2 if swiglu else 1)
     block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a, units is not None,
                                                                       xq is not None)
-    x2 = x2.contiguous()
+    x2 = x2 if xq is not None else x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
     x_words, x_stats = (xq[:K // 4], xq[K // 4:].view(torch.float32)) if xq is not None else (x2, x2)
     _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
         x_words, x_stats, weight, sz, sz if units is None else units,
-        norm_weight if norm_weight is not None else ones if ones is not None else x.new_ones(K),
+        norm_weight if norm_weight is not None else ones if ones is not None else x_words if xq is not None
+        else x.new_ones(K),  # (x in int8 is already times g: no ones needed)
         weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
         BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl, DP4A=dp4a, CODES=units is not None,

@@ -222,10 +222,8 @@ class Attention(nn.Module):
             cache = self.kv_cache
             args = (qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
                     self.n_heads, self.n_kv_heads)
-            group = self.wo.x_group(qkv) if isinstance(self.wo, Int4Linear) else 0
-            D = self.head_dim
-            if group and B == 1 and D & (D - 1) == 0 and D % group == 0:
-                # an int4 wo: the kernel also writes its output in int8, which wo reads (kernels.INT4_XQ)
+            group = self.wo_x_group(qkv)
+            if group:  # an int4 wo: the kernel also writes its output in int8, which wo reads
                 y, yq = kernels.attention(*args, out_group=group)
                 return self.wo(y, residual=residual, xq=yq)
             return self.wo(kernels.attention(*args), residual=residual)
@@ -245,6 +243,16 @@ class Attention(nn.Module):
         else:  # prefill: grouped-query attention without repeating K and V (enable_gqa)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
+
+
+    def wo_x_group(self, x) -> int:
+        """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one
+        (kernels.INT4_XQ: an int4 wo in integers without a bias, Int4Linear.x_group; the attention
+        kernel, head_dim a power of two and a multiple of it), or 0: its output in bf16 only."""
+        group = self.wo.x_group(x) if isinstance(self.wo, Int4Linear) and self.wo.bias is None else 0
+        D = self.head_dim
+        return (group if group and x.shape[0] == 1 and FUSE_ATTENTION and not hasattr(self, "q_norm")
+                and D & (D - 1) == 0 and D % group == 0 else 0)
 
 
 def decode_attention(q, k, v, mask):
