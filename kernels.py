@@ -1291,8 +1291,11 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         l = torch.empty_like(m)
         acc = torch.empty((B, n_heads, splits, D), device=qkv.device, dtype=torch.float32)
     width = n_heads * D
-    yq = torch.empty(width // 4 + 4 * width // out_group if out_group else 0, device=qkv.device, dtype=torch.int32)
-    y_words, y_stats = (yq[:width // 4], yq[width // 4:].view(torch.float32)) if out_group else (y, y)
+    if out_group:
+        yq = torch.empty(width // 4 + 4 * width // out_group, device=qkv.device, dtype=torch.int32)
+        y_words, y_stats = yq[:width // 4], yq[width // 4:].view(torch.float32)
+    else:
+        y_words = y_stats = y  # (placeholders: XQ_OUT off)
     _attention_kernel[(B, Hkv, splits)](
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,

@@ -244,14 +244,13 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
-
     def wo_x_group(self, x) -> int:
         """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one
         (kernels.INT4_XQ: an int4 wo in integers without a bias, Int4Linear.x_group; the attention
         kernel, head_dim a power of two and a multiple of it), or 0: its output in bf16 only."""
         group = self.wo.x_group(x) if isinstance(self.wo, Int4Linear) and self.wo.bias is None else 0
         D = self.head_dim
-        return (group if group and x.shape[0] == 1 and FUSE_ATTENTION and not hasattr(self, "q_norm")
+        return (group if group and FUSE_ATTENTION and not hasattr(self, "q_norm")  # (x_group: one row)
                 and D & (D - 1) == 0 and D % group == 0 else 0)
 
 
@@ -651,10 +650,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x, norm=None, residual=None, swiglu=False, xq=None):
         """As Linear's; xq: x in int8 too, from the kernel that made x (kernels.int4_quantize_x's layout,
-        groups of x_group(x)), which decode's one-row kernel then reads instead of x."""
+        groups of x_group(x), which the caller checks), which decode's one-row kernel then reads instead of x."""
         if (hasattr(self, "gemv_weight") and kernels.usable(x, self.gemv_weight, max_rows=1)
                 and (self.bias is None or (residual is None and not swiglu))):
-            y = decode_int4_gemv(x, self, norm, residual, swiglu, xq if self.x_group(x) else None)
+            y = decode_int4_gemv(x, self, norm, residual, swiglu, xq)
             return y if self.bias is None else y + self.bias
         return unfused(self.linear, x, norm, residual, swiglu)
 
