@@ -1276,12 +1276,14 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     if out_group and (B != 1 or block_d != D or D % out_group or out_group not in X_GROUPS):
         raise ValueError(f"decode_attention: y in int8 takes one sequence and groups of 8, 16 or 32 that divide "
                          f"a power-of-two D (got B={B}, D={D}, group {out_group})")
-    # Products [BLOCK_G, BLOCK_L, BLOCK_D] a step. One query head a KV head (Llama-2-7B) measured best at
-    # 32 positions a step, with 8 warps while the programs fit one per SM and 4 beyond, where smaller
-    # programs let more of them run at once (benchmarks/attention.py, run 18: batch 1 6.8 -> 5.1 µs,
-    # batch 8 13.8 -> 11.1 µs); grouped heads keep 8192 products (not measured otherwise).
-    block_l = ATTENTION_BLOCK_L or max(16, (4096 if block_g == 1 else 8192) // (block_g * block_d))
+    # Products [BLOCK_G, BLOCK_L, BLOCK_D] a step. One query head a KV head (Llama-2-7B): 8 warps while
+    # the programs fit one per SM, at 64 positions a step (benchmarks/attention.py, run 63: batch 1,
+    # positions 50-200, 5.5 µs against 6.4 at 32; the 7B int4 step 674 against 670 tok/s, run 64), and
+    # 4 warps at 32 positions beyond, where smaller programs let more of them run at once (run 18:
+    # batch 8 13.8 -> 11.1 µs). Grouped heads keep 8192 products (not measured otherwise).
     warps = ATTENTION_WARPS or (8 if block_g == 1 and B * Hkv * splits <= 132 else 4)
+    products = 4096 if block_g == 1 and warps == 4 else 8192
+    block_l = ATTENTION_BLOCK_L or max(16, products // (block_g * block_d))
     y = qkv.new_empty((B, 1, n_heads * D))
     use_pdl = pdl(qkv)
     if splits == 1:

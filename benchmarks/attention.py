@@ -3,7 +3,8 @@ slices, positions per loop step (BLOCK_L) and warps, at batch 1 and 8, on a mode
 shape, timed as CUDA graph replays of one launch per layer, each on its own cache (no L2 hits),
 as decode runs them. Checks each launch against the PyTorch path first.
 
-    python benchmarks/attention.py [--model llama-2-7b] [--batch-sizes 1,8] [--positions 108,200] [--json PATH]
+    python benchmarks/attention.py [--model llama-2-7b] [--batch-sizes 1,8] [--positions 108,200]
+        [--splits 1,2,4] [--block-l 16,32,64] [--warps 4,8] [--json PATH]
 """
 import argparse
 import itertools
@@ -27,6 +28,9 @@ def main():
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--positions", default="108,200")
     p.add_argument("--length", type=int, default=208, help="cache length (bench.py: prompt + new tokens)")
+    p.add_argument("--splits", default="1,2,4", help="cache slices to try")
+    p.add_argument("--block-l", default="16,32,64", help="positions per loop step to try")
+    p.add_argument("--warps", default="4,8", help="warps to try")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     args = PRESETS[a.model]
@@ -44,8 +48,10 @@ def main():
             pos = torch.tensor([p_], device=dev)
             ref = reference_attention(qkv, pos, cos[p_:p_ + 1], sin[p_:p_ + 1], caches[0][0].clone(),
                                       caches[0][1].clone(), H, Hkv).float()
+            ints = lambda v: tuple(map(int, v.split(",")))  # noqa: E731
             default = (kernels.attention_splits(B, Hkv, L), None, None)
-            grid = [default] + [c for c in itertools.product((1, 2, 4), (16, 32, 64), (4, 8)) if c != default]
+            grid = [default] + [c for c in itertools.product(ints(a.splits), ints(a.block_l), ints(a.warps))
+                                if c != default]
             for splits, block_l, warps in grid:
                 kernels.ATTENTION_BLOCK_L, kernels.ATTENTION_WARPS = block_l, warps
                 y = kernels.decode_attention(qkv, pos, cos, sin, *caches[0], counts, H, Hkv, splits)

@@ -350,4 +350,36 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
         -k "reads_x or quantize_x or attention_matches or x_in_int8" | tail -3
       JSON=$OUT/h200-g128-xq.json logged_variants 90 0 z11:"--quantize int4-g128 --int4-xq 0" z12:"--quantize int4-g128" ;;
+  z2) # run 62 (session 14, commit 7d3a375 = session 13's final code): the 7B int4 g32 step; the attention kernel
+      # alone at batch 1; every GPU test, test_cuda.py and test_kernels.py in two processes side by side
+      JSON=$OUT/h200-z2.json logged_variants 100 0 z21:"--quantize int4-g32"
+      t 80 python3 benchmarks/attention.py --batch-sizes 1 --positions 108,200 --json "$OUT/attention-z2.json" | grep -v "^$"
+      timeout 380 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py > "$OUT/tests-cuda.log" 2>&1 &
+      timeout 380 python3 -m pytest -q -p no:warnings --tb=short tests/test_kernels.py > "$OUT/tests-kernels.log" 2>&1
+      wait; tail -4 "$OUT/tests-cuda.log"; tail -4 "$OUT/tests-kernels.log" ;;
+  z3) # run 63 (session 14): the attention kernel's slices even (GRAPHDECODE_ATTENTION_ALIGN=0) or a multiple of
+      # the loop step (1, as before), over slices, loop steps and warps at batch 1; then the 7B int4 g32 step with
+      # each (one shared cache directory after the first: first-call times are warm). The switch and attention.py's
+      # --align were an uncommitted scratch change, taken out after this run (even slices lost)
+      t 150 python3 benchmarks/attention.py --batch-sizes 1 --positions 50,108,150,200 --splits 2,4,8 \
+        --block-l 32,64,128 --warps 4,8 --align 0,1 --json "$OUT/attention-z3.json" | tail -2
+      for v in z31:1: z32:0:"--attention-block-l 64" z33:0:"--attention-splits 8" z34:0: z35:0:"--attention-block-l 64 --attention-splits 8"; do
+        d=${v%%:*}; r=${v#*:}; al=${r%%:*}; f=${r#*:}; echo "== $d align=$al [$f]"
+        # shellcheck disable=SC2086
+        GRAPHDECODE_ATTENTION_ALIGN=$al TORCHINDUCTOR_CACHE_DIR=/tmp/z3/inductor TRITON_CACHE_DIR=/tmp/z3/triton \
+          timeout -k 5 90 python3 bench.py --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 $f \
+          --json "$OUT/h200-z3.json" > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
+      done ;;
+  z4) # run 64 (session 14): the wo test's graphed case after each case's own compile (test fix); the 7B int4 g32
+      # step's kernels (--kernels, PDL on: overlapping times); the step with slices a multiple of 64-position loop
+      # steps at 8 warps (run 63's best at batch 1) against the default, in one cache directory
+      t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "wo_reads" | tail -3
+      for v in z41:"--kernels" z42:"--attention-block-l 64" z43:"" z44:"--attention-block-l 64"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/z4/inductor TRITON_CACHE_DIR=/tmp/z4/triton timeout -k 5 90 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 $f --json "$OUT/h200-z4.json" \
+          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
+      done
+      grep -v -E "Warning|warn\(" /tmp/z41.log | grep -A40 "kernels of 4" | head -45 ;;
 esac; done

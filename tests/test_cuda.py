@@ -276,6 +276,7 @@ def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monke
     rel = ((logits[x_group] - logits["0"]).norm() / logits["0"].norm()).item()
     assert rel < (1e-3 if x_group == "32" else 0.02), rel
     monkeypatch.setattr(kernels, "INT4_XQ", x_group)
+    torch._dynamo.reset()  # each case compiles afresh, as a run with one setting does (else: the recompile limit)
     gen = make_generator(qmodel, "graphs")
     gen.reserve(1, 128)
     graphed = tokens_of(gen, 24)
