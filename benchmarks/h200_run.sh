@@ -382,4 +382,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
       done
       grep -v -E "Warning|warn\(" /tmp/z41.log | grep -A40 "kernels of 4" | head -45 ;;
+  z5) # run 65 (session 14, commit a29e875: 64 positions a loop step at 8 warps): the attention kernel tests; the 7B
+      # step in bf16, int8, int4 g32 and g128, batch 1, cold caches, one process each
+      t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "attention" | tail -3
+      JSON=$OUT/h200-z5.json logged_variants 100 0 z51:"" z52:"--quantize int8" z53:"--quantize int4-g32" \
+        z54:"--quantize int4-g128" ;;
 esac; done
