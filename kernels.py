@@ -603,14 +603,7 @@ if triton is not None:
             acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
                                                x_ptr, xs_ptr, g_ptr, x_scale, full, n_groups,
                                                NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
-        _int4_epilogue(acc, acc_up, squares, w_unscale / x_scale, rn, N, K, eps, r_ptr, y_ptr, NORM, RESIDUAL, SWIGLU,
-                       DP4A)
-
-    @triton.jit
-    def _int4_epilogue(acc, acc_up, squares, unscale, rn, N, K, eps, r_ptr, y_ptr, NORM: tl.constexpr,
-                       RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, DP4A: tl.constexpr):
-        """Rows rn of the one-row int4 GEMV from its accumulators: each row's sum, unscaled (NORM: times
-        1/rms from x's sums of squares), [silu(gate) up,] [+ the residual,] stored."""
+        unscale = w_unscale / x_scale
         if NORM:
             unscale *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         if DP4A:
@@ -628,80 +621,6 @@ if triton is not None:
         if RESIDUAL:
             out += tl.load(r_ptr + rn, mask=rn < N, other=0).to(tl.float32)
         tl.store(y_ptr + rn, out, mask=rn < N)
-
-    @triton.jit
-    def _int4_persistent_kernel(x_ptr, g_ptr, xw_ptr, xs_ptr, w_ptr, sz_ptr, u_ptr, r_ptr, y_ptr, N, K, n_groups, eps,
-                                w_unscale,
-                                NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr,
-                                CODES: tl.constexpr, SELF_XQ: tl.constexpr, XG: tl.constexpr,
-                                EMULATE: tl.constexpr):
-        """_int4_gemv_kernel in integers with x in int8 (its XQ path), in programs that each take every
-        num_programs-th block of BLOCK_N rows. SELF_XQ: each program first rounds x (times g) to int8
-        per group of XG into its own scratch (int4_quantize_x's layout at xw_ptr and xs_ptr, a program's
-        K/4 words and 4 K/XG numbers apart) and reads that for all its blocks, where _int4_gemv_kernel's
-        programs round all of x once each; else xw_ptr and xs_ptr hold x in int8 already. Each block's
-        first weights load before the block before it ends (the first before the PDL wait)."""
-        pid = tl.program_id(0)
-        n_prog = tl.num_programs(0)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        n_blocks = tl.cdiv(N, BLOCK_N)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.minimum(rn, N - 1)
-        w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True, True)  # before the wait
-        w_up, sz_up = w, sz
-        if SWIGLU:
-            w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True, True)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        n_x = K // XG
-        if SELF_XQ:  # x -> int8, once a program, into its own scratch
-            xw_ptr += pid * (K // 4)
-            xs_ptr += pid * (4 * n_x)
-            CHUNK: tl.constexpr = BLOCK_G * G
-            for c in range(0, K, CHUNK):
-                cols = c + tl.arange(0, CHUNK)
-                ok = cols < K
-                v = tl.load(x_ptr + cols, mask=ok, other=0).to(tl.float32)
-                u = v * tl.load(g_ptr + cols, mask=ok, other=0).to(tl.float32) if NORM else v
-                _int4_quantize_store(tl.reshape(v, (CHUNK // XG, XG // 4, 4)), tl.reshape(u, (CHUNK // XG, XG // 4, 4)),
-                                     c, K - c, xw_ptr, xs_ptr, K, XG)
-            tl.debug_barrier()  # the program's stores are visible to all its threads
-        full = n_groups // BLOCK_G
-        for blk in range(pid, n_blocks, n_prog):
-            rn = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-            rows = tl.minimum(rn, N - 1)
-            units = _int4_units(u_ptr, rows, CODES)
-            units_up = units
-            if SWIGLU:
-                units_up = _int4_units(u_ptr, rows + N, CODES)
-            acc = tl.zeros((BLOCK_N, BLOCK_G), tl.float32)
-            acc_up = tl.zeros((BLOCK_N, BLOCK_G), tl.float32)
-            squares = tl.zeros((BLOCK_G * G // XG,), tl.float32)
-            acc, acc_up, squares = _int4_xq_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
-                                                  xw_ptr, xs_ptr, 0, n_groups, NORM, SWIGLU, G, XG, BLOCK_G, CODES,
-                                                  EMULATE)
-            for b in range(1, full):
-                w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, True)
-                if SWIGLU:
-                    w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, True)
-                acc, acc_up, squares = _int4_xq_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
-                                                      xw_ptr, xs_ptr, b, n_groups, NORM, SWIGLU, G, XG, BLOCK_G,
-                                                      CODES, EMULATE)
-            if (full * BLOCK_G < n_groups) & (full > 0):
-                w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True, True)
-                if SWIGLU:
-                    w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True, True)
-                acc, acc_up, squares = _int4_xq_block(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
-                                                      xw_ptr, xs_ptr, full, n_groups, NORM, SWIGLU, G, XG, BLOCK_G,
-                                                      CODES, EMULATE)
-            if blk + n_prog < n_blocks:  # the next block's first weights, before this block's end
-                nxt = tl.minimum((blk + n_prog) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-                w, sz = _int4_load(w_ptr, sz_ptr, nxt, 0, n_groups, G, BLOCK_G, True, True)
-                if SWIGLU:
-                    w_up, sz_up = _int4_load(w_ptr, sz_ptr, nxt + N, 0, n_groups, G, BLOCK_G, True, True)
-            _int4_epilogue(acc, acc_up, squares, w_unscale, rn, N, K, eps, r_ptr, y_ptr, NORM, RESIDUAL, SWIGLU, True)
 
 if triton is not None:
 
@@ -1070,20 +989,6 @@ def int4_x_group(groupsize: int) -> int:
     return group if group and groupsize % group == 0 else 0
 
 
-# An experiment (session 14): the one-row int4 GEMVs without x in int8 given (wqkv, w13, w2) in at most
-# this many programs, each rounding x to int8 once for all its blocks of rows (int4_gemv(persistent=),
-# _int4_persistent_kernel). GRAPHDECODE_INT4_PERSISTENT: 0 (off, the default) or a count of programs;
-# read at each call (int4_gemv runs inside its custom op, so a graph keeps what it captured).
-INT4_PERSISTENT = os.environ.get("GRAPHDECODE_INT4_PERSISTENT", "0")
-
-
-def int4_persistent() -> int:
-    """INT4_PERSISTENT as a count of programs (0: off)."""
-    if not INT4_PERSISTENT.isdigit():
-        raise ValueError(f"GRAPHDECODE_INT4_PERSISTENT must be 0 or a count of programs (got {INT4_PERSISTENT!r})")
-    return int(INT4_PERSISTENT)
-
-
 def int4_quantize_x(x: torch.Tensor, g: torch.Tensor | None = None, group: int = 16) -> torch.Tensor:
     """One row x [..., K] (times g [K], the next GEMV's norm weight) in int8 per group of `group`
     columns: what int4_gemv(xq=) reads and decode_attention(out_group=) writes (_int4_quantize_store).
@@ -1117,18 +1022,13 @@ def _x_group_of(xq: torch.Tensor, K: int) -> int:
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
               units: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               residual: torch.Tensor | None = None, swiglu: bool = False, ones: torch.Tensor | None = None,
-              launch: tuple | None = None, dp4a: bool = False, xq: torch.Tensor | None = None,
-              persistent: int | None = None, persistent_x_group: int = 0) -> torch.Tensor:
+              launch: tuple | None = None, dp4a: bool = False, xq: torch.Tensor | None = None) -> torch.Tensor:
     """One row x [..., K] times int4 weights (int4_layout, of the same dp4a and units) -> [..., N] in x's
     dtype, with gemv's fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the
     norm the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its
     own). dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma).
     xq (dp4a only): x in int8 already (int4_quantize_x(x, norm_weight), in groups that divide the int4
-    groups), read instead of x, which then gives only the shape and dtype (_int4_xq_block).
-    persistent (dp4a only; an experiment, benchmarks/gemv_int4.py --persistent): at most that many
-    programs, each taking every persistent-th block of rows (_int4_persistent_kernel); without xq each
-    rounds x to int8 once, per group of persistent_x_group columns (default: the int4 group, up to 32).
-    None: INT4_PERSISTENT's count where dp4a and no xq, else 0 (off)."""
+    groups), read instead of x, which then gives only the shape and dtype (_int4_xq_block)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
@@ -1152,28 +1052,6 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
     x2 = x2 if xq is not None else x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
-    if persistent is None:
-        persistent = int4_persistent() if dp4a and xq is None else 0
-    if persistent:
-        if not dp4a:
-            raise ValueError("int4_gemv: persistent programs are for integers (dp4a)")
-        programs = min(persistent, triton.cdiv(N, block_n))
-        if xq is None:
-            x_group = persistent_x_group or min(groupsize, 32)
-            if groupsize % x_group or x_group not in X_GROUPS:
-                raise ValueError(f"int4_gemv: x groups of {x_group} do not divide the int4 groups of {groupsize}")
-            scratch = torch.empty(programs * (K // 4 + 4 * K // x_group), device=x.device, dtype=torch.int32)
-            x_words, x_stats = scratch[:programs * K // 4], scratch[programs * K // 4:].view(torch.float32)
-        else:
-            x_words, x_stats = xq[:K // 4], xq[K // 4:].view(torch.float32)
-        _int4_persistent_kernel[(programs,)](
-            x2, norm_weight if norm_weight is not None else x2, x_words, x_stats, weight, sz,
-            sz if units is None else units, weight if residual is None else residual.reshape(1, N).contiguous(), y,
-            N, K, K // groupsize, eps, w_unscale, NORM=norm_weight is not None,
-            RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize, BLOCK_N=block_n, BLOCK_G=block_g, PDL=use_pdl,
-            CODES=units is not None, SELF_XQ=xq is None, XG=x_group, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-            num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
-        return y.view(*x.shape[:-1], N)
     x_words, x_stats = (xq[:K // 4], xq[K // 4:].view(torch.float32)) if xq is not None else (x2, x2)
     _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
         x_words, x_stats, weight, sz, sz if units is None else units,

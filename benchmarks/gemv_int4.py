@@ -7,11 +7,9 @@ and zeros lie on quantize.py's grid, as it writes them; --codes 1 also times the
 reading them as 8-bit codes (model.INT4_CODES), the bytes a call reads counted as it reads them.
 --xq 16 (or 8, 32) times the integer kernel reading x in int8 per group of that many columns
 (kernels.int4_quantize_x, as decode's wo reads the attention kernel's output: kernels.INT4_XQ).
---persistent 264 (or more counts) times int4_gemv(persistent=): at most that many programs, each taking
-every n-th block of rows and rounding x to int8 once (an experiment, not used by decode).
 
     python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--codes 0,1]
-        [--xq 0,16] [--persistent 0,264] [--tune] [--json PATH]
+        [--xq 0,16] [--tune] [--json PATH]
 """
 import argparse
 import itertools
@@ -59,19 +57,15 @@ def main():
                    "8-bit codes (with --dp4a 1 only)")
     p.add_argument("--xq", default="0", help="comma-separated: 0 x in bf16, or groups (8, 16, 32) of x in int8 "
                    "as decode's wo reads the attention output (with --dp4a 1 only)")
-    p.add_argument("--persistent", default="0", help="comma-separated: 0, or at most that many programs, each "
-                   "taking every n-th block of rows and rounding x to int8 once (int4_gemv(persistent=), with "
-                   "--dp4a 1, without --xq)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
         p.error(f"--dp4a and --codes take 0 and 1 (got {a.dp4a}, {a.codes})")
     if not set(a.xq.split(",")) <= {"0", *map(str, kernels.X_GROUPS)}:
         p.error(f"--xq takes 0, 8, 16 and 32 (got {a.xq})")
-    variants = [(dp4a, codes, xq, persistent) for dp4a in (v == "1" for v in a.dp4a.split(","))
+    variants = [(dp4a, codes, xq) for dp4a in (v == "1" for v in a.dp4a.split(","))
                 for codes in (v == "1" for v in a.codes.split(",")) for xq in (int(v) for v in a.xq.split(","))
-                for persistent in (int(v) for v in a.persistent.split(","))
-                if (dp4a or not (codes or xq or persistent)) and not (xq and persistent)]
+                if dp4a or not (codes or xq)]
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)
@@ -106,11 +100,8 @@ def main():
         theirs_c = [theirs] + [tuple(t.clone() for t in theirs) for _ in range(copies - 1)]
         t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
         del theirs_c
-        for dp4a, codes, xq, persistent in variants:
+        for dp4a, codes, xq in variants:
             kw.pop("xq", None)
-            kw.pop("persistent", None)
-            if persistent:
-                kw["persistent"] = persistent
             if xq:  # x in int8 as its producer would write it (times the norm's g)
                 kw["xq"] = kernels.int4_quantize_x(x, kw.get("norm_weight"), xq)
             ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a, codes)
@@ -130,14 +121,13 @@ def main():
                 best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
                                                                 for w in ours_c], reps), grid, best)
             rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,
-                   "persistent": persistent,
                    "bytes": nbytes, "ours_bytes": ours_bytes,
                    "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,
                    "ours_gb_s": ours_bytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
                    "best_gb_s": ours_bytes / best[0] / 1e9, "best": best[1], "err": err, "err_tinygemm": err_tg,
                    "ceiling_gb_s": ceiling}
             records.append(rec)
-            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} codes {int(codes)} xq {xq:2d} pers {persistent:4d} tinygemm {t_tg*1e6:6.1f} us "
+            print(f"g{G:<3d} {name:6s} {N:6d}x{K:<6d} {fused:8s} dp4a {int(dp4a)} codes {int(codes)} xq {xq:2d} tinygemm {t_tg*1e6:6.1f} us "
                   f"{rec['tinygemm_gb_s']:5.0f} GB/s | ours {t_ours*1e6:6.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | "
                   f"best {best[0]*1e6:6.1f} us {rec['best_gb_s']:5.0f} GB/s {best[1]} | err {err:.1e} tinygemm {err_tg:.1e}",
                   flush=True)

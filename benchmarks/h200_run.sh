@@ -387,9 +387,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "attention" | tail -3
       JSON=$OUT/h200-z5.json logged_variants 100 0 z51:"" z52:"--quantize int8" z53:"--quantize int4-g32" \
         z54:"--quantize int4-g128" ;;
-  z6) # run 66 (session 14): the int4 GEMVs without x in int8 given (wqkv, w13, w2) in persistent programs that
-      # round x once each (GRAPHDECODE_INT4_PERSISTENT, an experiment, off by default): the 7B int4 g32 step at
-      # 264 and 396 programs (one cache directory); then the GEMVs alone with and without, until the call ends
+  z6) # run 66 (session 14, commit 9397a91; reverted after this run, so it needs that commit): the int4 GEMVs
+      # without x in int8 given (wqkv, w13, w2) in persistent programs that round x once each
+      # (GRAPHDECODE_INT4_PERSISTENT): the 7B int4 g32 step at 264 and 396 programs (one cache directory);
+      # then the GEMVs alone with and without
       for v in z61:264 z62:396; do
         d=${v%%:*}; n=${v#*:}; echo "== $d GRAPHDECODE_INT4_PERSISTENT=$n"
         GRAPHDECODE_INT4_PERSISTENT=$n TORCHINDUCTOR_CACHE_DIR=/tmp/z6/inductor TRITON_CACHE_DIR=/tmp/z6/triton \

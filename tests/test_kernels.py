@@ -548,60 +548,6 @@ def test_int4_gemv_reads_x_in_int8(G, K, group, launch, fused, codes):
     assert torch.allclose(y.double().cpu(), y_def, rtol=1e-5 if device == "cpu" else 1e-2, atol=atol)
     assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
 
-@pytest.mark.parametrize("codes", [True, False])
-@pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
-@pytest.mark.parametrize("G, K, N, group, launch, programs", [(32, 544, 40, 32, (16, 4, 4, 2, False), 2),
-                                                              (32, 544, 64, 16, (8, 8, 4, 2, False), 3),
-                                                              (128, 640, 48, 32, (16, 2, 4, 2, False), 2)])
-def test_int4_gemv_persistent_programs(G, K, N, group, launch, programs, fused, codes):
-    """int4_gemv(persistent=): a few programs take every programs-th block of rows (here 2-3 blocks each,
-    the last one partial), each rounding x to int8 once into its own scratch: the product of the
-    programs reading x in int8 (int4_gemv(xq=), from int4_quantize_x at the same group) to float32
-    rounding, or within one code at a tie (the interpreter's division is not correctly rounded
-    either), and within INT4_TOLERANCE of the float64 product; and the same with xq given."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    packed, scales, zeros, W = int4_weights(N, K, G, grid=codes)
-    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, True, codes)
-    x = torch.randn(1, K)
-    kwargs, reference, size = int4_case(fused, x, N, W)
-    kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    xq = kernels.int4_quantize_x(x, kwargs.get("norm_weight"), group).to(device)
-    x = x.to(device)
-    y_xq = kernels.int4_gemv(x, *layout, launch=launch, dp4a=True, xq=xq, **kwargs).double().cpu()
-    scale = 2.1 * y_xq.abs().max().item()
-    y = kernels.int4_gemv(x, *layout, launch=launch, dp4a=True, persistent=programs, persistent_x_group=group,
-                          **kwargs).double().cpu()
-    assert torch.allclose(y, y_xq, rtol=1e-5, atol=2e-3 * scale)
-    assert ((y - reference).abs() <= INT4_TOLERANCE[True] * size).all()
-    y_given = kernels.int4_gemv(x, *layout, launch=launch, dp4a=True, xq=xq, persistent=programs, **kwargs)
-    assert torch.allclose(y_given.double().cpu(), y_xq, rtol=1e-5, atol=1e-5 * scale)
-
-
-def test_int4_persistent_setting(monkeypatch):
-    """GRAPHDECODE_INT4_PERSISTENT (kernels.INT4_PERSISTENT) gives int4_gemv's programs where it takes
-    none and x is not in int8 already: a count runs _int4_persistent_kernel, 0 does not; anything
-    else is an error, as is a persistent launch in float16 pairs."""
-    packed, scales, zeros, _ = int4_weights(32, 256, 32, grid=True)
-    layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
-    x = torch.randn(1, 256)
-    monkeypatch.setattr(kernels, "INT4_PERSISTENT", "0")
-    plain = kernels.int4_gemv(x, *layout, dp4a=True, launch=(8, 4, 4, 2, False))
-    launched = []
-    real = kernels._int4_persistent_kernel
-    monkeypatch.setattr(kernels, "_int4_persistent_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
-    monkeypatch.setattr(kernels, "INT4_PERSISTENT", "3")
-    y = kernels.int4_gemv(x, *layout, dp4a=True, launch=(8, 4, 4, 2, False))
-    assert launched == [(3,)] and torch.allclose(y, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
-    kernels.int4_gemv(x, *layout, dp4a=True, launch=(8, 4, 4, 2, False), persistent=0)
-    assert launched == [(3,)]
-    monkeypatch.setattr(kernels, "INT4_PERSISTENT", "many")
-    with pytest.raises(ValueError, match="GRAPHDECODE_INT4_PERSISTENT must be 0 or a count"):
-        kernels.int4_gemv(x, *layout, dp4a=True)
-    with pytest.raises(ValueError, match="persistent programs are for integers"):
-        kernels.int4_gemv(x, *int4_gemv_layout(packed, scales, zeros, 32), persistent=2)
-
-
 def test_int4_x_in_int8_errors_and_setting(monkeypatch):
     """x in int8 goes with integers at int4 groups it divides, in int4_quantize_x's length;
     GRAPHDECODE_INT4_XQ picks the group (auto: 16 at int4 groups of 32, none at 128; or 0: none),
