@@ -678,23 +678,33 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
     pieces.append(tail)
     print(tail, flush=True)
     total = time.perf_counter() - start
-    model = gen.target if speculative else gen.model
-    report_stats(model, device, n_new, total, getattr(gen, "compile_s", 0.0) - compile_before, first_at - start)
+    report_stats(device, n_new, total, getattr(gen, "compile_s", 0.0) - compile_before, first_at - start,
+                 decode_weight_bytes(gen, n_new))
     if speculative:
         log(f"speculative: {gen.rounds} rounds, {gen.mean_tokens_per_round:.2f} tokens per round, "
             f"rounds accepting 0..{gen.k} proposals: {gen.histogram}")
     return "".join(pieces)
 
 
-def report_stats(model: Transformer, device, n_new: int, total: float, compile_s: float, first_token_s: float):
+def decode_weight_bytes(gen, n_new: int) -> int:
+    """Bytes of weights that generating n_new tokens read (gen a Generator or a SpeculativeGenerator
+    after its generate): a step of one row a token, or a round of the draft's K steps (the first of
+    two rows) and the target's check over K + 1 rows a round."""
+    if isinstance(gen, Generator):
+        return n_new * weight_bytes_per_step(gen.model)
+    return gen.rounds * (weight_bytes_per_step(gen.target, gen.k + 1) + weight_bytes_per_step(gen.draft, 2)
+                         + (gen.k - 1) * weight_bytes_per_step(gen.draft))
+
+
+def report_stats(device, n_new: int, total: float, compile_s: float, first_token_s: float, weight_bytes: int):
+    """The run's figures to stderr; weight_bytes: the weights its decode steps read, all together."""
     gen_s = max(total - compile_s, 1e-9)
     tok_s = n_new / gen_s
-    weight_bytes = weight_bytes_per_step(model)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    log(f"{n_new} tokens in {gen_s:.2f} s: {tok_s:.1f} tok/s, {weight_bytes * tok_s / 1e9:.1f} GB/s of weights"
+    log(f"{n_new} tokens in {gen_s:.2f} s: {tok_s:.1f} tok/s, {weight_bytes / gen_s / 1e9:.1f} GB/s of weights"
         + (f", compile {compile_s:.1f} s" if compile_s else "")
         + f", time to first token {first_token_s:.3f} s, peak memory {peak / 2**30:.2f} GiB")
 

@@ -341,6 +341,24 @@ def test_cli_speculative_greedy_equals_plain_greedy(default_ckpt):
     assert_one_line_error(cli(*common, "--speculate-k", "3"), "go together")
 
 
+def test_decode_weight_bytes_counts_the_draft_and_the_target_of_each_round(tiny):
+    """generate.py's GB/s of weights: a token of plain decode reads the model once; a speculative
+    round reads the target once (over K + 1 rows) and the draft K times, so a small draft is not
+    counted as the target."""
+    from generate import decode_weight_bytes, weight_bytes_per_step
+    from speculative import SpeculativeGenerator
+
+    torch.manual_seed(1)
+    draft = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, intermediate_size=64,
+                                  max_seq_len=512)).eval().requires_grad_(False)
+    gen = SpeculativeGenerator(tiny, draft, Sampling(temperature=0), 3)
+    n = sum(len(chunk) for chunk in gen.generate([1, 2, 3], 20))
+    target_bytes, draft_bytes = weight_bytes_per_step(tiny), weight_bytes_per_step(draft)
+    assert gen.rounds >= 5 and draft_bytes < target_bytes / 4
+    assert decode_weight_bytes(gen, n) == gen.rounds * (target_bytes + 3 * draft_bytes)
+    assert decode_weight_bytes(Generator(tiny, Sampling(temperature=0)), n) == n * target_bytes
+
+
 def test_bench_kernel_table_profiles_the_cpu_too(tiny):
     """bench.py --kernels on a machine without a GPU: a table of the CPU ops of a few decode steps
     (it asked the profiler for CUDA activity only, and a CPU-only torch raised)."""
