@@ -528,7 +528,7 @@ if triton is not None:
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr,
                           PDL: tl.constexpr, DP4A: tl.constexpr, CODES: tl.constexpr, XQ: tl.constexpr,
-                          XG: tl.constexpr, EMULATE: tl.constexpr):
+                          XG: tl.constexpr, EMULATE: tl.constexpr, EARLY: tl.constexpr):
         """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
         G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
         PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each word's float16
@@ -538,7 +538,8 @@ if triton is not None:
         (_int4_dp4a_block; no x_scale). CODES (DP4A only): the scale-and-zero words are int16 codes and
         u_ptr holds each row's two units (int4_layout with units). XQ (DP4A only): x is already in int8
         (x_ptr its words, xs_ptr its groups' numbers: int4_quantize_x, groups of XG), written by the
-        kernel before (the attention kernel, for wo)."""
+        kernel before (the attention kernel, for wo). EARLY (1 or 2, without PREFETCH): blocks of
+        weights loaded before the PDL wait (an experiment: int4_gemv's launch with prefetch 2)."""
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -558,6 +559,12 @@ if triton is not None:
         w_up, sz_up = w, sz
         if SWIGLU:
             w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True, DP4A)
+        w1, sz1, w1_up, sz1_up = w, sz, w_up, sz_up
+        if EARLY == 2:  # block 1 too, masked (it may be K's partial block, or past K)
+            w1, sz1 = _int4_load(w_ptr, sz_ptr, rows, 1, n_groups, G, BLOCK_G, True, DP4A)
+            w1_up, sz1_up = w1, sz1
+            if SWIGLU:
+                w1_up, sz1_up = _int4_load(w_ptr, sz_ptr, rows + N, 1, n_groups, G, BLOCK_G, True, DP4A)
         units = _int4_units(u_ptr, rows, CODES)
         units_up = units
         if SWIGLU:
@@ -589,14 +596,19 @@ if triton is not None:
             acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
                                                x_ptr, xs_ptr, g_ptr, x_scale, 0, n_groups,
                                                NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
-            for b in range(1, full):
+            if EARLY == 2:
+                if n_groups > BLOCK_G:  # block 1, loaded before the wait
+                    acc, acc_up, squares = _int4_step(acc, acc_up, squares, w1, w1_up, sz1, sz1_up, units, units_up,
+                                                       x_ptr, xs_ptr, g_ptr, x_scale, 1, n_groups,
+                                                       NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
+            for b in range(EARLY, full):
                 w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, DP4A)
                 if SWIGLU:
                     w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
                 acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
                                                    x_ptr, xs_ptr, g_ptr, x_scale, b, n_groups,
                                                    NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
-        if (full * BLOCK_G < n_groups) & (full > 0):
+        if (full * BLOCK_G < n_groups) & (full > EARLY - 1):  # (EARLY 2: a partial block 1 is done)
             w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True, DP4A)
             if SWIGLU:
                 w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True, DP4A)
@@ -1028,7 +1040,10 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
     norm the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its
     own). dp4a: in integers (_int4_dp4a_block), else in float16 pairs (_int4_half_fma).
     xq (dp4a only): x in int8 already (int4_quantize_x(x, norm_weight), in groups that divide the int4
-    groups), read instead of x, which then gives only the shape and dtype (_int4_xq_block)."""
+    groups), read instead of x, which then gives only the shape and dtype (_int4_xq_block).
+    launch: (BLOCK_N, BLOCK_G, warps, stages, prefetch), int4_config's by default; prefetch 1 loads each
+    block one step ahead, 2 (an experiment, benchmarks/gemv_int4.py --prefetch 2) two blocks before the
+    PDL wait (EARLY)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
@@ -1059,8 +1074,9 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
         else x.new_ones(K),  # (x in int8 is already times g: no ones needed)
         weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
-        BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch), PDL=use_pdl, DP4A=dp4a, CODES=units is not None,
-        XQ=xq is not None, XG=x_group, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch) and prefetch != 2, PDL=use_pdl, DP4A=dp4a,
+        CODES=units is not None, XQ=xq is not None, XG=x_group, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        EARLY=2 if prefetch == 2 else 1,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return y.view(*x.shape[:-1], N)
 

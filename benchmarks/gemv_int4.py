@@ -50,7 +50,8 @@ def main():
                    help="BLOCK_N:columns/64 pairs: BLOCK_G = columns / groupsize")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3")
-    p.add_argument("--prefetch", default="0,1")
+    p.add_argument("--prefetch", default="0,1", help="comma-separated: 0 none, 1 each block one step ahead, "
+                   "2 two blocks loaded before the PDL wait (kernels._int4_gemv_kernel EARLY, integers or pairs)")
     p.add_argument("--dp4a", default="0,1", help="comma-separated int4_gemv arithmetics: 0 float16 pairs, "
                    "1 integers (dp4a)")
     p.add_argument("--codes", default="0", help="comma-separated: 0 scales and zeros in float16, 1 also as "
@@ -114,7 +115,7 @@ def main():
             t_ours = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw) for w in ours_c])
             best = (t_ours, default)
             if a.tune:
-                grid = [(bn, max(1, cols * 64 // G), w, s, bool(int(f))) for bn, cols in
+                grid = [(bn, max(1, cols * 64 // G), w, s, int(f)) for bn, cols in
                         (tuple(int(v) for v in pair.split(":")) for pair in a.grid.split(","))
                         for w in (int(v) for v in a.warps.split(",")) for s in (int(v) for v in a.stages.split(","))
                         for f in a.prefetch.split(",")]

@@ -400,4 +400,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       TRITON_CACHE_DIR=/tmp/z6/triton t 100 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 \
         --layers w13,w2,wqkv --dp4a 1 --codes 1 --persistent 0,264,396 --json "$OUT/gemv-int4-persistent.json" \
         | grep -v "^$" ;;
+  z7) # prepared in session 14, not yet run: the int4 GEMVs with two blocks of weights loaded before the PDL wait
+      # (launch prefetch 2: kernels._int4_gemv_kernel EARLY; offline, sm_90: w13 80 -> 94 registers, wqkv
+      # 152 -> 162, w2 95 -> 118), tuned beside the default launches, at groups 32 and 128
+      t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --layers wqkv,w13,w2 --dp4a 1 \
+        --codes 1 --tune --grid 8:16,16:16,32:16,8:32,16:32,16:64 --warps 4,8 --prefetch 0,2 \
+        --json "$OUT/gemv-int4-early.json" | grep -v "^$" ;;
 esac; done

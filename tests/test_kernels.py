@@ -290,14 +290,17 @@ INT4_TOLERANCE = {False: 2e-3, True: 2.5e-2}
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
 @pytest.mark.parametrize("N, K, G, launch", [(64, 256, 32, (16, 4, 4, 2, True)), (40, 576, 128, (16, 2, 4, 2, True)),
                                              (48, 1024, 32, None), (32, 512, 128, (8, 1, 4, 1, False)),
-                                             (40, 576, 128, (16, 2, 4, 2, False))])
+                                             (40, 576, 128, (16, 2, 4, 2, False)), (40, 576, 128, (16, 2, 4, 2, 2)),
+                                             (64, 576, 32, (16, 16, 4, 2, 2)), (32, 256, 32, (8, 8, 4, 2, 2))])
 def test_int4_gemv_matches_float64(N, K, G, launch, fused, dp4a, codes):
     """kernels.int4_gemv (one row, float16 pairs or dp4a, file layout repacked by int4_gemv_layout;
     codes: scales and zeros on quantize.py's grid, read as int16 codes) against the float64 product
     of the dequantized weights: float32 x within INT4_TOLERANCE of the largest output, bf16 x also
     within bf16's rounding. Covers blocks that fit, a group size that does not divide K (576 = 4 x
     128 + 64: groups of 64 then), a partial block of rows (40 at 16) and a last block K ends inside
-    (9 groups at 2 a block)."""
+    (9 groups at 2 a block). Launches with prefetch 2 load two blocks before the wait (EARLY): with
+    blocks after them and a partial last one; with the partial block second (18 groups at 16); with
+    one block only (8 groups at 8)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     packed, scales, zeros, W = int4_weights(N, K, G, grid=codes)
     layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, dp4a, codes)
