@@ -447,16 +447,18 @@ def test_int4_codes_setting_and_launch(monkeypatch):
 
 
 def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
-    """bench.py checks GRAPHDECODE_INT4_CODES, _DP4A and _XQ before any model loads: a bad
+    """bench.py checks GRAPHDECODE_INT4_CODES, _DP4A, _XQ and _EARLY before any model loads: a bad
     value is a one-line error and exit status 1."""
     import model as model_module
     from bench import main
 
-    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A"), (kernels, "INT4_XQ")):
+    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A"), (kernels, "INT4_XQ"),
+                         (kernels, "INT4_EARLY")):
         with monkeypatch.context() as m:
             m.setattr(module, name, "yes")
             assert main(["--device", "cpu", "--model", "smollm2-135m"]) == 1
-            assert capsys.readouterr().err.startswith(f"error: GRAPHDECODE_{name} must be auto, 0")
+            assert capsys.readouterr().err.startswith(f"error: GRAPHDECODE_{name} must be "
+                                                      + ("0 or 1" if name == "INT4_EARLY" else "auto, 0"))
 
 
 def unpack_x_int8(xq, K, group):
@@ -550,6 +552,24 @@ def test_int4_gemv_reads_x_in_int8(G, K, group, launch, fused, codes):
     atol = (1e-5 if device == "cpu" else 2e-3) * scale
     assert torch.allclose(y.double().cpu(), y_def, rtol=1e-5 if device == "cpu" else 1e-2, atol=atol)
     assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
+
+def test_int4_early_setting(monkeypatch):
+    """GRAPHDECODE_INT4_EARLY=1 (kernels.INT4_EARLY) turns int4_config's integer launches without x in
+    int8 to prefetch 2 (two blocks before the PDL wait) and leaves the rest as they were; the launch
+    gives the product of the default one."""
+    monkeypatch.setattr(kernels, "INT4_EARLY", "0")
+    plain = [kernels.int4_config(4096, 11008, 32, False, True, True), kernels.int4_config(4096, 4096, 32, xq=True, dp4a=True),
+             kernels.int4_config(4096, 4096, 32)]
+    monkeypatch.setattr(kernels, "INT4_EARLY", "1")
+    early = [kernels.int4_config(4096, 11008, 32, False, True, True), kernels.int4_config(4096, 4096, 32, xq=True, dp4a=True),
+             kernels.int4_config(4096, 4096, 32)]
+    assert early[0] == (*plain[0][:4], 2) and plain[0][4] is False and early[1:] == plain[1:]
+    packed, scales, zeros, _ = int4_weights(32, 576, 32, grid=True)
+    layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
+    x = torch.randn(1, 576)
+    y = kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, 2))
+    assert torch.allclose(y, kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, False)), rtol=1e-5, atol=1e-5)
+
 
 def test_int4_x_in_int8_errors_and_setting(monkeypatch):
     """x in int8 goes with integers at int4 groups it divides, in int4_quantize_x's length;
