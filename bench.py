@@ -34,7 +34,7 @@ import torch
 import kernels
 import model as model_module
 from generate import (Generator, Sampling, check_graphs, count_launches, decode_one_token, launches_per_call,
-                      prefill, synchronize, weight_bytes_per_step)
+                      prefill, speculative_round_bytes, synchronize, weight_bytes_per_step)
 from model import ModelArgs, Transformer
 
 PRESETS = {
@@ -261,8 +261,7 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     n = sum(len(c) for c in chunks)
     synchronize(device)
     decode_s = time.perf_counter() - start
-    # Weights read per round: the target once (verification), the draft K times.
-    gb_s = gen.rounds * (weight_bytes_per_step(target, k + 1) + k * weight_bytes_per_step(draft)) / decode_s / 1e9
+    gb_s = gen.rounds * speculative_round_bytes(gen) / decode_s / 1e9  # (the draft K times, the target once)
     record = {"mode": f"speculative-{mode}", "batch_size": 1, "prompt_tokens": prompt_tokens,
               "new_tokens": new_tokens, "speculate_k": k, "temperature": sampling.temperature,
               "tok_s": n / decode_s, "rounds": gen.rounds, "acceptance_histogram": gen.histogram,
@@ -436,7 +435,7 @@ def main(argv=None) -> int:
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,
                  int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
-                 int4_early=kernels.int4_early() if int4 else None,
+                 int4_early=kernels.int4_early() and kernels.int4_dp4a() and model_module.INT4_GEMV if int4 else None,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

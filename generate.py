@@ -686,14 +686,21 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
     return "".join(pieces)
 
 
+def speculative_round_bytes(gen) -> int:
+    """Bytes of weights one round of a SpeculativeGenerator reads: the draft's K steps (the first over
+    two rows, speculative.draft_loop) and the target's check over K + 1 rows."""
+    return (weight_bytes_per_step(gen.target, gen.k + 1) + weight_bytes_per_step(gen.draft, 2)
+            + (gen.k - 1) * weight_bytes_per_step(gen.draft))
+
+
 def decode_weight_bytes(gen, n_new: int) -> int:
-    """Bytes of weights that generating n_new tokens read (gen a Generator or a SpeculativeGenerator
-    after its generate): a step of one row a token, or a round of the draft's K steps (the first of
-    two rows) and the target's check over K + 1 rows a round."""
+    """Bytes of weights that generating n_new tokens read, prefill included (gen a Generator or a
+    SpeculativeGenerator after its generate): each model once for the prefill (several rows), then a
+    step of one row a token after the first, or speculative_round_bytes a round."""
     if isinstance(gen, Generator):
-        return n_new * weight_bytes_per_step(gen.model)
-    return gen.rounds * (weight_bytes_per_step(gen.target, gen.k + 1) + weight_bytes_per_step(gen.draft, 2)
-                         + (gen.k - 1) * weight_bytes_per_step(gen.draft))
+        return weight_bytes_per_step(gen.model, 2) + (n_new - 1) * weight_bytes_per_step(gen.model)
+    return (weight_bytes_per_step(gen.target, 2) + weight_bytes_per_step(gen.draft, 2)
+            + gen.rounds * speculative_round_bytes(gen))
 
 
 def report_stats(device, n_new: int, total: float, compile_s: float, first_token_s: float, weight_bytes: int):

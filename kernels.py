@@ -540,6 +540,7 @@ if triton is not None:
         (x_ptr its words, xs_ptr its groups' numbers: int4_quantize_x, groups of XG), written by the
         kernel before (the attention kernel, for wo). EARLY (1 or 2, without PREFETCH): blocks of
         weights loaded before the PDL wait (an experiment: int4_gemv's launch with prefetch 2)."""
+        tl.static_assert(EARLY == 1 or not PREFETCH)
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -945,7 +946,8 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dp4a
 
 
 # GRAPHDECODE_INT4_EARLY=1 (an experiment, prepared in session 14 and not yet measured): int4_config's
-# integer launches without x in int8 load two blocks of weights before the PDL wait (prefetch 2).
+# integer launches load two blocks of weights before the PDL wait (prefetch 2), all but wo's with x in
+# int8 (one block of 4096 columns).
 INT4_EARLY = os.environ.get("GRAPHDECODE_INT4_EARLY", "0")
 
 
@@ -968,7 +970,7 @@ INT4_LAUNCHES = {
 
 
 def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool = False,
-                codes: bool = False, xq: bool = False) -> tuple[int, int, int, int, bool]:
+                codes: bool = False, xq: bool = False) -> tuple[int, int, int, int, int]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize` (INT4_LAUNCHES),
     from benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B with the fusions; float16 pairs run 30
     at group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a
@@ -1077,6 +1079,8 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
     N = weight.shape[0] // (2 if swiglu else 1)
     block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a, units is not None,
                                                                       xq is not None)
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"int4_gemv: a launch's prefetch is 0, 1 or 2 (got {prefetch!r})")
     x2 = x2 if xq is not None else x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
@@ -1279,6 +1283,20 @@ def attention_splits(batch: int, n_kv_heads: int, length: int) -> int:
     return max(1, min(triton.cdiv(length, 64), TARGET_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
 
 
+def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, block_d: int) -> tuple[int, int]:
+    """(cache positions a loop step, warps) of the attention kernel (ATTENTION_BLOCK_L and _WARPS, or
+    the rule), for query heads a KV head and head_dim padded to block_g and block_d. Products
+    [block_g, positions, block_d] a step. One query head a KV head (Llama-2-7B): 8 warps while the
+    programs fit one per SM, at 8192 products, 64 positions at D = 128 (benchmarks/attention.py, run 63:
+    batch 1, positions 50-200, 5.5 µs against 6.4 at 32; the 7B int4 step 674 against 670 tok/s, run 64;
+    other head dims not measured), and 4 warps at 4096 products beyond, where smaller programs let
+    more of them run at once (run 18: batch 8 13.8 -> 11.1 µs). Grouped heads keep 8192 products (not
+    measured otherwise)."""
+    warps = ATTENTION_WARPS or (8 if block_g == 1 and batch * n_kv_heads * splits <= 132 else 4)
+    products = 4096 if block_g == 1 and warps == 4 else 8192
+    return ATTENTION_BLOCK_L or max(16, products // (block_g * block_d)), warps
+
+
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
                      n_kv_heads: int, splits: int | None = None, out_group: int = 0):
@@ -1305,14 +1323,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     if out_group and (B != 1 or block_d != D or D % out_group or out_group not in X_GROUPS):
         raise ValueError(f"decode_attention: y in int8 takes one sequence and groups of 8, 16 or 32 that divide "
                          f"a power-of-two D (got B={B}, D={D}, group {out_group})")
-    # Products [BLOCK_G, BLOCK_L, BLOCK_D] a step. One query head a KV head (Llama-2-7B): 8 warps while
-    # the programs fit one per SM, at 64 positions a step (benchmarks/attention.py, run 63: batch 1,
-    # positions 50-200, 5.5 µs against 6.4 at 32; the 7B int4 step 674 against 670 tok/s, run 64), and
-    # 4 warps at 32 positions beyond, where smaller programs let more of them run at once (run 18:
-    # batch 8 13.8 -> 11.1 µs). Grouped heads keep 8192 products (not measured otherwise).
-    warps = ATTENTION_WARPS or (8 if block_g == 1 and B * Hkv * splits <= 132 else 4)
-    products = 4096 if block_g == 1 and warps == 4 else 8192
-    block_l = ATTENTION_BLOCK_L or max(16, products // (block_g * block_d))
+    block_l, warps = attention_launch(B, Hkv, splits, block_g, block_d)
     y = qkv.new_empty((B, 1, n_heads * D))
     use_pdl = pdl(qkv)
     if splits == 1:

@@ -291,7 +291,8 @@ INT4_TOLERANCE = {False: 2e-3, True: 2.5e-2}
 @pytest.mark.parametrize("N, K, G, launch", [(64, 256, 32, (16, 4, 4, 2, True)), (40, 576, 128, (16, 2, 4, 2, True)),
                                              (48, 1024, 32, None), (32, 512, 128, (8, 1, 4, 1, False)),
                                              (40, 576, 128, (16, 2, 4, 2, False)), (40, 576, 128, (16, 2, 4, 2, 2)),
-                                             (64, 576, 32, (16, 16, 4, 2, 2)), (32, 256, 32, (8, 8, 4, 2, 2))])
+                                             (64, 576, 32, (16, 16, 4, 2, 2)), (32, 256, 32, (8, 8, 4, 2, 2)),
+                                             (40, 320, 32, (16, 4, 4, 2, 2)), (32, 256, 32, (16, 4, 4, 2, 2))])
 def test_int4_gemv_matches_float64(N, K, G, launch, fused, dp4a, codes):
     """kernels.int4_gemv (one row, float16 pairs or dp4a, file layout repacked by int4_gemv_layout;
     codes: scales and zeros on quantize.py's grid, read as int16 codes) against the float64 product
@@ -300,7 +301,8 @@ def test_int4_gemv_matches_float64(N, K, G, launch, fused, dp4a, codes):
     128 + 64: groups of 64 then), a partial block of rows (40 at 16) and a last block K ends inside
     (9 groups at 2 a block). Launches with prefetch 2 load two blocks before the wait (EARLY): with
     blocks after them and a partial last one; with the partial block second (18 groups at 16); with
-    one block only (8 groups at 8)."""
+    one block only (8 groups at 8); with two whole blocks then a partial one (10 at 4); with two
+    blocks only (8 at 4)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     packed, scales, zeros, W = int4_weights(N, K, G, grid=codes)
     layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, dp4a, codes)
@@ -510,7 +512,8 @@ def test_int4_quantize_x_is_its_definition(group):
 @pytest.mark.parametrize("codes", [True, False])
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
 @pytest.mark.parametrize("G, K, group, launch", [(32, 544, 16, (16, 4, 4, 2, False)), (32, 544, 32, (16, 4, 4, 2, True)),
-                                                 (32, 544, 8, (8, 8, 4, 2, False)), (128, 640, 16, (16, 2, 4, 2, False))])
+                                                 (32, 544, 8, (8, 8, 4, 2, False)), (128, 640, 16, (16, 2, 4, 2, False)),
+                                                 (32, 544, 16, (16, 4, 4, 2, 2))])
 def test_int4_gemv_reads_x_in_int8(G, K, group, launch, fused, codes):
     """int4_gemv(xq=) takes x in int8 from int4_quantize_x (x times the norm's g) and gives its
     definition: per group of G, s (sum over its x groups of sx sum(q_w q) - 8 sx sum(q)) + z sum(u), times
@@ -553,22 +556,26 @@ def test_int4_gemv_reads_x_in_int8(G, K, group, launch, fused, codes):
     assert torch.allclose(y.double().cpu(), y_def, rtol=1e-5 if device == "cpu" else 1e-2, atol=atol)
     assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
 
+
 def test_int4_early_setting(monkeypatch):
-    """GRAPHDECODE_INT4_EARLY=1 (kernels.INT4_EARLY) turns int4_config's integer launches without x in
-    int8 to prefetch 2 (two blocks before the PDL wait) and leaves the rest as they were; the launch
-    gives the product of the default one."""
+    """GRAPHDECODE_INT4_EARLY=1 (kernels.INT4_EARLY) turns int4_config's integer launches to prefetch 2
+    (two blocks before the PDL wait), but wo's with x in int8 (one block) and float16 pairs' as they were;
+    the launch gives the product of the default one; a launch's prefetch is 0, 1 or 2."""
+    shapes = [dict(N=4096, K=11008, groupsize=32, dp4a=True, codes=True),
+              dict(N=4096, K=4096, groupsize=32, dp4a=True, xq=True),  # wo's, one block
+              dict(N=4096, K=4096, groupsize=32)]  # float16 pairs
     monkeypatch.setattr(kernels, "INT4_EARLY", "0")
-    plain = [kernels.int4_config(4096, 11008, 32, False, True, True), kernels.int4_config(4096, 4096, 32, xq=True, dp4a=True),
-             kernels.int4_config(4096, 4096, 32)]
+    plain = [kernels.int4_config(**shape) for shape in shapes]
     monkeypatch.setattr(kernels, "INT4_EARLY", "1")
-    early = [kernels.int4_config(4096, 11008, 32, False, True, True), kernels.int4_config(4096, 4096, 32, xq=True, dp4a=True),
-             kernels.int4_config(4096, 4096, 32)]
+    early = [kernels.int4_config(**shape) for shape in shapes]
     assert early[0] == (*plain[0][:4], 2) and plain[0][4] is False and early[1:] == plain[1:]
     packed, scales, zeros, _ = int4_weights(32, 576, 32, grid=True)
     layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
     x = torch.randn(1, 576)
     y = kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, 2))
     assert torch.allclose(y, kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, False)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="prefetch is 0, 1 or 2"):
+        kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, 3))
 
 
 def test_int4_x_in_int8_errors_and_setting(monkeypatch):
@@ -729,6 +736,16 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
     assert ((new_k - ref_k).abs() <= rounding * ref_k.abs() + 1e-6).all()  # RoPE'd k within one rounding
     k_cache[:B, :, pos] = k_ref[:B, :, pos]
     assert k_cache.equal(k_ref) and v_cache.equal(v_ref)  # v written exactly, nothing else touched
+
+
+def test_attention_launch_rule():
+    """kernels.attention_launch: one query head a KV head at batch 1 of Llama-2-7B (32 KV heads, 4 slices,
+    D = 128) runs 8 warps at 64 positions a step; at batch 8 (1024 programs) 4 warps at 32; grouped heads
+    (Llama-3.1-8B: 4 a KV head) 8192 products a step; the settings override the rule."""
+    assert kernels.attention_launch(1, 32, 4, 1, 128) == (64, 8)
+    assert kernels.attention_launch(1, 4, 2, 1, 64) == (128, 8)  # (the attention test case above)
+    assert kernels.attention_launch(8, 32, 4, 1, 128) == (32, 4)
+    assert kernels.attention_launch(1, 8, 4, 4, 128) == (16, 4)
 
 
 def test_decode_attention_at_a_position_past_the_cache_touches_nothing():
