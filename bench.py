@@ -370,7 +370,7 @@ def main(argv=None) -> int:
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
     try:  # (the environment's settings, checked before any model loads)
-        kernels.int4_dp4a(), model_module.int4_codes(32), kernels.int4_x_group(32), kernels.int4_early()
+        kernels.int4_dp4a(), model_module.int4_codes(32), kernels.int4_x_group(32)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -435,7 +435,6 @@ def main(argv=None) -> int:
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,
                  int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
-                 int4_early=kernels.int4_early() and kernels.int4_dp4a() and model_module.INT4_GEMV if int4 else None,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

@@ -945,18 +945,6 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dp4a
     return words.contiguous(), sz.contiguous(), 1.0 / c
 
 
-# GRAPHDECODE_INT4_EARLY=1 (an experiment, prepared in session 14 and not yet measured): int4_config's
-# integer launches load two blocks of weights before the PDL wait (prefetch 2), all but wo's with x in
-# int8 (one block of 4096 columns).
-INT4_EARLY = os.environ.get("GRAPHDECODE_INT4_EARLY", "0")
-
-
-def int4_early() -> bool:
-    """INT4_EARLY as a switch."""
-    if INT4_EARLY not in ("0", "1"):
-        raise ValueError(f"GRAPHDECODE_INT4_EARLY must be 0 or 1 (got {INT4_EARLY!r})")
-    return INT4_EARLY == "1"
-
 # A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH). By layer shape: gate/up
 # (SwiGLU), wide (N > 8192: wqkv), long (K > 8192: the down projection), square (wo, and the rest); in
 # integers (rows, columns a step, warps) at group 32 and at group 128, or in float16 pairs (and PREFETCH);
@@ -970,7 +958,7 @@ INT4_LAUNCHES = {
 
 
 def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool = False,
-                codes: bool = False, xq: bool = False) -> tuple[int, int, int, int, int]:
+                codes: bool = False, xq: bool = False) -> tuple[int, int, int, int, bool]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize` (INT4_LAUNCHES),
     from benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B with the fusions; float16 pairs run 30
     at group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a
@@ -985,8 +973,6 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
         rows, columns, warps, prefetch = 16, 4096, 4, False
     elif dp4a:
         (rows, columns, warps), prefetch = (codes_at_32 if codes else at_32) if groupsize <= 32 else at_128, False
-        if int4_early():  # (an experiment: two blocks before the PDL wait, _int4_gemv_kernel's EARLY)
-            prefetch = 2
     else:
         rows, columns, warps, prefetch = half
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))

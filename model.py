@@ -686,7 +686,6 @@ class Int4Linear(nn.Module):
             self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
             return
         if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and kernels.triton is not None:  # (PTX)
-            kernels.int4_early()  # (GRAPHDECODE_INT4_EARLY checked at load, as the settings used here are)
             self.gemv_dp4a = kernels.int4_dp4a()
             weight, sz, self.gemv_unscale, self.gemv_group, units = int4_gemv_layout(
                 self.weight, self.scales, self.zeros, self.groupsize, self.gemv_dp4a,

@@ -402,16 +402,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         | grep -v "^$" ;;
   z7) # prepared in session 14, not yet run: the int4 GEMVs with two blocks of weights loaded before the PDL wait
       # (launch prefetch 2: kernels._int4_gemv_kernel EARLY; offline, sm_90: w13 80 -> 94 registers, wqkv
-      # 152 -> 162, w2 95 -> 118): its kernel tests; the 7B step with it at the default launches
-      # (GRAPHDECODE_INT4_EARLY=1) and without, at groups 32 and 128; then tuned beside the default launches
+      # 152 -> 162, w2 95 -> 118): its kernel tests, then tuned beside the default launches (a winner goes into
+      # INT4_LAUNCHES, then the 7B step)
       t 90 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
-        -k "int4_gemv_matches_float64 or early" | tail -3
-      for v in z71:1:32 z72:0:32 z73:1:128 z74:0:128; do
-        d=${v%%:*}; r=${v#*:}; e=${r%%:*}; g=${r#*:}; echo "== $d GRAPHDECODE_INT4_EARLY=$e int4-g$g"
-        GRAPHDECODE_INT4_EARLY=$e TORCHINDUCTOR_CACHE_DIR=/tmp/z7/inductor TRITON_CACHE_DIR=/tmp/z7/triton \
-          timeout -k 5 90 python3 bench.py --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g$g \
-          --json "$OUT/h200-z7.json" > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
-      done
+        -k "int4_gemv_matches_float64 or prefetch" | tail -3
       t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --layers wqkv,w13,w2 --dp4a 1 \
         --codes 1 --tune --grid 8:16,16:16,32:16,8:32,16:32,16:64 --warps 4,8 --prefetch 0,2 \
         --json "$OUT/gemv-int4-early.json" | grep -v "^$" ;;

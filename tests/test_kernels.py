@@ -449,18 +449,16 @@ def test_int4_codes_setting_and_launch(monkeypatch):
 
 
 def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
-    """bench.py checks GRAPHDECODE_INT4_CODES, _DP4A, _XQ and _EARLY before any model loads: a bad
+    """bench.py checks GRAPHDECODE_INT4_CODES, _DP4A and _XQ before any model loads: a bad
     value is a one-line error and exit status 1."""
     import model as model_module
     from bench import main
 
-    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A"), (kernels, "INT4_XQ"),
-                         (kernels, "INT4_EARLY")):
+    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A"), (kernels, "INT4_XQ")):
         with monkeypatch.context() as m:
             m.setattr(module, name, "yes")
             assert main(["--device", "cpu", "--model", "smollm2-135m"]) == 1
-            assert capsys.readouterr().err.startswith(f"error: GRAPHDECODE_{name} must be "
-                                                      + ("0 or 1" if name == "INT4_EARLY" else "auto, 0"))
+            assert capsys.readouterr().err.startswith(f"error: GRAPHDECODE_{name} must be auto, 0")
 
 
 def unpack_x_int8(xq, K, group):
@@ -557,18 +555,9 @@ def test_int4_gemv_reads_x_in_int8(G, K, group, launch, fused, codes):
     assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
 
 
-def test_int4_early_setting(monkeypatch):
-    """GRAPHDECODE_INT4_EARLY=1 (kernels.INT4_EARLY) turns int4_config's integer launches to prefetch 2
-    (two blocks before the PDL wait), but wo's with x in int8 (one block) and float16 pairs' as they were;
-    the launch gives the product of the default one; a launch's prefetch is 0, 1 or 2."""
-    shapes = [dict(N=4096, K=11008, groupsize=32, dp4a=True, codes=True),
-              dict(N=4096, K=4096, groupsize=32, dp4a=True, xq=True),  # wo's, one block
-              dict(N=4096, K=4096, groupsize=32)]  # float16 pairs
-    monkeypatch.setattr(kernels, "INT4_EARLY", "0")
-    plain = [kernels.int4_config(**shape) for shape in shapes]
-    monkeypatch.setattr(kernels, "INT4_EARLY", "1")
-    early = [kernels.int4_config(**shape) for shape in shapes]
-    assert early[0] == (*plain[0][:4], 2) and plain[0][4] is False and early[1:] == plain[1:]
+def test_int4_launch_prefetch_values():
+    """A launch's prefetch 2 (two blocks before the PDL wait) gives the product of prefetch 0; a prefetch
+    other than 0, 1 or 2 is an error."""
     packed, scales, zeros, _ = int4_weights(32, 576, 32, grid=True)
     layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
     x = torch.randn(1, 576)
