@@ -409,4 +409,17 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --layers wqkv,w13,w2 --dp4a 1 \
         --codes 1 --tune --grid 8:16,16:16,32:16,8:32,16:32,16:64 --warps 4,8 --prefetch 0,2 \
         --json "$OUT/gemv-int4-early.json" | grep -v "^$" ;;
+  z8) # run 67 (session 15): the attention kernel prefetching the next GEMVs' weights into L2 (kernels.L2_PREFETCH):
+      # its GPU tests; the 7B step at batch 1, int4 g32 at 0, 9 (wo alone), 18 and 28 MB a layer, then bf16 at 0 and
+      # 28 MB, each dtype in one cache directory (first calls after the first warm)
+      t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "l2_prefetch or pdl_chain" | tail -3
+      for v in z81:"--quantize int4-g32 --l2-prefetch 0" z82:"--quantize int4-g32 --l2-prefetch 9" \
+               z83:"--quantize int4-g32 --l2-prefetch 18" z84:"--quantize int4-g32 --l2-prefetch 28" \
+               z85:"--l2-prefetch 0" z86:"--l2-prefetch 28"; do
+        d=${v%%:*}; f=${v#*:}; c=/tmp/z8-$([[ $f == *int4* ]] && echo q || echo b); echo "== $d [$f]"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=$c/inductor TRITON_CACHE_DIR=$c/triton timeout -k 5 100 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z8.json" > "/tmp/$d.log" 2>&1
+        echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
+      done ;;
 esac; done

@@ -446,3 +446,41 @@ def test_pdl_chain_of_dependent_kernels_equals_plain_launches(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, plain)
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_l2_prefetch_changes_no_result(model, mode, monkeypatch):
+    """With kernels.L2_PREFETCH on, each layer's attention kernel asks L2 for wo's weights and the first
+    rows of w13's (model.decode_weights, kernels.l2_prefetch_plan) in one-row decode: a decode step's
+    logits are bit for bit those with it off, and graphed decode with it is one replay a token and
+    picks the tokens of graphed decode without it."""
+    import kernels
+    import model as model_module
+    from quantize import quantize_model
+
+    m = quantize_model(model, mode, 32) if mode else model
+    calls = []
+    attention = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention",
+                        lambda *a, **k: calls.append(k.get("prefetch", ())) or attention(*a, **k))
+    idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
+    logits, tokens = {}, {}
+    for mb in ("0", "1000"):
+        monkeypatch.setattr(kernels, "L2_PREFETCH", mb)
+        calls.clear()
+        with torch.no_grad():
+            m.setup_caches(1, 64)
+            m(idx, pos)
+            logits[mb] = m(torch.tensor([[3]], device="cuda"), torch.tensor([8], device="cuda"))
+        layer = m.layers[0]
+        expect = [] if mb == "0" else [(t, t.nbytes // 16 * 16) for t in model_module.decode_weights(layer.attention.wo)
+                                       + model_module.decode_weights(layer.feed_forward.w13)]
+        assert len(calls) == ARGS.n_layers and [(t.data_ptr(), n) for t, n in calls[0]] == \
+            [(t.data_ptr(), n) for t, n in expect]
+        torch._dynamo.reset()
+        gen = make_generator(m, "graphs")
+        gen.reserve(1, 128)
+        tokens[mb] = tokens_of(gen, 24)
+        check_graphs(gen, steps=4)
+    assert torch.equal(logits["0"], logits["1000"])
+    assert tokens["0"] == tokens["1000"]

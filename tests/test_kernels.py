@@ -779,7 +779,7 @@ def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     cos, sin = torch.ones(L, D).bfloat16().to(device), torch.zeros(L, D).bfloat16().to(device)
     pos = torch.tensor([0], device=device)
     counts = torch.zeros(H, dtype=torch.int32, device=device)
-    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H, 0)[0] * 1,
+    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H, 0, [], [])[0] * 1,
                       fullgraph=True)
     seen = []
     attention = kernels.decode_attention
