@@ -1131,21 +1131,18 @@ LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
-    def _l2_prefetch(ptr, nbytes, part, parts, THREADS: tl.constexpr):
+    def _l2_prefetch(ptr, nbytes, part, parts):
         """Asks L2 for share `part` of `parts` of the nbytes (a multiple of 16) at ptr (bytes, 16-aligned):
-        bulk prefetches of CHUNK bytes, one a thread (cp.async.bulk.prefetch.L2, sm_90), which nothing
-        waits for. The asm's result is a placeholder (inline asm must return something)."""
-        CHUNK: tl.constexpr = 4096
-        chunks = tl.cdiv(nbytes, CHUNK)
-        per = tl.cdiv(chunks, parts)
-        end = tl.minimum(part * per + per, chunks)
-        for first in range(part * per, end, THREADS):
-            c = first + tl.arange(0, THREADS)  # one chunk a thread
-            at = c.to(tl.int64) * CHUNK
-            size = tl.where(c < end, tl.minimum(nbytes - at, CHUNK), 0).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [(ptr + at).to(tl.int64), size], dtype=tl.int32, is_pure=False, pack=1)
+        one bulk prefetch from the program's first thread (cp.async.bulk.prefetch.L2, sm_90), which nothing
+        waits for. (Run 67: one bulk prefetch of 4 KB a thread cost more than it saved; each asm whose
+        operands differ between threads is issued thread by thread.) The asm's result is a placeholder."""
+        share = tl.cdiv(tl.cdiv(nbytes, 16), parts) * 16
+        at = part.to(tl.int64) * share
+        size = tl.minimum(tl.maximum(nbytes - at, 0), share).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.and.s32 q, $2, 0, p; "
+            "@q cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
+            [(ptr + at).to(tl.int64), size], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def _attend(q, k, v, ok, m, l, acc):
@@ -1166,7 +1163,7 @@ if triton is not None:
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                           BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr,
-                          PREFETCH: tl.constexpr, THREADS: tl.constexpr):
+                          PREFETCH: tl.constexpr):
         b, hkv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # as in _gemv_kernel: the next kernel may start once all programs here have
             tl.extra.cuda.gdc_launch_dependents()
@@ -1190,10 +1187,10 @@ if triton is not None:
         if PREFETCH:  # the next GEMVs' weights into L2, this program's share of each range (l2_prefetch)
             me = (b * HKV + hkv) * SPLITS + s
             programs = tl.num_programs(0) * HKV * SPLITS
-            _l2_prefetch(pf0, pn0, me, programs, THREADS)
-            _l2_prefetch(pf1, pn1, me, programs, THREADS)
-            _l2_prefetch(pf2, pn2, me, programs, THREADS)
-            _l2_prefetch(pf3, pn3, me, programs, THREADS)
+            _l2_prefetch(pf0, pn0, me, programs)
+            _l2_prefetch(pf1, pn1, me, programs)
+            _l2_prefetch(pf2, pn2, me, programs)
+            _l2_prefetch(pf3, pn3, me, programs)
         if PDL:  # pos, the cache and the tables are from earlier steps; qkv is the previous kernel's
             tl.extra.cuda.gdc_wait()
         # RoPE (rotate-half) of the query heads and the new key, rounded to the cache dtype
@@ -1414,7 +1411,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), *ranges, *sizes, H=n_heads, HKV=Hkv, D=D,
         SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits),
-        PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, PREFETCH=bool(prefetch), THREADS=32 * warps,
+        PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, PREFETCH=bool(prefetch),
         num_warps=warps, **({"launch_pdl": True} if use_pdl else {}))
     return (y, yq) if out_group else y
 

@@ -422,4 +422,17 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z8.json" > "/tmp/$d.log" 2>&1
         echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
       done ;;
+  z9) # run 68 (session 15): as z8 with one bulk prefetch a range from each program's first thread (run 67 issued
+      # one of 4 KB a thread: every asm whose operands differ between threads runs thread by thread, and the step
+      # lost 2% with two ranges, 4.6% with four); int4 g32 at 0, 9, 18, 28, 40 MB, bf16 at 0 and 28
+      t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "l2_prefetch or pdl_chain" | tail -3
+      for v in z91:"--quantize int4-g32 --l2-prefetch 0" z92:"--quantize int4-g32 --l2-prefetch 9" \
+               z93:"--quantize int4-g32 --l2-prefetch 18" z94:"--quantize int4-g32 --l2-prefetch 28" \
+               z95:"--quantize int4-g32 --l2-prefetch 40" z96:"--l2-prefetch 0" z97:"--l2-prefetch 28"; do
+        d=${v%%:*}; f=${v#*:}; c=/tmp/z9-$([[ $f == *int4* ]] && echo q || echo b); echo "== $d [$f]"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=$c/inductor TRITON_CACHE_DIR=$c/triton timeout -k 5 100 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z9.json" > "/tmp/$d.log" 2>&1
+        echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
+      done ;;
 esac; done
