@@ -1184,7 +1184,7 @@ if triton is not None:
         kv_at = cache + rl[:, None] * D + rd[None, :]
         k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
         v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
-        if PREFETCH:  # the next GEMVs' weights into L2, this program's share of each range (l2_prefetch)
+        if PREFETCH == 1:  # the next GEMVs' weights into L2, this program's share of each range (l2_prefetch)
             me = (b * HKV + hkv) * SPLITS + s
             programs = tl.num_programs(0) * HKV * SPLITS
             _l2_prefetch(pf0, pn0, me, programs)
@@ -1263,6 +1263,13 @@ if triton is not None:
                     v = tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D // XG, XG // 4, 4))
                     _int4_quantize_store(v, v, hkv * G * D, G * D, yw_ptr, ys_ptr, H * D, XG)
                 tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
+        if PREFETCH == 2:  # (experiment: at the program's end, after its own loads and stores)
+            me = (b * HKV + hkv) * SPLITS + s
+            programs = tl.num_programs(0) * HKV * SPLITS
+            _l2_prefetch(pf0, pn0, me, programs)
+            _l2_prefetch(pf1, pn1, me, programs)
+            _l2_prefetch(pf2, pn2, me, programs)
+            _l2_prefetch(pf3, pn3, me, programs)
 
 
 def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
@@ -1411,7 +1418,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), *ranges, *sizes, H=n_heads, HKV=Hkv, D=D,
         SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits),
-        PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, PREFETCH=bool(prefetch),
+        PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16,
+        PREFETCH=(2 if os.environ.get("GRAPHDECODE_L2_PREFETCH_AT") == "end" else 1) if prefetch else 0,
         num_warps=warps, **({"launch_pdl": True} if use_pdl else {}))
     return (y, yq) if out_group else y
 

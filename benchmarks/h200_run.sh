@@ -435,4 +435,19 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z9.json" > "/tmp/$d.log" 2>&1
         echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
       done ;;
+  z10) # run 69 (session 15): the prefetch at each attention program's end (GRAPHDECODE_L2_PREFETCH_AT=end, an
+      # experiment: after its own loads and stores) at 9 and 18 MB against none, int4 g32, one cache directory; then
+      # z7's kernel tests and its tuning at group 32 only (launch prefetch 2: two weight blocks before the PDL wait)
+      for v in z101:"0" z102:"9" z103:"18"; do
+        d=${v%%:*}; mb=${v#*:}; echo "== $d [--l2-prefetch $mb, at the end]"
+        GRAPHDECODE_L2_PREFETCH_AT=end TORCHINDUCTOR_CACHE_DIR=/tmp/z10/inductor TRITON_CACHE_DIR=/tmp/z10/triton \
+          timeout -k 5 100 python3 bench.py --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 \
+          --l2-prefetch "$mb" --json "$OUT/h200-z10.json" > "/tmp/$d.log" 2>&1
+        echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
+      done
+      t 90 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
+        -k "int4_gemv_matches_float64 or prefetch" | tail -3
+      t 210 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wqkv,w13,w2 --dp4a 1 \
+        --codes 1 --tune --grid 8:16,16:16,32:16,8:32,16:32,16:64 --warps 4,8 --prefetch 0,2 \
+        --json "$OUT/gemv-int4-early.json" | grep -v "^$" ;;
 esac; done
