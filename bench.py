@@ -340,9 +340,6 @@ def main(argv=None) -> int:
     p.add_argument("--int4-xq", choices=["auto", "0", "8", "16", "32"], default=None,
                    help="the attention kernel hands an int4 wo its output in int8 per group of this many columns, "
                         "or 0: in bf16 only, wo quantizing it itself (kernels.INT4_XQ; auto, the default: 16)")
-    p.add_argument("--l2-prefetch", metavar="MB", default=None,
-                   help="megabytes of the next GEMVs' weights the attention kernel prefetches into L2 a layer, "
-                        "one sequence, sm_90 (kernels.L2_PREFETCH; auto, the default: kernels.L2_PREFETCH_AUTO_MB)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -372,10 +369,8 @@ def main(argv=None) -> int:
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
-    kernels.L2_PREFETCH = a.l2_prefetch or kernels.L2_PREFETCH
     try:  # (the environment's settings, checked before any model loads)
         kernels.int4_dp4a(), model_module.int4_codes(32), kernels.int4_x_group(32)
-        prefetch_mb = kernels.l2_prefetch_bytes(torch.empty(1, device=device)) / 2 ** 20
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -440,7 +435,6 @@ def main(argv=None) -> int:
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,
                  int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
-                 l2_prefetch_mb=prefetch_mb,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

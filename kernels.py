@@ -950,7 +950,7 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dp4a
 # integers (rows, columns a step, warps) at group 32 and at group 128, or in float16 pairs (and PREFETCH);
 # then in integers at group 32 with the scales and zeros as codes (int4_layout with units).
 INT4_LAUNCHES = {
-    "gate/up": ((16, 1024, 8), (32, 1024, 4), (8, 512, 4, True), (16, 1024, 8)),
+    "gate/up": ((16, 1024, 8), (32, 1024, 4), (8, 512, 4, True), (16, 1024, 4, 2)),
     "wide": ((32, 1024, 4), (32, 1024, 8), (16, 512, 4, False), (32, 1024, 4)),
     "long": ((8, 2048, 8), (16, 4096, 8), (8, 1024, 4, True), (16, 2048, 8)),
     "square": ((16, 2048, 8), (16, 4096, 8), (16, 2048, 8, False), (16, 2048, 8)),
@@ -964,7 +964,9 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     at group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a
     program, columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Groups 64 and 256 take
     group 128's (not tuned). Codes at group 32: the down projection at 16 rows (8.9 µs against 9.8
-    at 8, run 51); codes at other groups take the integers' launches. xq (x in int8 already, wo's
+    at 8, run 51); gate/up with codes at group 32 at 4 warps, two blocks of weights loaded before the PDL
+    wait (prefetch 2: 15.4 µs against 15.9 at 8 warps without, run 69; wqkv and down gained nothing
+    from it); codes at other groups take the integers' launches. xq (x in int8 already, wo's
     case): the square shape at 16 rows, 4096 columns a step, 4 warps (wo at group 32 with codes,
     3.1 µs against 3.9 at the codes' launch, run 58; other groups not tuned)."""
     shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
@@ -972,7 +974,8 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     if dp4a and xq and shape == "square":
         rows, columns, warps, prefetch = 16, 4096, 4, False
     elif dp4a:
-        (rows, columns, warps), prefetch = (codes_at_32 if codes else at_32) if groupsize <= 32 else at_128, False
+        launch = (codes_at_32 if codes else at_32) if groupsize <= 32 else at_128
+        rows, columns, warps, prefetch = (*launch, False)[:4]  # (a fourth entry: the launch's prefetch)
     else:
         rows, columns, warps, prefetch = half
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
@@ -1131,20 +1134,6 @@ LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
-    def _l2_prefetch(ptr, nbytes, part, parts):
-        """Asks L2 for share `part` of `parts` of the nbytes (a multiple of 16) at ptr (bytes, 16-aligned):
-        one bulk prefetch from the program's first thread (cp.async.bulk.prefetch.L2, sm_90), which nothing
-        waits for. (Run 67: one bulk prefetch of 4 KB a thread cost more than it saved; each asm whose
-        operands differ between threads is issued thread by thread.) The asm's result is a placeholder."""
-        share = tl.cdiv(tl.cdiv(nbytes, 16), parts) * 16
-        at = part.to(tl.int64) * share
-        size = tl.minimum(tl.maximum(nbytes - at, 0), share).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.and.s32 q, $2, 0, p; "
-            "@q cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
-            [(ptr + at).to(tl.int64), size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _attend(q, k, v, ok, m, l, acc):
         """Online softmax over one block of positions: scores of q [G, D] against k [L, D] (base 2),
         where ok; (m, l, acc) the running max, sum of weights and weighted sum of v."""
@@ -1159,11 +1148,9 @@ if triton is not None:
     @triton.jit
     def _attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
                           count_ptr, yw_ptr, ys_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
-                          pf0, pf1, pf2, pf3, pn0, pn1, pn2, pn3,
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr,
-                          PREFETCH: tl.constexpr):
+                          BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr):
         b, hkv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # as in _gemv_kernel: the next kernel may start once all programs here have
             tl.extra.cuda.gdc_launch_dependents()
@@ -1184,13 +1171,6 @@ if triton is not None:
         kv_at = cache + rl[:, None] * D + rd[None, :]
         k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
         v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
-        if PREFETCH == 1:  # the next GEMVs' weights into L2, this program's share of each range (l2_prefetch)
-            me = (b * HKV + hkv) * SPLITS + s
-            programs = tl.num_programs(0) * HKV * SPLITS
-            _l2_prefetch(pf0, pn0, me, programs)
-            _l2_prefetch(pf1, pn1, me, programs)
-            _l2_prefetch(pf2, pn2, me, programs)
-            _l2_prefetch(pf3, pn3, me, programs)
         if PDL:  # pos, the cache and the tables are from earlier steps; qkv is the previous kernel's
             tl.extra.cuda.gdc_wait()
         # RoPE (rotate-half) of the query heads and the new key, rounded to the cache dtype
@@ -1263,13 +1243,6 @@ if triton is not None:
                     v = tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D // XG, XG // 4, 4))
                     _int4_quantize_store(v, v, hkv * G * D, G * D, yw_ptr, ys_ptr, H * D, XG)
                 tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
-        if PREFETCH == 2:  # (experiment: at the program's end, after its own loads and stores)
-            me = (b * HKV + hkv) * SPLITS + s
-            programs = tl.num_programs(0) * HKV * SPLITS
-            _l2_prefetch(pf0, pn0, me, programs)
-            _l2_prefetch(pf1, pn1, me, programs)
-            _l2_prefetch(pf2, pn2, me, programs)
-            _l2_prefetch(pf3, pn3, me, programs)
 
 
 def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
@@ -1277,15 +1250,12 @@ def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
     return triton is not None and qkv.is_cuda and pos.numel() == 1
 
 
-def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0,
-              prefetch: list[tuple[torch.Tensor, int]] = ()):
+def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0):
     """decode_attention, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
-        y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group,
-                                    [t for t, _ in prefetch], [n for _, n in prefetch])
+        y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group)
         return (y, yq) if out_group else y
-    return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                            prefetch=prefetch)
+    return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group)
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
@@ -1316,57 +1286,9 @@ def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, blo
     return ATTENTION_BLOCK_L or max(16, products // (block_g * block_d)), warps
 
 
-# L2 prefetch (sm_90). The attention kernel is short and reads little (the cache up to pos), so while it
-# runs, and while the GEMV before it drains, the memory bus is mostly idle. Its programs first ask L2
-# for the weights of the GEMVs after it (cp.async.bulk.prefetch.L2: wo's, then the leading rows of the
-# feed-forward's gate/up), without waiting for them; those GEMVs then read that much from L2 instead
-# of HBM. GRAPHDECODE_L2_PREFETCH: megabytes a layer (0: off; "auto": L2_PREFETCH_AUTO_MB), for one
-# sequence; batches (not measured) take none. bench.py --l2-prefetch.
-L2_PREFETCH = os.environ.get("GRAPHDECODE_L2_PREFETCH", "auto")
-L2_PREFETCH_AUTO_MB = 0.0
-PREFETCH_SLOTS = 4  # ranges a launch prefetches (_attention_kernel's pf0..pf3)
-
-
-def l2_prefetch_bytes(qkv: torch.Tensor) -> int:
-    """Bytes of the next GEMVs' weights the attention kernel prefetches into L2 this step (L2_PREFETCH):
-    0 but for one sequence on a GPU with the bulk prefetch (sm_90+, outside Triton's interpreter)."""
-    try:
-        mb = L2_PREFETCH_AUTO_MB if L2_PREFETCH == "auto" else float(L2_PREFETCH)
-    except ValueError:
-        mb = -1
-    if not mb >= 0:
-        raise ValueError(f"GRAPHDECODE_L2_PREFETCH must be auto or megabytes >= 0 (got {L2_PREFETCH!r})")
-    if qkv.shape[0] != 1 or not _prefetch_capable(qkv):
-        return 0
-    return int(mb * 2 ** 20)
-
-
-def _prefetch_capable(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and \
-        _pdl_capable(x.device.index or 0)
-
-
-def l2_prefetch_plan(whole: list[torch.Tensor], leading: list[torch.Tensor], budget: int) -> list[tuple[torch.Tensor, int]]:
-    """Ranges (tensor, bytes from its start) to prefetch, at most PREFETCH_SLOTS, within budget bytes:
-    each tensor of `whole` entirely while the budget lasts (wo's weights, then its scales), then the
-    same leading fraction of each of `leading` (the first rows of gate/up's weights and of its scales,
-    which the first programs read). Bytes are whole multiples of 16 (the bulk prefetch's unit)."""
-    plan = []
-    for t in whole:
-        n = min(t.nbytes, budget) // 16 * 16
-        if n:
-            plan.append((t, n))
-            budget -= n
-    total = sum(t.nbytes for t in leading)
-    if total and budget >= 16:
-        plan += [(t, min(t.nbytes, t.nbytes * budget // total) // 16 * 16) for t in leading]
-    return [(t, n) for t, n in plan if n][:PREFETCH_SLOTS]
-
-
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                     n_kv_heads: int, splits: int | None = None, out_group: int = 0,
-                     prefetch: list[tuple[torch.Tensor, int]] = ()):
+                     n_kv_heads: int, splits: int | None = None, out_group: int = 0):
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
@@ -1374,9 +1296,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     -> y [B, 1, H D], the attention output over positions 0..pos, heads side by side.
     pos must be < L; the kernel reads and writes nothing outside the cache if it is not.
     out_group (one sequence, D a power of two and a multiple of it): also return y in int8 per
-    group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group)).
-    prefetch: up to PREFETCH_SLOTS (contiguous tensor, bytes from its start) that the kernel asks L2 to
-    fetch (l2_prefetch_plan); a hint with no effect on the result, ignored where it cannot run."""
+    group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group))."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:
@@ -1392,13 +1312,6 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     if out_group and (B != 1 or block_d != D or D % out_group or out_group not in X_GROUPS):
         raise ValueError(f"decode_attention: y in int8 takes one sequence and groups of 8, 16 or 32 that divide "
                          f"a power-of-two D (got B={B}, D={D}, group {out_group})")
-    if len(prefetch) > PREFETCH_SLOTS or any(not t.is_contiguous() or n % 16 or not 0 <= n <= t.nbytes
-                                              for t, n in prefetch):
-        raise ValueError(f"decode_attention: prefetch takes at most {PREFETCH_SLOTS} contiguous tensors, each with "
-                         f"a multiple of 16 bytes within it")
-    prefetch = [(t, n) for t, n in prefetch if n] if _prefetch_capable(qkv) else []
-    ranges = [t.view(-1).view(torch.uint8) for t, _ in prefetch] + [qkv.view(torch.uint8)] * (PREFETCH_SLOTS - len(prefetch))
-    sizes = [n for _, n in prefetch] + [0] * (PREFETCH_SLOTS - len(prefetch))
     block_l, warps = attention_launch(B, Hkv, splits, block_g, block_d)
     y = qkv.new_empty((B, 1, n_heads * D))
     use_pdl = pdl(qkv)
@@ -1416,26 +1329,22 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         y_words = y_stats = y  # (placeholders: XQ_OUT off)
     _attention_kernel[(B, Hkv, splits)](
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), *ranges, *sizes, H=n_heads, HKV=Hkv, D=D,
-        SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits),
-        PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16,
-        PREFETCH=(2 if os.environ.get("GRAPHDECODE_L2_PREFETCH_AT") == "end" else 1) if prefetch else 0,
-        num_warps=warps, **({"launch_pdl": True} if use_pdl else {}))
+        k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
+        XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}))
     return (y, yq) if out_group else y
 
 
 @torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts"))
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                        n_kv_heads: int, out_group: int, prefetch: list[torch.Tensor],
-                        prefetch_bytes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                           prefetch=list(zip(prefetch, prefetch_bytes)))
+                        n_kv_heads: int, out_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group)
     return out if out_group else (out, qkv.new_empty(0, dtype=torch.int32))
 
 
 @decode_attention_op.register_fake
-def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, prefetch, prefetch_bytes):
+def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group):
     width = n_heads * k_cache.shape[-1]
     return (qkv.new_empty((qkv.shape[0], 1, width)),
             qkv.new_empty(width // 4 + 4 * width // out_group if out_group else 0, dtype=torch.int32))

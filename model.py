@@ -196,8 +196,7 @@ class TransformerBlock(nn.Module):
         # h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h)). The norm and the
         # residual are handed to the first and the last matmul of each sublayer, so that decode
         # on CUDA (up to 16 rows) does them inside its GEMVs (Linear).
-        h = self.attention(x, input_pos, rope_cos, rope_sin, mask, norm=self.attention_norm, residual=x,
-                           then=self.feed_forward.w13)
+        h = self.attention(x, input_pos, rope_cos, rope_sin, mask, norm=self.attention_norm, residual=x)
         return self.feed_forward(h, norm=self.ffn_norm, residual=h)
 
 
@@ -214,24 +213,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, input_pos, rope_cos, rope_sin, mask, norm, residual, then=None):
-        """residual + attention over norm(x). rope_cos, rope_sin: the RoPE tables [L, D]. then: the
-        linear that runs after wo (the feed-forward's w13), whose weights decode may prefetch into L2."""
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask, norm, residual):
+        """residual + attention over norm(x). rope_cos, rope_sin: the RoPE tables [L, D]."""
         B, S, _ = x.shape
         qkv = self.wqkv(x, norm=norm)
         if S == 1 and FUSE_ATTENTION and kernels.attention_usable(qkv, input_pos) and not hasattr(self, "q_norm"):
-            # Decode on CUDA: RoPE, the cache write and the attention below in one Triton kernel, which
-            # also asks L2 for wo's weights and the first of then's (kernels.l2_prefetch_plan)
+            # Decode on CUDA: RoPE, the cache write and the attention below in one Triton kernel
             cache = self.kv_cache
-            prefetch = kernels.l2_prefetch_plan(decode_weights(self.wo), decode_weights(then),
-                                                kernels.l2_prefetch_bytes(qkv)) if then is not None else []
             args = (qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
                     self.n_heads, self.n_kv_heads)
             group = self.wo_x_group(qkv)
             if group:  # an int4 wo: the kernel also writes its output in int8, which wo reads
-                y, yq = kernels.attention(*args, out_group=group, prefetch=prefetch)
+                y, yq = kernels.attention(*args, out_group=group)
                 return self.wo(y, residual=residual, xq=yq)
-            return self.wo(kernels.attention(*args, prefetch=prefetch), residual=residual)
+            return self.wo(kernels.attention(*args), residual=residual)
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
@@ -363,15 +358,6 @@ def silu_and_mul(y):
 FUSE_NORM_AND_RESIDUAL = True  # False (bench.py --unfused) keeps them apart, to measure what fusing buys
 FUSE_SWIGLU = True  # False (bench.py --unfused-swiglu): SwiGLU after the GEMV, not in it
 FUSE_ATTENTION = True  # False (bench.py --unfused-attention): decode attention as PyTorch ops on CUDA too
-
-
-def decode_weights(linear) -> list[torch.Tensor]:
-    """The tensors a one-row decode GEMV of `linear` streams (for kernels.l2_prefetch_plan), largest first."""
-    if isinstance(linear, Int4Linear):
-        return [linear.gemv_weight, linear.gemv_sz] if hasattr(linear, "gemv_weight") else []
-    if isinstance(linear, Int8Linear):
-        return [linear.weight, linear.scales]
-    return [linear.weight]
 
 
 def decode_gemv(x, weight, scales, norm, residual, swiglu=False):

@@ -409,7 +409,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --layers wqkv,w13,w2 --dp4a 1 \
         --codes 1 --tune --grid 8:16,16:16,32:16,8:32,16:32,16:64 --warps 4,8 --prefetch 0,2 \
         --json "$OUT/gemv-int4-early.json" | grep -v "^$" ;;
-  z8) # run 67 (session 15): the attention kernel prefetching the next GEMVs' weights into L2 (kernels.L2_PREFETCH):
+  z8) # run 67 (session 15; needs commit 636e968, the L2 prefetch's code, removed after run 69): the attention kernel prefetching the next GEMVs' weights into L2 (kernels.L2_PREFETCH):
       # its GPU tests; the 7B step at batch 1, int4 g32 at 0, 9 (wo alone), 18 and 28 MB a layer, then bf16 at 0 and
       # 28 MB, each dtype in one cache directory (first calls after the first warm)
       t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "l2_prefetch or pdl_chain" | tail -3
@@ -422,7 +422,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z8.json" > "/tmp/$d.log" 2>&1
         echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
       done ;;
-  z9) # run 68 (session 15): as z8 with one bulk prefetch a range from each program's first thread (run 67 issued
+  z9) # run 68 (session 15; needs commit f60f65e): as z8 with one bulk prefetch a range from each program's first thread (run 67 issued
       # one of 4 KB a thread: every asm whose operands differ between threads runs thread by thread, and the step
       # lost 2% with two ranges, 4.6% with four); int4 g32 at 0, 9, 18, 28, 40 MB, bf16 at 0 and 28
       t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "l2_prefetch or pdl_chain" | tail -3
@@ -435,7 +435,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z9.json" > "/tmp/$d.log" 2>&1
         echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -3
       done ;;
-  z10) # run 69 (session 15): the prefetch at each attention program's end (GRAPHDECODE_L2_PREFETCH_AT=end, an
+  z10) # run 69 (session 15; needs commit 4552797): the prefetch at each attention program's end (GRAPHDECODE_L2_PREFETCH_AT=end, an
       # experiment: after its own loads and stores) at 9 and 18 MB against none, int4 g32, one cache directory; then
       # z7's kernel tests and its tuning at group 32 only (launch prefetch 2: two weight blocks before the PDL wait)
       for v in z101:"0" z102:"9" z103:"18"; do
@@ -450,4 +450,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 210 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wqkv,w13,w2 --dp4a 1 \
         --codes 1 --tune --grid 8:16,16:16,32:16,8:32,16:32,16:64 --warps 4,8 --prefetch 0,2 \
         --json "$OUT/gemv-int4-early.json" | grep -v "^$" ;;
+  z11) # run 70 (session 15): gate/up's launch with codes at group 32 at 4 warps, prefetch 2 (run 69's best): the 7B
+      # int4 g32 step, cold cache; then the GPU tests of the quantized decode (the tiny model's gate/up takes it)
+      JSON=$OUT/h200-z11.json logged_variants 90 0 z111:"--quantize int4-g32"
+      t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "quantized or int4 or pdl" | tail -3 ;;
 esac; done

@@ -446,6 +446,9 @@ def test_int4_codes_setting_and_launch(monkeypatch):
         model_module.int4_codes(32)
     assert kernels.int4_config(4096, 11008, 32, dp4a=True)[0] == 8
     assert kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True)[0] == 16
+    # gate/up with codes at group 32: 4 warps, two blocks before the PDL wait (run 69); without codes as before
+    assert kernels.int4_config(22016, 4096, 32, swiglu=True, dp4a=True, codes=True) == (16, 32, 4, 3, 2)
+    assert kernels.int4_config(22016, 4096, 32, swiglu=True, dp4a=True) == (16, 32, 8, 3, False)
 
 
 def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
@@ -718,12 +721,6 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
         y_again, yq = kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, Hkv, splits, out_group=group)
         assert torch.equal(y_again, y) and not counts.any()
         assert_x_int8(yq, y, None, group)
-    if B == 1:  # with L2 prefetches of other tensors (on a GPU; ignored elsewhere): the same result
-        weights = [torch.randn(n, device=device) for n in (3000, 20, 8, 70000)]
-        caches = tuple(t.clone() for t in before)
-        prefetch = [(w, w.nbytes // 16 * 16) for w in weights]
-        assert torch.equal(kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, Hkv, splits,
-                                                    prefetch=prefetch), y) and not counts.any()
     assert y.shape == (B, 1, H * D) and y.dtype == torch.bfloat16
     assert (y.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
     rounding = 2**-8 if device == "cuda" else 2**-7  # the interpreter truncates to bf16
@@ -773,43 +770,6 @@ def test_decode_attention_rejects_more_than_one_token():
                                  torch.zeros(8, dtype=torch.int32), 4, 4, out_group=16)
 
 
-def test_l2_prefetch_plan():
-    """kernels.l2_prefetch_plan: the whole of each `whole` tensor while the budget lasts, then one leading
-    fraction of each `leading` tensor (the same rows of a matrix and of its scales), in multiples of 16
-    bytes, at most PREFETCH_SLOTS ranges, nothing of a tensor where the budget is spent."""
-    wo, wo_s = torch.empty(1000, dtype=torch.uint8), torch.empty(100, dtype=torch.uint8)
-    w13, w13_s = torch.empty(8000, dtype=torch.uint8), torch.empty(800, dtype=torch.uint8)
-    sizes = lambda plan: [(t.data_ptr(), n) for t, n in plan]
-    assert sizes(kernels.l2_prefetch_plan([wo, wo_s], [w13, w13_s], 0)) == []
-    assert sizes(kernels.l2_prefetch_plan([wo, wo_s], [w13, w13_s], 500)) == [(wo.data_ptr(), 496)]
-    assert sizes(kernels.l2_prefetch_plan([wo, wo_s], [w13, w13_s], 1100)) == [(wo.data_ptr(), 992), (wo_s.data_ptr(), 96)]
-    # 1100 - 992 - 96 = 12 bytes left: less than one unit, so nothing of w13
-    assert sizes(kernels.l2_prefetch_plan([wo, wo_s], [w13, w13_s], 1100 + 880)) == [
-        (wo.data_ptr(), 992), (wo_s.data_ptr(), 96), (w13.data_ptr(), 800), (w13_s.data_ptr(), 80)]  # 10%
-    assert sizes(kernels.l2_prefetch_plan([wo, wo_s], [w13, w13_s], 10 ** 9)) == [
-        (wo.data_ptr(), 992), (wo_s.data_ptr(), 96), (w13.data_ptr(), 8000), (w13_s.data_ptr(), 800)]
-    assert len(kernels.l2_prefetch_plan([wo] * 3, [w13, w13_s], 10 ** 9)) == kernels.PREFETCH_SLOTS
-
-
-def test_l2_prefetch_bytes_setting_and_checks(monkeypatch):
-    """GRAPHDECODE_L2_PREFETCH is auto or megabytes >= 0, else a clear error; off the GPU (and in Triton's
-    interpreter) no bytes are prefetched; decode_attention rejects ranges it cannot take."""
-    x = torch.empty(1, 1, 8)
-    for bad in ("-1", "lots", "nan"):
-        monkeypatch.setattr(kernels, "L2_PREFETCH", bad)
-        with pytest.raises(ValueError, match="GRAPHDECODE_L2_PREFETCH must be auto or megabytes"):
-            kernels.l2_prefetch_bytes(x)
-    for good in ("auto", "0", "12.5"):
-        monkeypatch.setattr(kernels, "L2_PREFETCH", good)
-        assert kernels.l2_prefetch_bytes(x) == 0  # (this CPU)
-    qkv, cache = torch.zeros(1, 1, 3 * 4 * 16).bfloat16(), torch.zeros(1, 4, 8, 16).bfloat16()
-    args = (qkv, torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache, cache, torch.zeros(4, dtype=torch.int32), 4, 4)
-    w = torch.zeros(64, 64)
-    for prefetch in ([(w, 8)], [(w, w.nbytes + 16)], [(w.t(), 16)], [(w, 16)] * (kernels.PREFETCH_SLOTS + 1)):
-        with pytest.raises(ValueError, match="prefetch takes at most"):
-            kernels.decode_attention(*args, prefetch=prefetch)
-
-
 def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     """Through the custom op under torch.compile, the caches are written in place (the compiler
     hands the op the cache buffers themselves, not copies)."""
@@ -822,7 +782,7 @@ def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     cos, sin = torch.ones(L, D).bfloat16().to(device), torch.zeros(L, D).bfloat16().to(device)
     pos = torch.tensor([0], device=device)
     counts = torch.zeros(H, dtype=torch.int32, device=device)
-    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H, 0, [], [])[0] * 1,
+    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H, 0)[0] * 1,
                       fullgraph=True)
     seen = []
     attention = kernels.decode_attention
