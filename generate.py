@@ -146,6 +146,7 @@ class Generator:
         self.model, self.sampling = model, sampling
         self.device = model.tok_embeddings.weight.device
         self.stop_check_interval = stop_check_interval
+        self.decode_steps = 0  # decode steps the last generate ran (up to K - 1 past a stop: GB/s counts them)
         self.mode = mode
         if mode in ("compile", "graphs") or compile_prefill:
             register_fallbacks()
@@ -208,6 +209,7 @@ class Generator:
         tokens[:, S] = first
         pos.fill_(S)
         stopped = [False] * B
+        self.decode_steps = 0
         done = S  # tokens[:, S:done] are the new tokens the host has already seen
         steps = max_new_tokens - 1  # decode steps; the first token came from prefill
         i = 0
@@ -229,6 +231,7 @@ class Generator:
             for _ in range(min(self.stop_check_interval, steps - i)):
                 self._decode_step(token, pos, tokens)
                 i += 1
+                self.decode_steps += 1
 
     @torch.no_grad()  # grad mode is part of what the compiled step is specialised on
     def _decode_step(self, token, pos, tokens):
@@ -679,7 +682,7 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
     print(tail, flush=True)
     total = time.perf_counter() - start
     report_stats(device, n_new, total, getattr(gen, "compile_s", 0.0) - compile_before, first_at - start,
-                 decode_weight_bytes(gen, n_new))
+                 decode_weight_bytes(gen))
     if speculative:
         log(f"speculative: {gen.rounds} rounds, {gen.mean_tokens_per_round:.2f} tokens per round, "
             f"rounds accepting 0..{gen.k} proposals: {gen.histogram}")
@@ -693,12 +696,13 @@ def speculative_round_bytes(gen) -> int:
             + (gen.k - 1) * weight_bytes_per_step(gen.draft))
 
 
-def decode_weight_bytes(gen, n_new: int) -> int:
-    """Bytes of weights that generating n_new tokens read, prefill included (gen a Generator or a
-    SpeculativeGenerator after its generate): each model once for the prefill (several rows), then a
-    step of one row a token after the first, or speculative_round_bytes a round."""
+def decode_weight_bytes(gen) -> int:
+    """Bytes of weights that the last generate of gen read, prefill included (gen a Generator or a
+    SpeculativeGenerator): each model once for the prefill (several rows), then a step of one row for
+    each decode step it ran (those after a stop token too, up to the next check), or
+    speculative_round_bytes a round."""
     if isinstance(gen, Generator):
-        return weight_bytes_per_step(gen.model, 2) + (n_new - 1) * weight_bytes_per_step(gen.model)
+        return weight_bytes_per_step(gen.model, 2) + gen.decode_steps * weight_bytes_per_step(gen.model)
     return (weight_bytes_per_step(gen.target, 2) + weight_bytes_per_step(gen.draft, 2)
             + gen.rounds * speculative_round_bytes(gen))
 

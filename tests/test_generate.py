@@ -356,8 +356,15 @@ def test_decode_weight_bytes_counts_the_draft_and_the_target_of_each_round(tiny)
     n = sum(len(chunk) for chunk in gen.generate([1, 2, 3], 20))
     target_bytes, draft_bytes = weight_bytes_per_step(tiny), weight_bytes_per_step(draft)
     assert gen.rounds >= 5 and draft_bytes < target_bytes / 4
-    assert decode_weight_bytes(gen, n) == target_bytes + draft_bytes + gen.rounds * (target_bytes + 3 * draft_bytes)
-    assert decode_weight_bytes(Generator(tiny, Sampling(temperature=0)), n) == n * target_bytes
+    assert decode_weight_bytes(gen) == target_bytes + draft_bytes + gen.rounds * (target_bytes + 3 * draft_bytes)
+    plain = Generator(tiny, Sampling(temperature=0), stop_check_interval=8)
+    tokens = [t for chunk in plain.generate([[1, 2, 3]], 20) for t in chunk[0]]
+    assert len(tokens) == 20 and decode_weight_bytes(plain) == 20 * target_bytes
+    # with a stop token, the steps up to the next check (after 0, 8, 16 and 19 steps) still ran and read
+    first_stop = next(j for j, t in enumerate(tokens) if 1 <= j <= 8 and t not in tokens[:j])
+    stopped = [t for chunk in plain.generate([[1, 2, 3]], 20, stop_ids={tokens[first_stop]}) for t in chunk[0]]
+    assert stopped == tokens[:first_stop + 1] and plain.decode_steps == 8
+    assert decode_weight_bytes(plain) == 9 * target_bytes
 
 
 def test_bench_kernel_table_profiles_the_cpu_too(tiny):
