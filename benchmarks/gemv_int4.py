@@ -10,7 +10,7 @@ reading them as 8-bit codes (model.INT4_CODES), the bytes a call reads counted a
 (kernels.int4_quantize_x, as decode's wo reads the attention kernel's output: kernels.INT4_XQ).
 
     python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--codes 0,1]
-        [--xq 0,16] [--tune] [--json PATH]
+        [--xq 0,16] [--tune] [--l2-hot] [--json PATH]
 """
 import argparse
 import itertools
@@ -59,6 +59,9 @@ def main():
                    "8-bit codes (with --dp4a 1 only)")
     p.add_argument("--xq", default="0", help="comma-separated: 0 x in bf16, or groups (8, 16, 32) of x in int8 "
                    "as decode's wo reads the attention output (with --dp4a 1 only)")
+    p.add_argument("--l2-hot", action="store_true",
+                   help="time every call of a graph on the same weights, read from L2 where they fit (wo: 9 MB of "
+                        "the H200's 60), instead of copies cycled past L2: what a GEMV gains from weights in L2")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
@@ -98,8 +101,9 @@ def main():
         plain = xd @ W.T
         err_tg = ((M.int4_linear(x, *theirs, G).double() - plain).abs().max() / plain.abs().max()).item()
         nbytes = N * K // 2 + N * (K // G) * 4
-        copies = max(2, -(-L2_MULTIPLE_BYTES // nbytes))
-        theirs_c = [theirs] + [tuple(t.clone() for t in theirs) for _ in range(copies - 1)]
+        copies = max(2, -(-L2_MULTIPLE_BYTES // nbytes))  # calls a graph; --l2-hot: all on the same weights
+        copy = (lambda t: t) if a.l2_hot else (lambda t: t.clone() if torch.is_tensor(t) else t)  # noqa: E731
+        theirs_c = [theirs] + [tuple(map(copy, theirs)) for _ in range(copies - 1)]
         t_tg = time_calls([lambda w=w: M.int4_linear(x, *w, G) for w in theirs_c])
         del theirs_c
         for dp4a, codes, xq in variants:
@@ -113,7 +117,7 @@ def main():
             kw["dp4a"] = dp4a
             error = lambda y: ((y.double() - expect).abs().max() / expect.abs().max()).item()  # noqa: E731
             err = error(kernels.int4_gemv(x, *ours, **kw))
-            ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
+            ours_c = [ours] + [tuple(map(copy, ours)) for _ in range(copies - 1)]
             t_ours = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw) for w in ours_c])
             best, errs = (t_ours, default), {default: err}
             if a.tune:
@@ -132,6 +136,7 @@ def main():
                         for f in a.prefetch.split(",")]
                 best = fastest(checked, grid, best)
             rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,
+                   "l2_hot": a.l2_hot,
                    "bytes": nbytes, "ours_bytes": ours_bytes,
                    "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,
                    "ours_gb_s": ours_bytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
