@@ -457,6 +457,6 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       JSON=$OUT/h200-z11.json logged_variants 90 0 z111:"--quantize int4-g32"
       t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "quantized or int4 or pdl" | tail -3
       # whether a GEMV reads faster from L2 at all (run 67-69's open question): the GEMVs on weights that stay in L2
-      t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wo,w2 --dp4a 1 --codes 1 \
+      t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wo,w2 --dp4a 1 --codes 1 --xq 0,16 \
         --l2-hot --json "$OUT/gemv-int4-l2-hot.json" | grep -v "^$" ;;
 esac; done
