@@ -50,12 +50,16 @@ def time_calls(calls, reps=10) -> float:
     return start.elapsed_time(end) / 1e3 / reps / len(calls)
 
 
-def fastest(time_launch, grid, best):
+def fastest(time_launch, grid, best, error=None, limit=float("inf")):
     """(seconds, launch) of the fastest launch in `grid` by time_launch(launch, reps) at 3 replays,
     or `best` (seconds, launch) if none beats it; the winner re-timed at 10. A launch that fails
-    (e.g. out of shared memory or registers) is skipped with a note."""
+    (e.g. out of shared memory or registers) is skipped with a note, and so, untimed, is one whose
+    error(launch) against the reference is above `limit` (a launch that computes something else)."""
     for launch in dict.fromkeys(grid):
         try:
+            if error is not None and (e := error(launch)) > limit:
+                print(f"    {launch}: error {e:.1e} above {limit:.1e}", flush=True)
+                continue
             t = time_launch(launch, 3)
         except Exception as e:
             print(f"    {launch}: {type(e).__name__}", flush=True)
@@ -158,9 +162,10 @@ def main():
                 grid = [(bn, bk, s, w, st) for bn, bk in ((16, 64), (16, 128), (16, 256), (32, 64), (32, 128),
                                                          (64, 64), (64, 128))
                         for s in (1, 2, 4, 8) for w in (4, 8) for st in (2, 4)]
+            error = lambda launch: (kernels.gemv(x, *ours, launch=launch).float() - expect).abs().max().item() / scale  # noqa: E731
             best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.gemv(x, *w, launch=launch)
                                                             for w in ours_c], reps),
-                           [c for c in grid if K // c[1] >= c[2]], best)
+                           [c for c in grid if K // c[1] >= c[2]], best, error, max(2 * err, 1e-2))
         rec = {"kind": kind, "layer": name, "fused": bool(fused), "N": N, "K": K, "rows": M, "bytes": nbytes,
                "base_us": t_base * 1e6, "base_gb_s": nbytes / t_base / 1e9, "ours_us": t_ours * 1e6,
                "ours_gb_s": nbytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
