@@ -948,10 +948,9 @@ def int4_layout(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dp4a
 # A launch of the int4 GEMV: (BLOCK_N, BLOCK_G, num_warps, num_stages, PREFETCH). By layer shape: gate/up
 # (SwiGLU), wide (N > 8192: wqkv), long (K > 8192: the down projection), square (wo, and the rest); in
 # integers (rows, columns a step, warps) at group 32 and at group 128, or in float16 pairs (and PREFETCH);
-# then in integers at group 32 with the scales and zeros as codes (int4_layout with units). An integer
-# launch's optional fourth entry is its prefetch (2: two blocks before the PDL wait, int4_gemv's launch).
+# then in integers at group 32 with the scales and zeros as codes (int4_layout with units).
 INT4_LAUNCHES = {
-    "gate/up": ((16, 1024, 8), (32, 1024, 4), (8, 512, 4, True), (16, 1024, 4, 2)),
+    "gate/up": ((16, 1024, 8), (32, 1024, 4), (8, 512, 4, True), (16, 1024, 8)),
     "wide": ((32, 1024, 4), (32, 1024, 8), (16, 512, 4, False), (32, 1024, 4)),
     "long": ((8, 2048, 8), (16, 4096, 8), (8, 1024, 4, True), (16, 2048, 8)),
     "square": ((16, 2048, 8), (16, 4096, 8), (16, 2048, 8, False), (16, 2048, 8)),
@@ -965,8 +964,7 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     at group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a
     program, columns a step (BLOCK_G = columns / groupsize), warps, PREFETCH. Groups 64 and 256 take
     group 128's (not tuned). Codes at group 32: the down projection at 16 rows (8.9 µs against 9.8
-    at 8, run 51); gate/up at 16 rows, 4 warps, prefetch 2 (15.4 µs against 15.9 at 8 warps without,
-    run 69). Codes at other groups take the integers' launches. xq (x in int8 already, wo's
+    at 8, run 51); codes at other groups take the integers' launches. xq (x in int8 already, wo's
     case): the square shape at 16 rows, 4096 columns a step, 4 warps (wo at group 32 with codes,
     3.1 µs against 3.9 at the codes' launch, run 58; other groups not tuned)."""
     shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
@@ -974,8 +972,7 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     if dp4a and xq and shape == "square":
         rows, columns, warps, prefetch = 16, 4096, 4, False
     elif dp4a:
-        launch = (codes_at_32 if codes else at_32) if groupsize <= 32 else at_128
-        rows, columns, warps, prefetch = (*launch, False)[:4]
+        (rows, columns, warps), prefetch = (codes_at_32 if codes else at_32) if groupsize <= 32 else at_128, False
     else:
         rows, columns, warps, prefetch = half
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))

@@ -450,12 +450,11 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 210 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wqkv,w13,w2 --dp4a 1 \
         --codes 1 --tune --grid 8:16,16:16,32:16,8:32,16:32,16:64 --warps 4,8 --prefetch 0,2 \
         --json "$OUT/gemv-int4-early.json" | grep -v "^$" ;;
-  z11) # run 70 (session 16; prepared in session 15): gate/up's launch with codes at group 32 at 4 warps,
-      # prefetch 2 (run 69's best, 15.4 against 15.9 us alone; INT4_LAUNCHES["gate/up"]'s fourth entry
-      # (16, 1024, 4, 2), int4_config taking a launch's optional fourth entry as its prefetch). The 7B int4 g32
-      # step and bf16 beside it, cold caches; then the GPU tests of the quantized decode (the tiny model's
-      # gate/up takes it)
-      JSON=$OUT/h200-z11.json logged_variants 90 0 z111:"--quantize int4-g32" z112:""
+  z11) # prepared in session 15, not run (no device time left): gate/up's launch with codes at group 32 at 4 warps,
+      # prefetch 2 (run 69's best, 15.4 against 15.9 us alone). First set INT4_LAUNCHES["gate/up"]'s fourth entry
+      # to (16, 1024, 4, 2), with int4_config taking a launch's optional fourth entry as its prefetch. Then: the 7B
+      # int4 g32 step, cold cache; then the GPU tests of the quantized decode (the tiny model's gate/up takes it)
+      JSON=$OUT/h200-z11.json logged_variants 90 0 z111:"--quantize int4-g32"
       t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "quantized or int4 or pdl" | tail -3
       # whether a GEMV reads faster from L2 at all (run 67-69's open question): the GEMVs on weights that stay in L2
       t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wo,w2 --dp4a 1 --codes 1 --xq 0,16 \

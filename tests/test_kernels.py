@@ -446,9 +446,6 @@ def test_int4_codes_setting_and_launch(monkeypatch):
         model_module.int4_codes(32)
     assert kernels.int4_config(4096, 11008, 32, dp4a=True)[0] == 8
     assert kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True)[0] == 16
-    # gate/up with codes at group 32: 4 warps, two blocks before the PDL wait (prefetch 2, run 69)
-    assert kernels.int4_config(11008, 4096, 32, swiglu=True, dp4a=True, codes=True) == (16, 32, 4, 3, 2)
-    assert kernels.int4_config(11008, 4096, 32, swiglu=True, dp4a=True) == (16, 32, 8, 3, False)
 
 
 def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
