@@ -459,4 +459,35 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # whether a GEMV reads faster from L2 at all (run 67-69's open question): the GEMVs on weights that stay in L2
       t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wo,w2 --dp4a 1 --codes 1 --xq 0,16 \
         --l2-hot --json "$OUT/gemv-int4-l2-hot.json" | grep -v "^$" ;;
+  z12) # run 71 (session 16): where the int4 g32 step goes, by ablation (an uncommitted scratch change to model.py,
+      # taken out after this run: GRAPHDECODE_ABLATE=part skips one part of every layer's decode, for timing only).
+      # wqkv: a constant qkv; cache: the attention kernel over a cache of length 0 (4 slices, as the default's);
+      # attention: no attention kernel (wo reads constant int8 x); wo: the layer's output is its input;
+      # w13: w2 reads a constant; ffn: neither w13 nor w2. Cold caches, one process each
+      JSON=$OUT/h200-z12.json logged_variants 90 0 z121:"--quantize int4-g32"
+      for a in wqkv:"" cache:"--attention-splits 4" attention:"" wo:"" w13:"" ffn:""; do
+        GRAPHDECODE_ABLATE=${a%%:*} JSON=$OUT/h200-z12.json logged_variants 90 0 "z12-${a%%:*}":"--quantize int4-g32 ${a#*:}"
+      done ;;
+  z13) # run 72 (session 16): run 71's ablations that failed there (its constants were left on the meta device) or
+      # fell back (wo on a strided view of qkv), with the constants made in setup_caches; then model.py back to the
+      # committed code (scratch_model_clean.py, carried) and the GPU tests, test_cuda.py and test_kernels.py side by side
+      for a in wqkv attention w13; do
+        GRAPHDECODE_ABLATE=$a JSON=$OUT/h200-z13.json logged_variants 90 0 "z13-$a":"--quantize int4-g32"
+      done
+      cp scratch_model_clean.py model.py
+      timeout 370 python3 -m pytest -q -p no:warnings --tb=short -m cuda tests/test_cuda.py > "$OUT/tests-cuda.log" 2>&1 &
+      timeout 370 python3 -m pytest -q -p no:warnings --tb=short -m cuda tests/test_kernels.py > "$OUT/tests-kernels.log" 2>&1
+      wait; tail -4 "$OUT/tests-cuda.log"; tail -4 "$OUT/tests-kernels.log" ;;
+  z14) # run 73 (session 16): runs 71-72 put the attention kernel at ~5.8 us a layer in the int4 g32 step, nearly
+      # all of it fixed cost (over a cache of length 0 it saved 0.34 us a layer). Its slices: the default (4 at
+      # bench.py's 224 positions), 1 (no merge: one program a KV head runs the whole cache), 2; cold caches
+      JSON=$OUT/h200-z14.json logged_variants 90 0 z141:"--quantize int4-g32" z142:"--quantize int4-g32 --attention-splits 1" \
+        z143:"--quantize int4-g32 --attention-splits 2" z144:"--quantize int4-g32 --attention-splits 1 --attention-block-l 128" ;;
+  z15) # run 74 (session 16): the int4 g32 GEMVs with codes from L2 (--l2-hot) and cycled past it, in one run: does the
+      # kernel or the memory bound each (run 70: w2 7.0 us from L2, where its bytes take 5.9 from HBM at the ceiling)
+      for h in "" "--l2-hot"; do
+        # shellcheck disable=SC2086
+        t 100 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0,16 $h \
+          --json "$OUT/gemv-int4-z15.json" | grep -v "^$"
+      done ;;
 esac; done
