@@ -22,8 +22,6 @@ import torch.nn.functional as F
 import cpu_kernels
 import kernels
 
-ABLATE = set(filter(None, os.environ.get("GRAPHDECODE_ABLATE", "").split(",")))  # scratch (run 71): timing only
-
 
 @dataclass
 class ModelArgs:
@@ -100,15 +98,6 @@ class Transformer(nn.Module):
         max_seq_length = max(max_seq_length, self.max_seq_length)
         weight = self.tok_embeddings.weight
         for layer in self.layers:
-            if ABLATE:  # (scratch, run 71) constants on the device for the ablations
-                q_size = self.args.n_heads * self.args.head_dim
-                layer.attention.ablate_qkv = torch.randn(1, 1, q_size + 2 * self.args.n_kv_heads * self.args.head_dim,
-                                                         device=weight.device, dtype=weight.dtype) * 0.1
-                layer.attention.ablate_y = torch.randn(1, 1, q_size, device=weight.device, dtype=weight.dtype) * 0.1
-                layer.attention.ablate_yq = torch.zeros(q_size // 4 + 4 * q_size // 8, device=weight.device,
-                                                        dtype=torch.int32)
-                layer.feed_forward.ablate_h = torch.randn(1, 1, self.args.intermediate_size, device=weight.device,
-                                                          dtype=weight.dtype) * 0.1
             layer.attention.kv_cache = KVCache(max_batch_size, self.args.n_kv_heads, max_seq_length,
                                                self.args.head_dim, weight.dtype, weight.device)
         cos, sin = rope_table(self.args, max_seq_length, weight.device)
@@ -228,23 +217,14 @@ class Attention(nn.Module):
         """residual + attention over norm(x). rope_cos, rope_sin: the RoPE tables [L, D]."""
         B, S, _ = x.shape
         qkv = self.wqkv(x, norm=norm)
-        if S == 1 and "wqkv" in ABLATE:
-            qkv = self.ablate_qkv
         if S == 1 and FUSE_ATTENTION and kernels.attention_usable(qkv, input_pos) and not hasattr(self, "q_norm"):
             # Decode on CUDA: RoPE, the cache write and the attention below in one Triton kernel
             cache = self.kv_cache
-            k_cache, v_cache = (cache.k_cache[:, :, :0], cache.v_cache[:, :, :0]) if "cache" in ABLATE else \
-                (cache.k_cache, cache.v_cache)
-            args = (qkv, input_pos, rope_cos, rope_sin, k_cache, v_cache, cache.counts,
+            args = (qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
                     self.n_heads, self.n_kv_heads)
             group = self.wo_x_group(qkv)
             if group:  # an int4 wo: the kernel also writes its output in int8, which wo reads
-                if "attention" in ABLATE:
-                    y, yq = self.ablate_y, self.ablate_yq[:self.n_heads * self.head_dim // 4 * (1 + 16 // group)]
-                else:
-                    y, yq = kernels.attention(*args, out_group=group)
-                if "wo" in ABLATE:
-                    return residual
+                y, yq = kernels.attention(*args, out_group=group)
                 return self.wo(y, residual=residual, xq=yq)
             return self.wo(kernels.attention(*args), residual=residual)
         q, k, v = qkv.split(self.split, dim=-1)
@@ -330,10 +310,6 @@ class FeedForward(nn.Module):
         self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x, norm, residual):
-        if x.shape[1] == 1 and "ffn" in ABLATE:
-            return residual
-        if x.shape[1] == 1 and "w13" in ABLATE:
-            return self.w2(self.ablate_h, residual=residual)
         return self.w2(self.w13(x, norm=norm, swiglu=True), residual=residual)
 
 
