@@ -459,8 +459,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # whether a GEMV reads faster from L2 at all (run 67-69's open question): the GEMVs on weights that stay in L2
       t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wo,w2 --dp4a 1 --codes 1 --xq 0,16 \
         --l2-hot --json "$OUT/gemv-int4-l2-hot.json" | grep -v "^$" ;;
-  z12) # run 71 (session 16): where the int4 g32 step goes, by ablation (an uncommitted scratch change to model.py,
-      # taken out after this run: GRAPHDECODE_ABLATE=part skips one part of every layer's decode, for timing only).
+  z12) # run 71 (session 16): where the int4 g32 step goes, by ablation (a scratch change to model.py, an earlier
+      # form of commit c8086c8 with its constants made in __init__, taken out after this run: GRAPHDECODE_ABLATE=part skips one part of every layer's decode, for timing only).
       # wqkv: a constant qkv; cache: the attention kernel over a cache of length 0 (4 slices, as the default's);
       # attention: no attention kernel (wo reads constant int8 x); wo: the layer's output is its input;
       # w13: w2 reads a constant; ffn: neither w13 nor w2. Cold caches, one process each
@@ -468,7 +468,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       for a in wqkv:"" cache:"--attention-splits 4" attention:"" wo:"" w13:"" ffn:""; do
         GRAPHDECODE_ABLATE=${a%%:*} JSON=$OUT/h200-z12.json logged_variants 90 0 "z12-${a%%:*}":"--quantize int4-g32 ${a#*:}"
       done ;;
-  z13) # run 72 (session 16): run 71's ablations that failed there (its constants were left on the meta device) or
+  z13) # run 72 (session 16, commit c8086c8, reverted after it; the device copy had model.py uncommitted, and
+      # scratch_model_clean.py, the committed model.py, beside it): run 71's ablations that failed there (its constants were left on the meta device) or
       # fell back (wo on a strided view of qkv), with the constants made in setup_caches; then model.py back to the
       # committed code (scratch_model_clean.py, carried) and the GPU tests, test_cuda.py and test_kernels.py side by side
       for a in wqkv attention w13; do
