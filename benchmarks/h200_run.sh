@@ -491,4 +491,20 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         t 100 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0,16 $h \
           --json "$OUT/gemv-int4-z15.json" | grep -v "^$"
       done ;;
+  z16) # runs 75-76 (session 16): Nsight Compute on the w2 GEMV alone (int4 g32, codes, x in bf16): occupancy,
+      # then (boost clocks) stall reasons and instruction mix; benchmarks/ncu-w2-h200.txt
+      t 200 ncu --target-processes all -k regex:_int4_gemv_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+        --section SchedulerStats python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers w2 --dp4a 1 \
+        --codes 1 --xq 0 > "$OUT/ncu-w2.txt"
+      t 200 ncu --clock-control none --print-details all -k regex:_int4_gemv_kernel --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section InstructionStats python3 benchmarks/gemv_int4.py \
+        --model llama-2-7b --groupsizes 32 --layers w2 --dp4a 1 --codes 1 --xq 0 > "$OUT/ncu-w2-stalls.txt" ;;
+  z17) # run 77 (session 16; its JSON then went to one file, which kept only the last cap): the int4 g32 GEMVs with a register cap (GRAPHDECODE_INT4_MAXNREG, a scratch switch in
+      # int4_gemv's launch, taken out after this run): ncu put w2 at 116 registers a thread, 2 programs an SM
+      for m in "" 128 96 80; do echo "== maxnreg ${m:-none}"
+        GRAPHDECODE_INT4_MAXNREG=$m t 55 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 \
+          --codes 1 --xq 0 --layers w2,w13 --tune --grid 8:32,16:32,16:64,8:64 --warps 4,8 --prefetch 0 \
+          --json "$OUT/gemv-int4-z17-${m:-none}.json" | grep -v "^$" | grep -E "g32|Error|error"
+      done ;;
 esac; done
