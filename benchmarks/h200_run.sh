@@ -507,4 +507,19 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --codes 1 --xq 0 --layers w2,w13 --tune --grid 8:32,16:32,16:64,8:64 --warps 4,8 --prefetch 0 \
           --json "$OUT/gemv-int4-z17-${m:-none}.json" | grep -v "^$" | grep -E "g32|Error|error"
       done ;;
+  z18) # prepared in session 16, not run (no device time left): Triton's loop pipelining of the int4 GEMV again
+      # (session 10's run 39 lost with it, before the 2D load). Runs 75-76's ncu put w2 at 16 warps an SM, stalled
+      # mostly on loads (long scoreboard), and its SASS loads each block's weights with plain LDG at the top of the
+      # loop. First make the loop of _int4_gemv_kernel without PREFETCH `for b in tl.range(EARLY, full,
+      # num_stages=PIPE)`, with `PIPE: tl.constexpr = None` last in its signature and int4_gemv's launch passing
+      # PIPE=int(os.environ["GRAPHDECODE_INT4_PIPELINE"]) if that is set, else None. Offline (Triton 3.6, sm_90),
+      # PIPE 2 and 3 load the loop's weights with cp.async (LDGSTS.BYPASS.128) at 111 registers (95 without), no
+      # spills; the interpreter's int4_gemv tests pass with PIPE=2. Then: the GEMVs alone, and the 7B step
+      for p in "" 2 3; do echo "== pipeline ${p:-none}"
+        GRAPHDECODE_INT4_PIPELINE=$p t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 \
+          --codes 1 --xq 0,16 --json "$OUT/gemv-int4-z18-${p:-none}.json" | grep -E "g32|Error|error"
+      done
+      for p in 2 3 ""; do
+        GRAPHDECODE_INT4_PIPELINE=$p JSON=$OUT/h200-z18.json logged_variants 90 0 "z18-${p:-none}":"--quantize int4-g32"
+      done ;;
 esac; done
