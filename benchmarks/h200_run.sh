@@ -450,17 +450,19 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 210 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wqkv,w13,w2 --dp4a 1 \
         --codes 1 --tune --grid 8:16,16:16,32:16,8:32,16:32,16:64 --warps 4,8 --prefetch 0,2 \
         --json "$OUT/gemv-int4-early.json" | grep -v "^$" ;;
-  z11) # prepared in session 15, not run (no device time left): gate/up's launch with codes at group 32 at 4 warps,
-      # prefetch 2 (run 69's best, 15.4 against 15.9 us alone). First set INT4_LAUNCHES["gate/up"]'s fourth entry
-      # to (16, 1024, 4, 2), with int4_config taking a launch's optional fourth entry as its prefetch. Then: the 7B
-      # int4 g32 step, cold cache; then the GPU tests of the quantized decode (the tiny model's gate/up takes it)
-      JSON=$OUT/h200-z11.json logged_variants 90 0 z111:"--quantize int4-g32"
+  z11) # run 70 (session 16, on commit 8e2d9d1, reverted after it: 660.1 tok/s, a loss; prepared in session 15):
+      # gate/up's launch with codes at group 32 at 4 warps, prefetch 2 (run 69's best, 15.4 against 15.9 us alone):
+      # INT4_LAUNCHES["gate/up"]'s fourth entry (16, 1024, 4, 2), int4_config taking a launch's optional fourth
+      # entry as its prefetch. The 7B int4 g32 step and bf16 beside it, cold caches; then the GPU tests of the
+      # quantized decode (the tiny model's gate/up takes it; run 70 printed 20 passes and no summary: cut by the limit)
+      JSON=$OUT/h200-z11.json logged_variants 90 0 z111:"--quantize int4-g32" z112:""
       t 100 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "quantized or int4 or pdl" | tail -3
       # whether a GEMV reads faster from L2 at all (run 67-69's open question): the GEMVs on weights that stay in L2
       t 60 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --layers wo,w2 --dp4a 1 --codes 1 --xq 0,16 \
         --l2-hot --json "$OUT/gemv-int4-l2-hot.json" | grep -v "^$" ;;
   z12) # run 71 (session 16): where the int4 g32 step goes, by ablation (a scratch change to model.py, an earlier
-      # form of commit c8086c8 with its constants made in __init__, taken out after this run: GRAPHDECODE_ABLATE=part skips one part of every layer's decode, for timing only).
+      # form of commit c8086c8 with its constants made in __init__, taken out after this run: GRAPHDECODE_ABLATE=part
+      # skips one part of every layer's decode, for timing only).
       # wqkv: a constant qkv; cache: the attention kernel over a cache of length 0 (4 slices, as the default's);
       # attention: no attention kernel (wo reads constant int8 x); wo: the layer's output is its input;
       # w13: w2 reads a constant; ffn: neither w13 nor w2. Cold caches, one process each
@@ -484,12 +486,13 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # bench.py's 224 positions), 1 (no merge: one program a KV head runs the whole cache), 2; cold caches
       JSON=$OUT/h200-z14.json logged_variants 90 0 z141:"--quantize int4-g32" z142:"--quantize int4-g32 --attention-splits 1" \
         z143:"--quantize int4-g32 --attention-splits 2" z144:"--quantize int4-g32 --attention-splits 1 --attention-block-l 128" ;;
-  z15) # run 74 (session 16): the int4 g32 GEMVs with codes from L2 (--l2-hot) and cycled past it, in one run: does the
+  z15) # run 74 (session 16; its JSON then went to one file, which kept only the --l2-hot pass; the cycled pass is in
+      # BENCHMARKS.md from the printed output): the int4 g32 GEMVs with codes from L2 (--l2-hot) and cycled past it: does the
       # kernel or the memory bound each (run 70: w2 7.0 us from L2, where its bytes take 5.9 from HBM at the ceiling)
       for h in "" "--l2-hot"; do
         # shellcheck disable=SC2086
         t 100 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0,16 $h \
-          --json "$OUT/gemv-int4-z15.json" | grep -v "^$"
+          --json "$OUT/gemv-int4-z15${h:+-l2-hot}.json" | grep -v "^$"
       done ;;
   z16) # runs 75-76 (session 16): Nsight Compute on the w2 GEMV alone (int4 g32, codes, x in bf16): occupancy,
       # then (boost clocks) stall reasons and instruction mix; benchmarks/ncu-w2-h200.txt
