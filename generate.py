@@ -231,7 +231,7 @@ class Generator:
             for _ in range(min(self.stop_check_interval, steps - i)):
                 self._decode_step(token, pos, tokens)
                 i += 1
-                self.decode_steps += 1
+            self.decode_steps = i
 
     @torch.no_grad()  # grad mode is part of what the compiled step is specialised on
     def _decode_step(self, token, pos, tokens):
