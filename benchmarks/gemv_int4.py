@@ -62,6 +62,9 @@ def main():
     p.add_argument("--l2-hot", action="store_true",
                    help="time every call of a graph on the same weights, read from L2 where they fit (wo: 9 MB of "
                         "the H200's 60), instead of copies cycled past L2: what a GEMV gains from weights in L2")
+    p.add_argument("--split-k", type=int, default=1,
+                   help="a probe of split K: each shape as S slices of K side by side (N S rows of K / S), the "
+                        "products of a split-K launch without its merge of the slices")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
@@ -78,6 +81,10 @@ def main():
     for G, (name, (N, K)) in itertools.product([int(g) for g in a.groupsizes.split(",")], shapes(PRESETS[a.model]).items()):
         if name not in a.layers.split(","):
             continue
+        if a.split_k > 1:
+            if K % (a.split_k * G):
+                p.error(f"--split-k {a.split_k}: {name}'s K={K} is not whole groups of {G} a slice")
+            N, K = N * a.split_k, K // a.split_k
         torch.manual_seed(0)
         packed, scales, zeros = file_weights(N, K, G, dev)
         W = M.dequantize_int4(packed, scales.double(), zeros.double(), G)  # [N, K] float64
@@ -133,7 +140,7 @@ def main():
                 best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
                                                                 for w in ours_c], reps),
                                grid, best, launch_error, max(2 * err, 2.5e-2))
-            rec = {"layer": name, "fused": fused, "G": G, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,
+            rec = {"layer": name, "fused": fused, "G": G, "split_k": a.split_k, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,
                    "l2_hot": a.l2_hot,
                    "bytes": nbytes, "ours_bytes": ours_bytes,
                    "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,

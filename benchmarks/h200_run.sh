@@ -510,7 +510,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --codes 1 --xq 0 --layers w2,w13 --tune --grid 8:32,16:32,16:64,8:64 --warps 4,8 --prefetch 0 \
           --json "$OUT/gemv-int4-z17-${m:-none}.json" | grep -v "^$" | grep -E "g32|Error|error"
       done ;;
-  z18) # prepared in session 16, not run (no device time left): Triton's loop pipelining of the int4 GEMV again
+  z18) # run 78 (session 17; prepared in session 16), on the 3-line change below, reverted after it: lost (7B step 583.4 at
+      # 2 stages, 614.3 at 3, against 674.1). Triton's loop pipelining of the int4 GEMV again
       # (session 10's run 39 lost with it, before the 2D load). Runs 75-76's ncu put w2 at 16 warps an SM, stalled
       # mostly on loads (long scoreboard), and its SASS loads each block's weights with plain LDG at the top of the
       # loop. First make the loop of _int4_gemv_kernel without PREFETCH `for b in tl.range(EARLY, full,
@@ -524,5 +525,19 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       done
       for p in 2 3 ""; do
         GRAPHDECODE_INT4_PIPELINE=$p JSON=$OUT/h200-z18.json logged_variants 90 0 "z18-${p:-none}":"--quantize int4-g32"
+      done ;;
+  z19) # run 79 (session 17): a probe of split K for the int4 g32 GEMVs (gemv_int4.py --split-k: each shape as S slices of K
+      # side by side, the products of a split-K launch without its merge), after z18's loop pipelining lost
+      for s in 1 2 4; do echo "== split-k $s"
+        t 150 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0 \
+          --layers w13,w2 --split-k $s --tune --grid 16:16,16:32,32:8,32:16,64:8,64:16 --warps 4,8 --prefetch 0 \
+          --json "$OUT/gemv-int4-z19-$s.json" | grep -E "g32|Error|error"
+      done ;;
+  z20) # run 80 (session 17): the int4 g32 GEMVs with each block's weights loaded one step ahead (launch prefetch 1, register
+      # double buffering; not timed in integers since session 11's 2D load), split K 1 and 2 (the probe above)
+      for s in 1 2; do echo "== split-k $s"
+        t 200 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0 \
+          --layers wqkv,w13,w2 --split-k $s --tune --grid 8:32,16:16,16:32,16:64,32:16 --warps 4,8 --prefetch 0,1 \
+          --json "$OUT/gemv-int4-z20-$s.json" | grep -E "g32|Error|error"
       done ;;
 esac; done
