@@ -340,9 +340,6 @@ def main(argv=None) -> int:
     p.add_argument("--int4-xq", choices=["auto", "0", "8", "16", "32"], default=None,
                    help="the attention kernel hands an int4 wo its output in int8 per group of this many columns, "
                         "or 0: in bf16 only, wo quantizing it itself (kernels.INT4_XQ; auto, the default: 16)")
-    p.add_argument("--int4-split-k", choices=["auto", "1", "2", "4"], default=None,
-                   help="the one-row int4 GEMV's K in this many slices, one a program (1: none), or by "
-                        "kernels.int4_split's rule (auto, the default: gate/up in halves at group 32 with codes)")
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -372,9 +369,8 @@ def main(argv=None) -> int:
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
-    kernels.INT4_SPLIT_K = a.int4_split_k or kernels.INT4_SPLIT_K
     try:  # (the environment's settings, checked before any model loads)
-        kernels.int4_dp4a(), model_module.int4_codes(32), kernels.int4_x_group(32), kernels.int4_split(64, 64, 32)
+        kernels.int4_dp4a(), model_module.int4_codes(32), kernels.int4_x_group(32)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -439,7 +435,7 @@ def main(argv=None) -> int:
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,
                  int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
-                 int4_split_k=kernels.INT4_SPLIT_K if int4 else None, pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
+                 pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured
             old = json.loads(a.json.read_text()) if a.json.exists() else []

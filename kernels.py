@@ -489,10 +489,10 @@ if triton is not None:
         return acc, acc_up, squares
 
     @triton.jit
-    def _int4_load(w_ptr, sz_ptr, rows, b, n_groups, row_groups, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                   MASKED: tl.constexpr, DP4A: tl.constexpr):
+    def _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G: tl.constexpr, BLOCK_G: tl.constexpr, MASKED: tl.constexpr,
+                   DP4A: tl.constexpr):
         """Block b of int4 words [BN, BLOCK_G, G/8] and their scale-and-zero words [BN, BLOCK_G, 1]
-        (DP4A: [BN, BLOCK_G]) for rows `rows` of row_groups groups each; MASKED: zero past group n_groups. The words load as
+        (DP4A: [BN, BLOCK_G]) for rows `rows`; MASKED: zero past the last group. The words load as
         the 2D tile they are in memory, [BN, BLOCK_G G/8], then take their 3D shape: loaded in 3D,
         Triton put a warp's threads on 32 rows, 16 bytes each, not along a row's contiguous bytes
         (the 7B step at group 32: 479 against 539 tok/s, runs 41 and 44). The scale-and-zero words
@@ -500,8 +500,8 @@ if triton is not None:
         through shared memory."""
         groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
         cols = b * (BLOCK_G * (G // 8)) + tl.arange(0, BLOCK_G * (G // 8))
-        w_at = w_ptr + rows[:, None] * (row_groups * (G // 8)) + cols[None, :]
-        sz_at = sz_ptr + rows[:, None] * row_groups + groups[None, :]
+        w_at = w_ptr + rows[:, None] * (n_groups * (G // 8)) + cols[None, :]
+        sz_at = sz_ptr + rows[:, None] * n_groups + groups[None, :]
         if MASKED:
             ok = groups < n_groups
             w = tl.load(w_at, mask=(cols < n_groups * (G // 8))[None, :], other=0)
@@ -524,11 +524,11 @@ if triton is not None:
         return units
 
     @triton.jit
-    def _int4_gemv_kernel(x_ptr, xs_ptr, w_ptr, sz_ptr, u_ptr, g_ptr, r_ptr, y_ptr, p_ptr, c_ptr, N, K, row_groups, eps,
-                          w_unscale, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
+    def _int4_gemv_kernel(x_ptr, xs_ptr, w_ptr, sz_ptr, u_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
+                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr,
                           PDL: tl.constexpr, DP4A: tl.constexpr, CODES: tl.constexpr, XQ: tl.constexpr,
-                          XG: tl.constexpr, EMULATE: tl.constexpr, EARLY: tl.constexpr, SPLIT: tl.constexpr):
+                          XG: tl.constexpr, EMULATE: tl.constexpr, EARLY: tl.constexpr):
         """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
         G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
         PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each word's float16
@@ -539,24 +539,12 @@ if triton is not None:
         u_ptr holds each row's two units (int4_layout with units). XQ (DP4A only): x is already in int8
         (x_ptr its words, xs_ptr its groups' numbers: int4_quantize_x, groups of XG), written by the
         kernel before (the attention kernel, for wo). EARLY (1 or 2, without PREFETCH): blocks of
-        weights loaded before the PDL wait (an experiment: int4_gemv's launch with prefetch 2).
-        SPLIT (DP4A, x in bf16): K in SPLIT slices of row_groups / SPLIT groups, one a program (programs
-        blk SPLIT + slice). Each writes its rows' sums (and NORM: its sum of squares) to p_ptr; the last
-        of a block of rows to finish (an atomic count in c_ptr, left at zero) adds the slices' sums in
-        slice order and ends the rows (_int4_finish)."""
+        weights loaded before the PDL wait (an experiment: int4_gemv's launch with prefetch 2)."""
         tl.static_assert(EARLY == 1 or not PREFETCH)
-        tl.static_assert(SPLIT == 1 or (DP4A and not XQ))
         pid = tl.program_id(0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        blk = pid // SPLIT
-        part = pid % SPLIT
-        n_groups = row_groups // SPLIT  # groups of this program's slice of K (SPLIT divides row_groups)
-        w_ptr += part * n_groups * (G // 8)
-        sz_ptr += part * n_groups
-        x_ptr += part * n_groups * G
-        g_ptr += part * n_groups * G
-        rn = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(rn, N - 1)  # rows past N are computed on row N - 1 and not stored
         if DP4A:
             acc = tl.zeros((BLOCK_N, BLOCK_G), tl.float32)
@@ -568,16 +556,16 @@ if triton is not None:
             squares = tl.zeros((BLOCK_G * G // XG,), tl.float32)  # each x group's sum of squares
         else:
             squares = tl.zeros((BLOCK_G * G,), tl.float32)
-        w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, row_groups, G, BLOCK_G, True, DP4A)  # before the wait
+        w, sz = _int4_load(w_ptr, sz_ptr, rows, 0, n_groups, G, BLOCK_G, True, DP4A)  # before the wait
         w_up, sz_up = w, sz
         if SWIGLU:
-            w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, row_groups, G, BLOCK_G, True, DP4A)
+            w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, 0, n_groups, G, BLOCK_G, True, DP4A)
         w1, sz1, w1_up, sz1_up = w, sz, w_up, sz_up
         if EARLY == 2:  # block 1 too, masked (it may be K's partial block, or past K)
-            w1, sz1 = _int4_load(w_ptr, sz_ptr, rows, 1, n_groups, row_groups, G, BLOCK_G, True, DP4A)
+            w1, sz1 = _int4_load(w_ptr, sz_ptr, rows, 1, n_groups, G, BLOCK_G, True, DP4A)
             w1_up, sz1_up = w1, sz1
             if SWIGLU:
-                w1_up, sz1_up = _int4_load(w_ptr, sz_ptr, rows + N, 1, n_groups, row_groups, G, BLOCK_G, True, DP4A)
+                w1_up, sz1_up = _int4_load(w_ptr, sz_ptr, rows + N, 1, n_groups, G, BLOCK_G, True, DP4A)
         units = _int4_units(u_ptr, rows, CODES)
         units_up = units
         if SWIGLU:
@@ -594,10 +582,10 @@ if triton is not None:
         full = n_groups // BLOCK_G
         if PREFETCH:
             for b in range(1, full):
-                w_next, sz_next = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, row_groups, G, BLOCK_G, False, DP4A)
+                w_next, sz_next = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, DP4A)
                 w_up_next, sz_up_next = w_next, sz_next
                 if SWIGLU:
-                    w_up_next, sz_up_next = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, row_groups, G, BLOCK_G, False, DP4A)
+                    w_up_next, sz_up_next = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
                 acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
                                                    x_ptr, xs_ptr, g_ptr, x_scale, b - 1, n_groups,
                                                    NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
@@ -615,74 +603,34 @@ if triton is not None:
                                                        x_ptr, xs_ptr, g_ptr, x_scale, 1, n_groups,
                                                        NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
             for b in range(EARLY, full):
-                w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, row_groups, G, BLOCK_G, False, DP4A)
+                w, sz = _int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, False, DP4A)
                 if SWIGLU:
-                    w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, row_groups, G, BLOCK_G, False, DP4A)
+                    w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, b, n_groups, G, BLOCK_G, False, DP4A)
                 acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
                                                    x_ptr, xs_ptr, g_ptr, x_scale, b, n_groups,
                                                    NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
         if (full * BLOCK_G < n_groups) & (full > EARLY - 1):  # (EARLY 2: a partial block 1 is done)
-            w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, row_groups, G, BLOCK_G, True, DP4A)
+            w, sz = _int4_load(w_ptr, sz_ptr, rows, full, n_groups, G, BLOCK_G, True, DP4A)
             if SWIGLU:
-                w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, row_groups, G, BLOCK_G, True, DP4A)
+                w_up, sz_up = _int4_load(w_ptr, sz_ptr, rows + N, full, n_groups, G, BLOCK_G, True, DP4A)
             acc, acc_up, squares = _int4_step(acc, acc_up, squares, w, w_up, sz, sz_up, units, units_up,
                                                x_ptr, xs_ptr, g_ptr, x_scale, full, n_groups,
                                                NORM, SWIGLU, G, XG, BLOCK_G, DP4A, XQ, CODES, EMULATE)
+        unscale = w_unscale / x_scale
+        if NORM:
+            unscale *= tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         if DP4A:
-            out = tl.sum(acc, axis=1)
+            out = tl.sum(acc, axis=1) * unscale
         else:
             lo, hi = _f16_pair(acc)
-            out = tl.sum(tl.sum(lo + hi, axis=2), axis=1)
-        up = out  # (read with SWIGLU only)
+            out = tl.sum(tl.sum(lo + hi, axis=2), axis=1) * unscale
         if SWIGLU:
             if DP4A:
-                up = tl.sum(acc_up, axis=1)
+                up = tl.sum(acc_up, axis=1) * unscale
             else:
                 lo, hi = _f16_pair(acc_up)
-                up = tl.sum(tl.sum(lo + hi, axis=2), axis=1)
-        sq = 0.0  # (read with NORM only)
-        if NORM:
-            sq = tl.sum(squares, axis=0)
-        if SPLIT == 1:
-            _int4_finish(out, up, sq, w_unscale / x_scale, r_ptr, y_ptr, rn, N, K, eps, NORM, RESIDUAL, SWIGLU)
-        else:
-            # p_ptr: the slices' sums [SPLIT, 2 (gate, up), N], then their sums of squares [blocks, SPLIT]
-            ok = rn < N
-            tl.store(p_ptr + part * 2 * N + rn, out, mask=ok)
-            if SWIGLU:
-                tl.store(p_ptr + (part * 2 + 1) * N + rn, up, mask=ok)
-            if NORM:
-                tl.store(p_ptr + SPLIT * 2 * N + pid, sq)
-            tl.debug_barrier()  # every thread's stores are issued before the count (a release)
-            done = tl.atomic_add(c_ptr + blk, 1)
-            if done == SPLIT - 1:
-                tl.debug_barrier()  # every thread of this program reads after the count, not before
-                total = tl.load(p_ptr + rn, mask=ok, other=0, cache_modifier=".cg")
-                total_up = total  # (read with SWIGLU only)
-                if SWIGLU:
-                    total_up = tl.load(p_ptr + N + rn, mask=ok, other=0, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLIT):  # in slice order, whichever program came last
-                    total += tl.load(p_ptr + s * 2 * N + rn, mask=ok, other=0, cache_modifier=".cg")
-                    if SWIGLU:
-                        total_up += tl.load(p_ptr + (s * 2 + 1) * N + rn, mask=ok, other=0, cache_modifier=".cg")
-                total_sq = 0.0
-                if NORM:  # (SPLIT a power of two: the host checks)
-                    total_sq = tl.sum(tl.load(p_ptr + SPLIT * 2 * N + blk * SPLIT + tl.arange(0, SPLIT),
-                                              cache_modifier=".cg"), axis=0)
-                _int4_finish(total, total_up, total_sq, w_unscale, r_ptr, y_ptr, rn, N, K, eps, NORM, RESIDUAL,
-                             SWIGLU)
-                tl.atomic_xchg(c_ptr + blk, 0)
-
-    @triton.jit
-    def _int4_finish(out, up, sq, unscale, r_ptr, y_ptr, rn, N, K, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     SWIGLU: tl.constexpr):
-        """The end of the one-row int4 GEMV's rows rn: their sums (out, and SWIGLU up) times unscale (and
-        NORM: 1 / rms from sq, the sum of squares of x), then SwiGLU, the residual, and the store."""
-        if NORM:
-            unscale *= tl.rsqrt(sq / K + eps)
-        out = out * unscale
-        if SWIGLU:
-            out = out / (1 + tl.exp(-out)) * (up * unscale)
+                up = tl.sum(tl.sum(lo + hi, axis=2), axis=1) * unscale
+            out = out / (1 + tl.exp(-out)) * up
         if RESIDUAL:
             out += tl.load(r_ptr + rn, mask=rn < N, other=0).to(tl.float32)
         tl.store(y_ptr + rn, out, mask=rn < N)
@@ -1010,7 +958,7 @@ INT4_LAUNCHES = {
 
 
 def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool = False,
-                codes: bool = False, xq: bool = False, split: int = 1) -> tuple[int, int, int, int, bool]:
+                codes: bool = False, xq: bool = False) -> tuple[int, int, int, int, bool]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize` (INT4_LAUNCHES),
     from benchmarks/gemv_int4.py --tune on the H200 (Llama-2-7B with the fusions; float16 pairs run 30
     at group 32; integers run 35, and runs 44-48 at groups 32 and 128 after the 2D load): rows a
@@ -1018,13 +966,10 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     group 128's (not tuned). Codes at group 32: the down projection at 16 rows (8.9 µs against 9.8
     at 8, run 51); codes at other groups take the integers' launches. xq (x in int8 already, wo's
     case): the square shape at 16 rows, 4096 columns a step, 4 warps (wo at group 32 with codes,
-    3.1 µs against 3.9 at the codes' launch, run 58; other groups not tuned). K split (split > 1):
-    SPLIT_LAUNCH."""
+    3.1 µs against 3.9 at the codes' launch, run 58; other groups not tuned)."""
     shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
     at_32, at_128, half, codes_at_32 = INT4_LAUNCHES[shape]
-    if dp4a and split > 1:
-        rows, columns, warps, prefetch = *SPLIT_LAUNCH, False
-    elif dp4a and xq and shape == "square":
+    if dp4a and xq and shape == "square":
         rows, columns, warps, prefetch = 16, 4096, 4, False
     elif dp4a:
         (rows, columns, warps), prefetch = (codes_at_32 if codes else at_32) if groupsize <= 32 else at_128, False
@@ -1032,26 +977,6 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
         rows, columns, warps, prefetch = half
     block_g = max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize)))
     return rows, block_g, warps, 3, prefetch
-
-
-# K split in slices, one a program (the kernel's SPLIT), their sums added by the last program of each
-# block of rows: more programs, each shorter. Gate/up at group 32 with codes, in halves, at 16 rows,
-# 1024 columns a step and 4 warps (SPLIT_LAUNCH): XXX. The other shapes lost or did not gain as a probe
-# (benchmarks/gemv_int4.py's shapes as slices side by side, run 79-80: w2 9.1 against 9.0 µs, wqkv 8.9
-# against 8.4). GRAPHDECODE_INT4_SPLIT_K: auto (int4_split's rule), 1 (never), 2 or 4 (wherever the
-# kernel can: integers, x in bf16, whole groups a slice). Read at each call (in a graph: at its capture).
-INT4_SPLIT_K = os.environ.get("GRAPHDECODE_INT4_SPLIT_K", "auto")
-SPLIT_LAUNCH = (16, 1024, 4)
-
-
-def int4_split(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool = False, codes: bool = False,
-               xq: bool = False) -> int:
-    """Slices of K for the one-row int4 GEMV (INT4_SPLIT_K; 1: none). Only in integers with x in bf16,
-    and only where the slices are whole groups; auto: 2 for gate/up (SwiGLU) at group 32 with codes."""
-    if INT4_SPLIT_K not in ("auto", "1", "2", "4"):
-        raise ValueError(f"GRAPHDECODE_INT4_SPLIT_K must be auto, 1, 2 or 4 (got {INT4_SPLIT_K!r})")
-    split = (2 if swiglu and codes and groupsize == 32 else 1) if INT4_SPLIT_K == "auto" else int(INT4_SPLIT_K)
-    return split if dp4a and not xq and (K // groupsize) % split == 0 else 1
 
 
 # x in int8 for the integer kernel, written by the kernel that made it: the attention kernel also
@@ -1110,8 +1035,7 @@ def _x_group_of(xq: torch.Tensor, K: int) -> int:
 def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
               units: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               residual: torch.Tensor | None = None, swiglu: bool = False, ones: torch.Tensor | None = None,
-              launch: tuple | None = None, dp4a: bool = False, xq: torch.Tensor | None = None,
-              split: int | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+              launch: tuple | None = None, dp4a: bool = False, xq: torch.Tensor | None = None) -> torch.Tensor:
     """One row x [..., K] times int4 weights (int4_layout, of the same dp4a and units) -> [..., N] in x's
     dtype, with gemv's fusions: residual + [swiglu of] rmsnorm(x, norm_weight, eps) @ W.T. Without the
     norm the kernel multiplies x by `ones` [K] (see _int4_block; made here if not given: a kernel of its
@@ -1120,9 +1044,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
     groups), read instead of x, which then gives only the shape and dtype (_int4_xq_block).
     launch: (BLOCK_N, BLOCK_G, warps, stages, prefetch), int4_config's by default; prefetch 1 loads each
     block one step ahead, 2 (an experiment, benchmarks/gemv_int4.py --prefetch 2) two blocks before the
-    PDL wait (EARLY). split: slices of K (a power of two; the kernel's SPLIT), int4_split's by default
-    where the launch is too, else 1; counts: int32 zeros, one a block of rows at least, which the
-    kernel leaves at zero (the caller's, so that a graph replays; made here if not given)."""
+    PDL wait (EARLY)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.shape[0] != 1:
@@ -1141,39 +1063,23 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
         raise ValueError(f"int4_gemv: x in int8 (groups of {x_group}) is for integers (dp4a) at int4 groups "
                          f"it divides (got {groupsize})")
     N = weight.shape[0] // (2 if swiglu else 1)
-    codes = units is not None
-    if split is None:
-        split = int4_split(N, K, groupsize, swiglu, dp4a, codes, xq is not None) if launch is None else 1
-    block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a, codes,
-                                                                      xq is not None, split)
+    block_n, block_g, warps, stages, prefetch = launch or int4_config(N, K, groupsize, swiglu, dp4a, units is not None,
+                                                                      xq is not None)
     if prefetch not in (0, 1, 2):
         raise ValueError(f"int4_gemv: a launch's prefetch is 0, 1 or 2 (got {prefetch!r})")
-    blocks = triton.cdiv(N, block_n)
-    if split > 1:
-        if not dp4a or xq is not None or split & (split - 1) or (K // groupsize) % split:
-            raise ValueError(f"int4_gemv: K split in {split} is for integers (dp4a) with x in bf16, in a power of "
-                             f"two of slices of whole groups (K={K}, groups of {groupsize})")
-        if counts is None:
-            counts = torch.zeros(blocks, device=x.device, dtype=torch.int32)
-        if counts.dtype != torch.int32 or counts.numel() < blocks:
-            raise ValueError(f"int4_gemv: counts must be int32 with at least {blocks} entries")
-        partials = torch.empty(split * 2 * N + blocks * split, device=x.device, dtype=torch.float32)
-    else:
-        counts = partials = weight  # (placeholders: SPLIT 1 reads neither)
     x2 = x2 if xq is not None else x2.contiguous()
     y = torch.empty((1, N), device=x.device, dtype=x.dtype)
     use_pdl = pdl(x)
     x_words, x_stats = (xq[:K // 4], xq[K // 4:].view(torch.float32)) if xq is not None else (x2, x2)
-    _int4_gemv_kernel[(blocks * split,)](
+    _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
         x_words, x_stats, weight, sz, sz if units is None else units,
         norm_weight if norm_weight is not None else ones if ones is not None else x_words if xq is not None
         else x.new_ones(K),  # (x in int8 is already times g: no ones needed)
-        weight if residual is None else residual.reshape(1, N).contiguous(), y, partials, counts, N, K, K // groupsize,
-        eps, w_unscale,
+        weight if residual is None else residual.reshape(1, N).contiguous(), y, N, K, K // groupsize, eps, w_unscale,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
         BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch) and prefetch != 2, PDL=use_pdl, DP4A=dp4a,
         CODES=units is not None, XQ=xq is not None, XG=x_group, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        EARLY=2 if prefetch == 2 else 1, SPLIT=split,
+        EARLY=2 if prefetch == 2 else 1,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return y.view(*x.shape[:-1], N)
 
@@ -1181,29 +1087,26 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                 units: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, swiglu: bool = False,
-                ones: torch.Tensor | None = None, dp4a: bool = False, xq: torch.Tensor | None = None,
-                counts: torch.Tensor | None = None) -> torch.Tensor:
+                ones: torch.Tensor | None = None, dp4a: bool = False, xq: torch.Tensor | None = None) -> torch.Tensor:
     """int4_gemv with its tuned launch, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
         return int4_gemv_op(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones,
-                            dp4a, xq, counts)
+                            dp4a, xq)
     return int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a,
-                     xq=xq, counts=counts)
+                     xq=xq)
 
 
-# (counts: the kernel counts in it and sets it back to zero before it ends, so the op leaves its inputs as
-# they were: declared without mutations, like a scratch buffer)
 @torch.library.custom_op("graphdecode::int4_gemv", mutates_args=())
 def int4_gemv_op(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale: float, groupsize: int,
                  units: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor], eps: float,
                  residual: Optional[torch.Tensor], swiglu: bool, ones: Optional[torch.Tensor],
-                 dp4a: bool, xq: Optional[torch.Tensor], counts: Optional[torch.Tensor]) -> torch.Tensor:
+                 dp4a: bool, xq: Optional[torch.Tensor]) -> torch.Tensor:
     return int4_gemv(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a=dp4a,
-                     xq=xq, counts=counts)
+                     xq=xq)
 
 
 @int4_gemv_op.register_fake
-def _(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a, xq, counts):
+def _(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, swiglu, ones, dp4a, xq):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 # -- decode attention ------------------------------------------------------------------------------

@@ -369,8 +369,7 @@ def decode_int4_gemv(x, layer, norm, residual, swiglu=False, xq=None):
     """decode_gemv for an Int4Linear's one-row layout: kernels.int4_matmul (xq: x in int8 too)."""
     return fused_matmul(lambda x, **fused: kernels.int4_matmul(x, layer.gemv_weight, layer.gemv_sz, layer.gemv_unscale,
                                                               layer.gemv_group, layer.gemv_units, **fused,
-                                                              ones=layer.gemv_ones, dp4a=layer.gemv_dp4a, xq=xq,
-                                                              counts=layer.gemv_counts),
+                                                              ones=layer.gemv_ones, dp4a=layer.gemv_dp4a, xq=xq),
                         x, norm, residual, swiglu)
 
 
@@ -698,9 +697,6 @@ class Int4Linear(nn.Module):
             self.register_buffer("gemv_units", units, persistent=False)
             self.register_buffer("gemv_ones", torch.ones(weight.shape[1] * 8, device=weight.device, dtype=torch.bfloat16),
                                  persistent=False)  # (bf16: the kernel build benchmarks/gemv_int4.py timed)
-            # the count of a K split's slices (kernels.int4_split), one a block of rows of 8 or more
-            self.register_buffer("gemv_counts", torch.zeros(-(-weight.shape[0] // 8), device=weight.device,
-                                                            dtype=torch.int32), persistent=False)
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)

@@ -62,10 +62,9 @@ def main():
     p.add_argument("--l2-hot", action="store_true",
                    help="time every call of a graph on the same weights, read from L2 where they fit (wo: 9 MB of "
                         "the H200's 60), instead of copies cycled past L2: what a GEMV gains from weights in L2")
-    p.add_argument("--split-k", type=int, default=None,
-                   help="K in this many slices, one a program (kernels.int4_gemv's split; 1: none); default: "
-                        "kernels.int4_split's rule. (Session 17's runs 79-80 had a probe here instead: each shape as "
-                        "S slices of K side by side, N S rows of K / S, the products without their merge.)")
+    p.add_argument("--split-k", type=int, default=1,
+                   help="a probe of split K: each shape as S slices of K side by side (N S rows of K / S), the "
+                        "products of a split-K launch without its merge of the slices")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
@@ -82,6 +81,10 @@ def main():
     for G, (name, (N, K)) in itertools.product([int(g) for g in a.groupsizes.split(",")], shapes(PRESETS[a.model]).items()):
         if name not in a.layers.split(","):
             continue
+        if a.split_k > 1:
+            if K % (a.split_k * G):
+                p.error(f"--split-k {a.split_k}: {name}'s K={K} is not whole groups of {G} a slice")
+            N, K = N * a.split_k, K // a.split_k
         torch.manual_seed(0)
         packed, scales, zeros = file_weights(N, K, G, dev)
         W = M.dequantize_int4(packed, scales.double(), zeros.double(), G)  # [N, K] float64
@@ -116,11 +119,9 @@ def main():
                 kw["xq"] = kernels.int4_quantize_x(x, kw.get("norm_weight"), xq)
             ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a, codes)
             codes = ours[4] is not None  # (what was built: the grid holds)
-            split = (kernels.int4_split(out_n, K, G, fused == "swiglu", dp4a, codes, bool(xq)) if a.split_k is None
-                     else a.split_k if dp4a and not xq and (K // G) % a.split_k == 0 else 1)  # (where it can)
-            default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a, codes, bool(xq), split)
+            default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a, codes, bool(xq))
             ours_bytes = sum(t.numel() * t.element_size() for t in (ours[0], ours[1], ours[4]) if t is not None)
-            kw.update(dp4a=dp4a, split=split, counts=torch.zeros(N, device=dev, dtype=torch.int32))
+            kw["dp4a"] = dp4a
             error = lambda y: ((y.double() - expect).abs().max() / expect.abs().max()).item()  # noqa: E731
             err = error(kernels.int4_gemv(x, *ours, **kw))
             ours_c = [ours] + [tuple(map(copy, ours)) for _ in range(copies - 1)]
@@ -139,7 +140,7 @@ def main():
                 best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
                                                                 for w in ours_c], reps),
                                grid, best, launch_error, max(2 * err, 2.5e-2))
-            rec = {"layer": name, "fused": fused, "G": G, "split_k": split, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,
+            rec = {"layer": name, "fused": fused, "G": G, "split_k": a.split_k, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,
                    "l2_hot": a.l2_hot,
                    "bytes": nbytes, "ours_bytes": ours_bytes,
                    "tinygemm_us": t_tg * 1e6, "tinygemm_gb_s": nbytes / t_tg / 1e9, "ours_us": t_ours * 1e6,

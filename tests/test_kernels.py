@@ -449,17 +449,16 @@ def test_int4_codes_setting_and_launch(monkeypatch):
 
 
 def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
-    """bench.py checks GRAPHDECODE_INT4_CODES, _DP4A, _XQ and _SPLIT_K before any model loads: a bad
+    """bench.py checks GRAPHDECODE_INT4_CODES, _DP4A and _XQ before any model loads: a bad
     value is a one-line error and exit status 1."""
     import model as model_module
     from bench import main
 
-    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A"), (kernels, "INT4_XQ"),
-                         (kernels, "INT4_SPLIT_K")):
+    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A"), (kernels, "INT4_XQ")):
         with monkeypatch.context() as m:
             m.setattr(module, name, "yes")
             assert main(["--device", "cpu", "--model", "smollm2-135m"]) == 1
-            assert capsys.readouterr().err.startswith(f"error: GRAPHDECODE_{name} must be auto, ")
+            assert capsys.readouterr().err.startswith(f"error: GRAPHDECODE_{name} must be auto, 0")
 
 
 def unpack_x_int8(xq, K, group):
@@ -566,67 +565,6 @@ def test_int4_launch_prefetch_values():
     assert torch.allclose(y, kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, False)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="prefetch is 0, 1 or 2"):
         kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, 3))
-
-
-@pytest.mark.parametrize("codes", [False, True])
-@pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
-@pytest.mark.parametrize("K, split, launch", [(1024, 2, (16, 4, 4, 2, False)), (1024, 4, (16, 4, 4, 2, False)),
-                                              (640, 2, (16, 4, 4, 2, False)), (640, 4, (8, 4, 4, 2, True)),
-                                              (640, 2, (16, 4, 4, 2, 2)), (256, 4, (16, 4, 4, 2, False))])
-def test_int4_gemv_split_k(K, split, launch, fused, codes):
-    """K in slices (int4_gemv's split, in integers): each program sums its slice, the last of a block of
-    rows adds them in slice order and ends the rows (norm, SwiGLU, residual). Against the float64 product
-    within the integers' tolerance, and against the same launch unsplit to float32 rounding (x's groups,
-    and so its int8 rounding, are the same). 40 rows at 16 a block (a partial one); slices of 16 and 8
-    groups (whole blocks of 4), of 10 and 5 (a partial last block, also with prefetch 1 and 2), and of 2
-    (less than a block). The counts go back to zero, so the same buffer serves the next call."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    N, G = 40, 32
-    packed, scales, zeros, W = int4_weights(N, K, G, grid=codes)
-    layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), G, True, codes)
-    counts = torch.zeros(8, device=device, dtype=torch.int32)
-    x = torch.randn(1, K).bfloat16().float()
-    kwargs, reference, size = int4_case(fused, x, N, W)
-    kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    for _ in range(2):
-        y = kernels.int4_gemv(x.to(device), *layout, launch=launch, dp4a=True, split=split, counts=counts, **kwargs)
-        assert (counts == 0).all()
-        assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all(), fused
-        whole = kernels.int4_gemv(x.to(device), *layout, launch=launch, dp4a=True, split=1, **kwargs)
-        assert torch.allclose(y, whole, rtol=1e-5, atol=1e-5 * size)
-
-
-def test_int4_split_k_errors_and_setting(monkeypatch):
-    """A split is for integers with x in bf16, a power of two of whole groups a slice, with enough int32
-    counts; GRAPHDECODE_INT4_SPLIT_K picks it (auto: halves for gate/up at group 32 with codes, at
-    SPLIT_LAUNCH; 1: none; 2 or 4 wherever the kernel can), anything else is an error."""
-    packed, scales, zeros, _ = int4_weights(32, 384, 32, grid=True)  # 12 groups
-    layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
-    x = torch.randn(1, 384)
-    for kw in (dict(split=3), dict(split=8), dict(split=2, xq=kernels.int4_quantize_x(x, group=16))):
-        with pytest.raises(ValueError, match="K split in"):
-            kernels.int4_gemv(x, *layout, dp4a=True, **kw)
-    pairs = int4_gemv_layout(packed, scales, zeros, 32, False, False)
-    with pytest.raises(ValueError, match="K split in 2 is for integers"):
-        kernels.int4_gemv(x, *pairs, dp4a=False, split=2)
-    for counts in (torch.zeros(1, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):
-        with pytest.raises(ValueError, match="counts must be int32 with at least 2 entries"):
-            kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, False), split=2, counts=counts)
-    monkeypatch.setattr(kernels, "INT4_SPLIT_K", "auto")
-    assert kernels.int4_split(11008, 4096, 32, swiglu=True, dp4a=True, codes=True) == 2
-    assert kernels.int4_config(11008, 4096, 32, True, True, True, split=2)[:3] == (16, 32, 4)
-    for kw in (dict(swiglu=False, codes=True), dict(swiglu=True, codes=False), dict(swiglu=True, codes=True, xq=True)):
-        assert kernels.int4_split(11008, 4096, 32, dp4a=True, **kw) == 1, kw
-    assert kernels.int4_split(11008, 4096, 128, swiglu=True, dp4a=True, codes=True) == 1
-    assert kernels.int4_split(11008, 4096, 32, swiglu=True, dp4a=False, codes=True) == 1
-    monkeypatch.setattr(kernels, "INT4_SPLIT_K", "1")
-    assert kernels.int4_split(11008, 4096, 32, swiglu=True, dp4a=True, codes=True) == 1
-    monkeypatch.setattr(kernels, "INT4_SPLIT_K", "4")
-    assert kernels.int4_split(4096, 11008, 32, dp4a=True) == 4  # 344 groups
-    assert kernels.int4_split(4096, 4000, 32, dp4a=True) == 1  # 125 groups
-    monkeypatch.setattr(kernels, "INT4_SPLIT_K", "yes")
-    with pytest.raises(ValueError, match="GRAPHDECODE_INT4_SPLIT_K must be auto, 1, 2 or 4"):
-        kernels.int4_split(11008, 4096, 32)
 
 
 def test_int4_x_in_int8_errors_and_setting(monkeypatch):
