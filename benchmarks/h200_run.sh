@@ -540,4 +540,17 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --layers wqkv,w13,w2 --split-k $s --tune --grid 8:32,16:16,16:32,16:64,32:16 --warps 4,8 --prefetch 0,1 \
           --json "$OUT/gemv-int4-z20-$s.json" | grep -E "g32|Error|error"
       done ;;
+  z21) # run 81 (session 17), on commit 652008d (K split in halves for gate/up: kernels.int4_split and the kernel's SPLIT;
+      # reverted in 267f881 after this run): the GEMV with the rule and without, a small tuning of the split launch,
+      # the 7B step both ways, then the GPU tests. Lost: w13 17.7 us split against 15.8, the step 631.4 tok/s against 663.7
+      for s in "" 1; do echo "== gemvs, split ${s:-auto}"
+        t 80 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0 \
+          --layers w13 ${s:+--split-k $s} --json "$OUT/gemv-int4-z21-${s:-auto}.json" | grep -E "g32|Error|error"
+      done
+      echo "== split 2 tuned"
+      t 100 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0 --layers w13 \
+        --split-k 2 --tune --grid 8:16,16:16,16:32,32:16 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-z21-tune.json" \
+        | grep -E "g32|Error|error"
+      JSON=$OUT/h200-z21.json logged_variants 90 0 z21-auto:"--quantize int4-g32" z21-1:"--quantize int4-g32 --int4-split-k 1"
+      echo "== GPU tests"; gpu_tests 240 ;;
 esac; done
