@@ -66,7 +66,7 @@ def main():
                    help="a probe of split K: each shape as S slices of K side by side (N S rows of K / S), the "
                         "products of a split-K launch without its merge of the slices (an upper bound only: w13 "
                         "14.5 us so, run 79, but 17.7 with the merge, run 81, against 15.8 unsplit)")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="append each record to this JSON list as it is measured")
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
         p.error(f"--dp4a and --codes take 0 and 1 (got {a.dp4a}, {a.codes})")
@@ -78,7 +78,7 @@ def main():
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)
-    records = []
+    records = json.loads(a.json.read_text()) if a.json and a.json.exists() else []  # (appended to)
     for G, (name, (N, K)) in itertools.product([int(g) for g in a.groupsizes.split(",")], shapes(PRESETS[a.model]).items()):
         if name not in a.layers.split(","):
             continue

@@ -1,0 +1,173 @@
+"""What kernel boundaries cost a decode step, apart from any GEMV's arithmetic: the int4 g32 step's weight
+bytes (Llama-2-7B: per layer wqkv, wo, w13, w2 at 4.5 bits a weight, 32 layers) read by plain streaming
+kernels that only sum what they load, in three structures:
+
+  chain      one launch a GEMV, each program loading one block before the PDL wait (as kernels.int4_gemv does)
+  chain-nopdl  the same without programmatic dependent launch
+  persistent one launch a step: programs resident on every SM take the GEMVs in turn, with a grid-wide wait
+             (an atomic count) between them; with --prefetch, each program's first block of the next GEMV
+             loads before that wait
+
+Each GEMV's result depends on the one before (a value read after the wait), as in decode. Timed as CUDA graph
+replays, against the copy ceiling (bench.copy_bandwidth). If the chain comes near the ceiling, the int4 step's
+distance from it is inside its kernels, not between them; the persistent rows bound what carrying the
+GEMVs across grid-wide waits (one program structure for a whole step) could gain.
+
+    python benchmarks/boundaries.py [--layers 32] [--program-kb 64] [--programs-per-sm 1,2,3] [--json PATH]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels  # noqa: E402
+from bench import copy_bandwidth  # noqa: E402
+from benchmarks.gemv import time_calls  # noqa: E402
+
+# bytes a GEMV of the Llama-2-7B int4 g32 step reads (N K 4.5 / 8: words and 8-bit scale/zero codes)
+GEMVS = {"wqkv": 12288 * 4096, "wo": 4096 * 4096, "w13": 22016 * 4096, "w2": 4096 * 11008}
+BLOCK = 4096  # int32 words a program loads a step (16 KB, as a w13 program's block)
+
+
+@triton.jit
+def _stream_kernel(w_ptr, prev_ptr, out_ptr, n_words, STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program pid sums words [pid STEPS BLOCK, +STEPS BLOCK) of this GEMV's n_words, its first block loaded
+    before the PDL wait, then adds the previous GEMV's value (read after the wait) and stores the sum."""
+    pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    offs = pid * (STEPS * BLOCK) + tl.arange(0, BLOCK)
+    acc = tl.load(w_ptr + offs, mask=offs < n_words, other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    dep = tl.load(prev_ptr)
+    for s in range(1, STEPS):
+        offs += BLOCK
+        acc += tl.load(w_ptr + offs, mask=offs < n_words, other=0)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0).to(tl.float32) + dep)
+
+
+@triton.jit
+def _persistent_kernel(w_ptr, starts_ptr, sizes_ptr, out_ptr, count_ptr, n_gemvs, STEPS: tl.constexpr,
+                       BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """All programs resident: GEMV g's words [starts[g], + sizes[g]) in chunks of STEPS BLOCK, chunk c to
+    program c mod P; after each GEMV a grid-wide wait (every program adds 1 to count_ptr, zeroed before the
+    launch, and spins until it reaches (g + 1) P); then the chunk's sum plus a value written before the wait
+    by program 0 (the dependency). PREFETCH: the first block of a program's next chunk loads before the wait."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    CHUNK: tl.constexpr = STEPS * BLOCK
+    dep = tl.zeros((1,), tl.float32).sum(axis=0)  # (a float32 scalar, carried by the loop)
+    start = tl.load(starts_ptr)
+    size = tl.load(sizes_ptr)
+    offs = start + pid * CHUNK + tl.arange(0, BLOCK)
+    first = tl.load(w_ptr + offs, mask=offs < start + size, other=0)
+    for g in range(0, n_gemvs):
+        acc = first
+        c = pid
+        while c * CHUNK < size:
+            base = start + c * CHUNK + tl.arange(0, BLOCK)
+            if c != pid:
+                acc += tl.load(w_ptr + base, mask=base < start + size, other=0)
+            for s in range(1, STEPS):
+                at = base + s * BLOCK
+                acc += tl.load(w_ptr + at, mask=at < start + size, other=0)
+            c += P
+        total = tl.sum(acc, axis=0).to(tl.float32) + dep
+        tl.store(out_ptr + g * P + pid, total)
+        if g + 1 < n_gemvs:
+            start = tl.load(starts_ptr + g + 1)
+            size = tl.load(sizes_ptr + g + 1)
+            first = tl.zeros((BLOCK,), tl.int32)
+            if PREFETCH:
+                offs = start + pid * CHUNK + tl.arange(0, BLOCK)
+                first = tl.load(w_ptr + offs, mask=offs < start + size, other=0)
+            tl.debug_barrier()  # every thread's stores are issued before the count (a release)
+            tl.atomic_add(count_ptr, 1, sem="release")
+            target = (g + 1) * P
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+            while seen < target:
+                seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+            tl.debug_barrier()
+            dep = tl.load(out_ptr + g * P, cache_modifier=".cg")  # the dependency: program 0's sum
+            if not PREFETCH:
+                offs = start + pid * CHUNK + tl.arange(0, BLOCK)
+                first = tl.load(w_ptr + offs, mask=offs < start + size, other=0)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--program-kb", type=int, default=64, help="bytes a program streams, in KB (a multiple of 16)")
+    p.add_argument("--programs-per-sm", default="1,2,3", help="persistent programs an SM (8 warps each; a count "
+                   "whose registers do not fit is skipped)")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    ceiling = copy_bandwidth(dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    steps = a.program_kb * 1024 // (BLOCK * 4)
+    sizes = [v * 9 // 16 // 4 for _ in range(a.layers) for v in GEMVS.values()]  # int32 words (4.5 bits a weight)
+    sizes = [-(-s // BLOCK) * BLOCK for s in sizes]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    total_bytes = 4 * sum(sizes)
+    w = torch.randint(-2**31, 2**31 - 1, (sum(sizes),), device=dev, dtype=torch.int32)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy ceiling "
+          f"{ceiling:.0f} GB/s; {len(sizes)} GEMVs, {total_bytes / 1e9:.2f} GB a step, {a.program_kb} KB a program",
+          flush=True)
+    chunk = steps * BLOCK
+    outs = [torch.zeros(-(-s // chunk), device=dev) for s in sizes]
+    zero = torch.zeros(1, device=dev)
+    pdl_ok = kernels.pdl(w)
+    records = []
+
+    def report(name, seconds, **extra):
+        rec = dict(structure=name, us_a_step=seconds * 1e6, gb_s=total_bytes / seconds / 1e9,
+                   pct_of_ceiling=100 * total_bytes / seconds / 1e9 / ceiling, ceiling_gb_s=ceiling,
+                   gemvs=len(sizes), bytes=total_bytes, program_kb=a.program_kb, gpu=torch.cuda.get_device_name(),
+                   torch=torch.__version__, triton=triton.__version__, command="python " + " ".join(sys.argv), **extra)
+        records.append(rec)
+        print(f"{name:28s} {rec['us_a_step']:8.1f} us a step  {rec['gb_s']:6.0f} GB/s = {rec['pct_of_ceiling']:5.1f}%"
+              f"  ({rec['us_a_step'] / len(sizes):.2f} us a GEMV)", flush=True)
+        if a.json:
+            a.json.write_text(json.dumps(records, indent=1) + "\n")
+
+    for pdl in ([True, False] if pdl_ok else [False]):
+        def chain(pdl=pdl):
+            prev = zero
+            for start, size, out in zip(starts, sizes, outs):
+                _stream_kernel[(out.numel(),)](w[start:], prev, out, size, STEPS=steps, BLOCK=BLOCK, PDL=pdl,
+                                               num_warps=8, **({"launch_pdl": True} if pdl else {}))
+                prev = out
+        report("chain" if pdl else "chain-nopdl", time_calls([chain]))
+
+    starts_t = torch.tensor(starts, device=dev, dtype=torch.int64)
+    sizes_t = torch.tensor(sizes, device=dev, dtype=torch.int64)
+    count = torch.zeros(1, device=dev, dtype=torch.int32)
+    for per_sm in (int(v) for v in a.programs_per_sm.split(",")):
+        programs = sms * per_sm
+        out = torch.zeros(len(sizes) * programs, device=dev)
+        for prefetch in (False, True):
+            # one program first (its wait passes at once): the build's registers say whether `per_sm` programs
+            # of 8 warps fit an SM together, without which the grid-wide wait would never end
+            count.zero_()
+            built = _persistent_kernel[(1,)](w, starts_t, sizes_t, out, count, len(sizes), STEPS=steps, BLOCK=BLOCK,
+                                             PREFETCH=prefetch, num_warps=8)
+            if built.n_regs * 256 * per_sm > 65536:
+                print(f"persistent {per_sm}/SM: skipped ({built.n_regs} registers a thread)", flush=True)
+                continue
+            def persistent(programs=programs, out=out, prefetch=prefetch):
+                count.zero_()
+                _persistent_kernel[(programs,)](w, starts_t, sizes_t, out, count, len(sizes), STEPS=steps,
+                                                BLOCK=BLOCK, PREFETCH=prefetch, num_warps=8)
+            report(f"persistent {per_sm}/SM{' prefetch' if prefetch else ''}", time_calls([persistent]),
+                   programs=programs, prefetch=prefetch)
+
+
+if __name__ == "__main__":
+    main()
