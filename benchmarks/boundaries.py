@@ -53,6 +53,35 @@ def _stream_kernel(w_ptr, prev_ptr, out_ptr, n_words, STEPS: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _tile_kernel(w_ptr, prev_ptr, out_ptr, n_rows, row_words, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 TILED: tl.constexpr, PDL: tl.constexpr):
+    """As _stream_kernel, over a GEMV's words as a matrix [n_rows, row_words] (row_words a multiple of COLS):
+    program pid sums rows [pid ROWS, + ROWS), COLS words of each a step, as kernels.int4_gemv loads its tiles.
+    TILED: each step's [ROWS, COLS] tile lies contiguous in memory (rows' blocks, then steps, then the tile's
+    rows), where in the row-major layout its ROWS pieces of COLS words lie a row apart."""
+    pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, COLS)
+    ok = (rows < n_rows)[:, None]
+    if TILED:
+        at = pid * (ROWS * row_words) + tl.arange(0, ROWS)[:, None] * COLS + cols[None, :]
+        step = ROWS * COLS
+    else:
+        at = rows[:, None] * row_words + cols[None, :]
+        step = COLS
+    acc = tl.load(w_ptr + at, mask=ok, other=0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    dep = tl.load(prev_ptr)
+    for c in range(COLS, row_words, COLS):
+        at += step
+        acc += tl.load(w_ptr + at, mask=ok, other=0)
+    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0).to(tl.float32) + dep)
+
+
+@triton.jit
 def _persistent_kernel(w_ptr, starts_ptr, sizes_ptr, out_ptr, count_ptr, n_gemvs, STEPS: tl.constexpr,
                        BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     """All programs resident: GEMV g's words [starts[g], + sizes[g]) in chunks of STEPS BLOCK, chunk c to
@@ -106,6 +135,9 @@ def main():
     p.add_argument("--program-kb", type=int, default=64, help="bytes a program streams, in KB (a multiple of 16)")
     p.add_argument("--programs-per-sm", default="1,2,3", help="persistent programs an SM (8 warps each; a count "
                    "whose registers do not fit is skipped)")
+    p.add_argument("--tiles", action="store_true",
+                   help="instead: the GEMVs as matrices (K 4.5 / 32 words a row), each program a block of rows, 128 "
+                        "words of each a step, in the row-major layout and tiled (each step's tile contiguous)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     dev = torch.device("cuda")
@@ -137,6 +169,24 @@ def main():
         if a.json:
             a.json.write_text(json.dumps(records, indent=1) + "\n")
 
+    if a.tiles:
+        # (rows a program: wqkv 32, wo 16, w13 32 (16 of gate, 16 of up), w2 16, as int4_config's g32 launches)
+        shapes = [(n, -(-k * 9 // 64 // 128) * 128, rows) for _ in range(a.layers)
+                  for n, k, rows in ((12288, 4096, 32), (4096, 4096, 16), (22016, 4096, 32), (4096, 11008, 16))]
+        offsets = [sum(n * words for n, words, _ in shapes[:i]) for i in range(len(shapes))]
+        total_bytes = 4 * sum(n * words for n, words, _ in shapes)
+        del w
+        w = torch.randint(-2**31, 2**31 - 1, (total_bytes // 4,), device=dev, dtype=torch.int32)
+        outs = [torch.zeros(-(-n // r), device=dev) for n, _, r in shapes]
+        for tiled in (False, True):
+            def tiles(tiled=tiled):
+                prev = zero
+                for (n, words, r), off, out in zip(shapes, offsets, outs):
+                    _tile_kernel[(out.numel(),)](w[off:], prev, out, n, words, ROWS=r, COLS=128, TILED=tiled,
+                                                 PDL=pdl_ok, num_warps=8, **({"launch_pdl": True} if pdl_ok else {}))
+                    prev = out
+            report("tiles, " + ("tiled" if tiled else "row-major"), time_calls([tiles]), tiled=tiled, pdl=pdl_ok)
+        return
     for pdl in ([True, False] if pdl_ok else [False]):
         def chain(pdl=pdl):
             prev = zero

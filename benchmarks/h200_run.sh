@@ -557,4 +557,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # streamed by summing kernels, one launch a GEMV (with and without PDL) or one persistent launch a step
       t 200 python3 benchmarks/boundaries.py --json "$OUT/boundaries-z22.json"
       t 100 python3 benchmarks/boundaries.py --program-kb 32 --programs-per-sm 2 --json "$OUT/boundaries-z22-32k.json" ;;
+  z23) # run 83 (session 17): the same bytes as the GEMVs' tiles (a block of rows, 128 words of each a step), in the
+      # row-major layout the int4 GEMV reads, and tiled (each step's tile contiguous)
+      t 100 python3 benchmarks/boundaries.py --tiles --json "$OUT/boundaries-z23.json" ;;
 esac; done
