@@ -35,18 +35,22 @@ BLOCK = 4096  # int32 words a program loads a step (16 KB, as a w13 program's bl
 
 
 @triton.jit
-def _stream_kernel(w_ptr, prev_ptr, out_ptr, n_words, STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program pid sums words [pid STEPS BLOCK, +STEPS BLOCK) of this GEMV's n_words, its first block loaded
-    before the PDL wait, then adds the previous GEMV's value (read after the wait) and stores the sum."""
+def _stream_kernel(w_ptr, prev_ptr, out_ptr, n_words, STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                   EARLY: tl.constexpr = 1):
+    """Program pid sums words [pid STEPS BLOCK, +STEPS BLOCK) of this GEMV's n_words, its first EARLY blocks
+    loaded before the PDL wait, then adds the previous GEMV's value (read after the wait) and stores the sum."""
     pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     offs = pid * (STEPS * BLOCK) + tl.arange(0, BLOCK)
     acc = tl.load(w_ptr + offs, mask=offs < n_words, other=0)
+    for s in tl.static_range(1, EARLY):
+        acc += tl.load(w_ptr + offs + s * BLOCK, mask=offs + s * BLOCK < n_words, other=0)
+    offs += (EARLY - 1) * BLOCK
     if PDL:
         tl.extra.cuda.gdc_wait()
     dep = tl.load(prev_ptr)
-    for s in range(1, STEPS):
+    for s in range(EARLY, STEPS):
         offs += BLOCK
         acc += tl.load(w_ptr + offs, mask=offs < n_words, other=0)
     tl.store(out_ptr + pid, tl.sum(acc, axis=0).to(tl.float32) + dep)
@@ -134,7 +138,8 @@ def main():
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--program-kb", type=int, default=64, help="bytes a program streams, in KB (a multiple of 16)")
     p.add_argument("--programs-per-sm", default="1,2,3", help="persistent programs an SM (8 warps each; a count "
-                   "whose registers do not fit is skipped)")
+                   "whose registers do not fit is skipped; 0: none)")
+    p.add_argument("--early", default="1", help="comma-separated: blocks a chained program loads before the PDL wait")
     p.add_argument("--tiles", action="store_true",
                    help="instead: the GEMVs as matrices (K 4.5 / 32 words a row), each program a block of rows, 128 "
                         "words of each a step, in the row-major layout and tiled (each step's tile contiguous)")
@@ -187,14 +192,16 @@ def main():
                     prev = out
             report("tiles, " + ("tiled" if tiled else "row-major"), time_calls([tiles]), tiled=tiled, pdl=pdl_ok)
         return
-    for pdl in ([True, False] if pdl_ok else [False]):
-        def chain(pdl=pdl):
+    for pdl, early in [(True, int(e)) for e in a.early.split(",") if pdl_ok] + [(False, 1)]:
+        def chain(pdl=pdl, early=early):
             prev = zero
             for start, size, out in zip(starts, sizes, outs):
                 _stream_kernel[(out.numel(),)](w[start:], prev, out, size, STEPS=steps, BLOCK=BLOCK, PDL=pdl,
-                                               num_warps=8, **({"launch_pdl": True} if pdl else {}))
+                                               EARLY=early, num_warps=8, **({"launch_pdl": True} if pdl else {}))
                 prev = out
-        report("chain" if pdl else "chain-nopdl", time_calls([chain]))
+        report(f"chain, {early} early" if pdl else "chain-nopdl", time_calls([chain]), early=early, pdl=pdl)
+    if a.programs_per_sm == "0":
+        return
 
     starts_t = torch.tensor(starts, device=dev, dtype=torch.int64)
     sizes_t = torch.tensor(sizes, device=dev, dtype=torch.int64)

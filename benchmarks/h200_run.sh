@@ -560,4 +560,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   z23) # run 83 (session 17): the same bytes as the GEMVs' tiles (a block of rows, 128 words of each a step), in the
       # row-major layout the int4 GEMV reads, and tiled (each step's tile contiguous)
       t 100 python3 benchmarks/boundaries.py --tiles --json "$OUT/boundaries-z23.json" ;;
+  z24) # run 84 (session 17): chained streaming programs of 64 and 128 KB with 1, 2 or all of their blocks loaded
+      # before the PDL wait: is it the programs' size or the share they load before the wait
+      t 60 python3 benchmarks/boundaries.py --early 1,2,4 --programs-per-sm 0 --json "$OUT/boundaries-z24-64k.json"
+      t 60 python3 benchmarks/boundaries.py --program-kb 128 --early 1,2,4,8 --programs-per-sm 0 \
+        --json "$OUT/boundaries-z24-128k.json" ;;
 esac; done
