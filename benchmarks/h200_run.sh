@@ -553,7 +553,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         | grep -E "g32|Error|error"
       JSON=$OUT/h200-z21.json logged_variants 90 0 z21-auto:"--quantize int4-g32" z21-1:"--quantize int4-g32 --int4-split-k 1"
       echo "== GPU tests"; gpu_tests 240 ;;
-  z22) # run 82 (session 17): what kernel boundaries cost apart from arithmetic: the int4 g32 step's weight bytes
+  z22) # run 82 (session 17; benchmarks/boundaries-h200.json): what kernel boundaries cost apart from arithmetic: the int4 g32 step's weight bytes
       # streamed by summing kernels, one launch a GEMV (with and without PDL) or one persistent launch a step
       t 200 python3 benchmarks/boundaries.py --json "$OUT/boundaries-z22.json"
       t 100 python3 benchmarks/boundaries.py --program-kb 32 --programs-per-sm 2 --json "$OUT/boundaries-z22-32k.json" ;;
