@@ -139,7 +139,8 @@ def main():
     p.add_argument("--program-kb", type=int, default=64, help="bytes a program streams, in KB (a multiple of 16)")
     p.add_argument("--programs-per-sm", default="1,2,3", help="persistent programs an SM (8 warps each; a count "
                    "whose registers do not fit is skipped; 0: none)")
-    p.add_argument("--early", default="1", help="comma-separated: blocks a chained program loads before the PDL wait")
+    p.add_argument("--early", default="1", help="comma-separated: blocks a chained program loads before the PDL wait "
+                   "(runs 82-84: its loop after the wait unrolled, except at 128 KB with 1 block early)")
     p.add_argument("--tiles", action="store_true",
                    help="instead: the GEMVs as matrices (K 4.5 / 32 words a row), each program a block of rows, 128 "
                         "words of each a step, in the row-major layout and tiled (each step's tile contiguous)")
@@ -149,6 +150,8 @@ def main():
     ceiling = copy_bandwidth(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     steps = a.program_kb * 1024 // (BLOCK * 4)
+    if a.program_kb % 16 or any(not 1 <= int(e) <= steps for e in a.early.split(",")):
+        p.error(f"--program-kb must be a multiple of 16, and --early blocks 1..{steps} (its 16 KB blocks)")
     sizes = [v * 9 // 16 // 4 for _ in range(a.layers) for v in GEMVS.values()]  # int32 words (4.5 bits a weight)
     sizes = [-(-s // BLOCK) * BLOCK for s in sizes]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -542,7 +542,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       done ;;
   z21) # run 81 (session 17), on commit 652008d (K split in halves for gate/up: kernels.int4_split and the kernel's SPLIT;
       # reverted in 267f881 after this run): the GEMV with the rule and without, a small tuning of the split launch,
-      # the 7B step both ways, then the GPU tests. Lost: w13 17.7 us split against 15.8, the step 631.4 tok/s against 663.7
+      # the 7B step both ways, then the GPU tests (41 passed). Lost: w13 17.7 us split against 15.8, the step 631.4 tok/s
+      # against 663.7
       for s in "" 1; do echo "== gemvs, split ${s:-auto}"
         t 80 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0 \
           --layers w13 ${s:+--split-k $s} --json "$OUT/gemv-int4-z21-${s:-auto}.json" | grep -E "g32|Error|error"
@@ -557,8 +558,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # streamed by summing kernels, one launch a GEMV (with and without PDL) or one persistent launch a step
       t 200 python3 benchmarks/boundaries.py --json "$OUT/boundaries-z22.json"
       t 100 python3 benchmarks/boundaries.py --program-kb 32 --programs-per-sm 2 --json "$OUT/boundaries-z22-32k.json" ;;
-  z23) # run 83 (session 17): the same bytes as the GEMVs' tiles (a block of rows, 128 words of each a step), in the
-      # row-major layout the int4 GEMV reads, and tiled (each step's tile contiguous)
+  z23) # run 83 (session 17): tiles shaped like the GEMVs' (a block of rows, 128 words of each a step; rows padded to
+      # 128 words, 10% more bytes), in a row-major layout as the int4 GEMV reads, and tiled (each step's tile contiguous)
       t 100 python3 benchmarks/boundaries.py --tiles --json "$OUT/boundaries-z23.json" ;;
   z24) # run 84 (session 17): chained streaming programs of 64 and 128 KB with 1, 2 or all of their blocks loaded
       # before the PDL wait: is it the programs' size or the share they load before the wait
