@@ -524,20 +524,11 @@ if triton is not None:
         return units
 
     @triton.jit
-    def _l2_prefetch_range(ptr, nbytes):
-        """Asks L2 for nbytes (a multiple of 16) at ptr (16-aligned), from the program's first thread
-        (cp.async.bulk.prefetch.L2, sm_90; nothing waits for it). The asm's result is a placeholder."""
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p, q; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.and.s32 q, $2, 0, p; "
-            "@q cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
-            [ptr.to(tl.int64), nbytes.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _int4_gemv_kernel(x_ptr, xs_ptr, w_ptr, sz_ptr, u_ptr, g_ptr, r_ptr, y_ptr, N, K, n_groups, eps, w_unscale,
                           NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, G: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr,
                           PDL: tl.constexpr, DP4A: tl.constexpr, CODES: tl.constexpr, XQ: tl.constexpr,
-                          XG: tl.constexpr, EMULATE: tl.constexpr, EARLY: tl.constexpr, L2_OWN: tl.constexpr = False):
+                          XG: tl.constexpr, EMULATE: tl.constexpr, EARLY: tl.constexpr):
         """y[n] = sum_k x[k] W[n, k] for one row x [K] and int4 W (the layout above, K a multiple of
         G), with _gemv_kernel's fusions (NORM, SWIGLU: W holds 2N rows, gate above up; RESIDUAL) and
         PDL. Each program takes BLOCK_N rows over all of K, BLOCK_G groups a step; each word's float16
@@ -555,14 +546,6 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(rn, N - 1)  # rows past N are computed on row N - 1 and not stored
-        if L2_OWN and not EMULATE:  # (an experiment) all of this program's weights asked of L2 before the wait
-            n_rows = tl.minimum(BLOCK_N, N - pid * BLOCK_N)
-            row0 = (pid * BLOCK_N).to(tl.int64)
-            _l2_prefetch_range(w_ptr + row0 * (n_groups * (G // 8)), n_rows * n_groups * (G // 2))
-            _l2_prefetch_range(sz_ptr + row0 * n_groups, n_rows * n_groups * (2 if CODES else 4))
-            if SWIGLU:
-                _l2_prefetch_range(w_ptr + (row0 + N) * (n_groups * (G // 8)), n_rows * n_groups * (G // 2))
-                _l2_prefetch_range(sz_ptr + (row0 + N) * n_groups, n_rows * n_groups * (2 if CODES else 4))
         if DP4A:
             acc = tl.zeros((BLOCK_N, BLOCK_G), tl.float32)
             acc_up = tl.zeros((BLOCK_N, BLOCK_G), tl.float32)  # SWIGLU only
@@ -1096,7 +1079,7 @@ def int4_gemv(x: torch.Tensor, weight: torch.Tensor, sz: torch.Tensor, w_unscale
         NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu, G=groupsize,
         BLOCK_N=block_n, BLOCK_G=block_g, PREFETCH=bool(prefetch) and prefetch != 2, PDL=use_pdl, DP4A=dp4a,
         CODES=units is not None, XQ=xq is not None, XG=x_group, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        EARLY=2 if prefetch == 2 else 1, L2_OWN=os.environ.get("GRAPHDECODE_INT4_L2_OWN") == "1",
+        EARLY=2 if prefetch == 2 else 1,
         num_warps=warps, num_stages=stages, **({"launch_pdl": True} if use_pdl else {}))
     return y.view(*x.shape[:-1], N)
 
