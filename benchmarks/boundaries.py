@@ -36,20 +36,31 @@ BLOCK = 4096  # int32 words a program loads a step (16 KB, as a w13 program's bl
 
 @triton.jit
 def _stream_kernel(w_ptr, prev_ptr, out_ptr, n_words, STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                   EARLY: tl.constexpr = 1):
+                   EARLY: tl.constexpr = 1, HOLD: tl.constexpr = False, WORK: tl.constexpr = 0):
     """Program pid sums words [pid STEPS BLOCK, +STEPS BLOCK) of this GEMV's n_words, its first EARLY blocks
-    loaded before the PDL wait, then adds the previous GEMV's value (read after the wait) and stores the sum."""
+    loaded before the PDL wait, then adds the previous GEMV's value (read after the wait) and stores the sum.
+    HOLD (EARLY a power of two): the early blocks stay in registers until after the wait, where each word is
+    combined with the previous GEMV's value, as a GEMV's products wait for x; WORK: then that many dependent
+    integer steps on each of the BLOCK sums, after the wait, as a GEMV's arithmetic holds its program's slot."""
     pid = tl.program_id(0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     offs = pid * (STEPS * BLOCK) + tl.arange(0, BLOCK)
-    acc = tl.load(w_ptr + offs, mask=offs < n_words, other=0)
-    for s in tl.static_range(1, EARLY):
-        acc += tl.load(w_ptr + offs + s * BLOCK, mask=offs + s * BLOCK < n_words, other=0)
+    if HOLD:
+        at = pid * (STEPS * BLOCK) + tl.arange(0, EARLY * BLOCK)
+        held = tl.load(w_ptr + at, mask=at < n_words, other=0)
+    else:
+        acc = tl.load(w_ptr + offs, mask=offs < n_words, other=0)
+        for s in tl.static_range(1, EARLY):
+            acc += tl.load(w_ptr + offs + s * BLOCK, mask=offs + s * BLOCK < n_words, other=0)
     offs += (EARLY - 1) * BLOCK
     if PDL:
         tl.extra.cuda.gdc_wait()
     dep = tl.load(prev_ptr)
+    if HOLD:
+        acc = tl.sum(tl.reshape(held ^ dep.to(tl.int32, bitcast=True), (EARLY, BLOCK)), axis=0)
+    for _ in range(WORK):
+        acc = acc * 1664525 + 1013904223
     for s in range(EARLY, STEPS):
         offs += BLOCK
         acc += tl.load(w_ptr + offs, mask=offs < n_words, other=0)
@@ -141,6 +152,10 @@ def main():
                    "whose registers do not fit is skipped; 0: none)")
     p.add_argument("--early", default="1", help="comma-separated: blocks a chained program loads before the PDL wait "
                    "(runs 82-84: its loop after the wait unrolled, except at 128 KB with 1 block early)")
+    p.add_argument("--hold", action="store_true", help="chained programs keep their early blocks in registers until "
+                   "after the wait, where each word takes the previous GEMV's value (as a GEMV's products wait for x)")
+    p.add_argument("--work", default="0", help="comma-separated: dependent integer steps on each sum after the wait "
+                   "(a GEMV's arithmetic, holding the program's slot)")
     p.add_argument("--tiles", action="store_true",
                    help="instead: the GEMVs as matrices (K 4.5 / 32 words a row), each program a block of rows, 128 "
                         "words of each a step, in the row-major layout and tiled (each step's tile contiguous)")
@@ -152,6 +167,8 @@ def main():
     steps = a.program_kb * 1024 // (BLOCK * 4)
     if a.program_kb % 16 or any(not 1 <= int(e) <= steps for e in a.early.split(",")):
         p.error(f"--program-kb must be a multiple of 16, and --early blocks 1..{steps} (its 16 KB blocks)")
+    if a.hold and any(int(e) & (int(e) - 1) for e in a.early.split(",")):
+        p.error("--hold takes --early blocks in powers of two")
     sizes = [v * 9 // 16 // 4 for _ in range(a.layers) for v in GEMVS.values()]  # int32 words (4.5 bits a weight)
     sizes = [-(-s // BLOCK) * BLOCK for s in sizes]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -195,14 +212,17 @@ def main():
                     prev = out
             report("tiles, " + ("tiled" if tiled else "row-major"), time_calls([tiles]), tiled=tiled, pdl=pdl_ok)
         return
-    for pdl, early in [(True, int(e)) for e in a.early.split(",") if pdl_ok] + [(False, 1)]:
-        def chain(pdl=pdl, early=early):
+    for pdl, early, work in ([(True, int(e), int(k)) for e in a.early.split(",") for k in a.work.split(",") if pdl_ok]
+                             + [(False, 1, 0)]):
+        def chain(pdl=pdl, early=early, work=work):
             prev = zero
             for start, size, out in zip(starts, sizes, outs):
                 _stream_kernel[(out.numel(),)](w[start:], prev, out, size, STEPS=steps, BLOCK=BLOCK, PDL=pdl,
-                                               EARLY=early, num_warps=8, **({"launch_pdl": True} if pdl else {}))
+                                               EARLY=early, HOLD=a.hold, WORK=work, num_warps=8,
+                                               **({"launch_pdl": True} if pdl else {}))
                 prev = out
-        report(f"chain, {early} early" if pdl else "chain-nopdl", time_calls([chain]), early=early, pdl=pdl)
+        name = f"chain, {early} early{', held' if a.hold else ''}{f', work {work}' if work else ''}"
+        report(name if pdl else "chain-nopdl", time_calls([chain]), early=early, pdl=pdl, hold=a.hold, work=work)
     if a.programs_per_sm == "0":
         return
 

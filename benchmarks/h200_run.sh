@@ -572,4 +572,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # after runs 82-84 found streaming at the ceiling when a program's bytes are all requested before its wait
       GRAPHDECODE_INT4_L2_OWN=1 JSON=$OUT/h200-z25.json logged_variants 75 0 z25-own:"--quantize int4-g32"
       JSON=$OUT/h200-z25.json logged_variants 75 0 z25-none:"--quantize int4-g32" ;;
+  z26) # prepared in session 17, not run (no device time left): runs 82-84's chained streaming programs that hold their
+      # early blocks in registers until after the PDL wait (--hold: each word takes the previous GEMV's value there,
+      # as a GEMV's products wait for x), then do N dependent integer steps a sum (--work: a GEMV's arithmetic,
+      # holding the slot). Does holding and computing after the wait cost what the int4 GEMVs lose (77% vs 106%)?
+      t 80 python3 benchmarks/boundaries.py --hold --early 1,4 --work 0,16,64,256 --programs-per-sm 0 \
+        --json "$OUT/boundaries-z26-64k.json"
+      t 60 python3 benchmarks/boundaries.py --program-kb 128 --hold --early 8 --work 0,16,64 --programs-per-sm 0 \
+        --json "$OUT/boundaries-z26-128k.json" ;;
 esac; done
