@@ -34,6 +34,11 @@ GEMVS = {"wqkv": 12288 * 4096, "wo": 4096 * 4096, "w13": 22016 * 4096, "w2": 409
 BLOCK = 4096  # int32 words a program loads a step (16 KB, as a w13 program's block)
 
 
+def words(weights: int) -> int:
+    """int32 words that `weights` int4 weights take with their 8-bit scale and zero codes at group 32 (4.5 bits)."""
+    return weights * 9 // 64
+
+
 @triton.jit
 def _stream_kernel(w_ptr, prev_ptr, out_ptr, n_words, STEPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
                    EARLY: tl.constexpr = 1, HOLD: tl.constexpr = False, WORK: tl.constexpr = 0):
@@ -169,7 +174,7 @@ def main():
         p.error(f"--program-kb must be a multiple of 16, and --early blocks 1..{steps} (its 16 KB blocks)")
     if a.hold and any(int(e) & (int(e) - 1) for e in a.early.split(",")):
         p.error("--hold takes --early blocks in powers of two")
-    sizes = [v * 9 // 16 // 4 for _ in range(a.layers) for v in GEMVS.values()]  # int32 words (4.5 bits a weight)
+    sizes = [words(v) for _ in range(a.layers) for v in GEMVS.values()]
     sizes = [-(-s // BLOCK) * BLOCK for s in sizes]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     total_bytes = 4 * sum(sizes)
@@ -196,7 +201,7 @@ def main():
 
     if a.tiles:
         # (rows a program: wqkv 32, wo 16, w13 32 (16 of gate, 16 of up), w2 16, as int4_config's g32 launches)
-        shapes = [(n, -(-k * 9 // 64 // 128) * 128, rows) for _ in range(a.layers)
+        shapes = [(n, -(-words(k) // 128) * 128, rows) for _ in range(a.layers)
                   for n, k, rows in ((12288, 4096, 32), (4096, 4096, 16), (22016, 4096, 32), (4096, 11008, 16))]
         offsets = [sum(n * words for n, words, _ in shapes[:i]) for i in range(len(shapes))]
         total_bytes = 4 * sum(n * words for n, words, _ in shapes)
