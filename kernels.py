@@ -957,6 +957,13 @@ INT4_LAUNCHES = {
 }
 
 
+# GRAPHDECODE_INT4_LAUNCH="gate/up=8,4096,8;long=4,16384,8": an experiment's launches (rows, columns, warps)
+# for the integer kernel on one row of x in bf16, by shape, in place of INT4_LAUNCHES'.
+INT4_LAUNCH_OVERRIDE = {k: tuple(int(v) for v in vals.split(",")) for k, _, vals in
+                        (part.partition("=") for part in os.environ.get("GRAPHDECODE_INT4_LAUNCH", "").split(";")
+                         if part)}
+
+
 def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool = False,
                 codes: bool = False, xq: bool = False) -> tuple[int, int, int, int, bool]:
     """The launch for one row of x times int4 weights [N, K] in groups of `groupsize` (INT4_LAUNCHES),
@@ -969,6 +976,9 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     3.1 µs against 3.9 at the codes' launch, run 58; other groups not tuned)."""
     shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
     at_32, at_128, half, codes_at_32 = INT4_LAUNCHES[shape]
+    if shape in INT4_LAUNCH_OVERRIDE and dp4a and not xq:  # a scratch switch (GRAPHDECODE_INT4_LAUNCH)
+        rows, columns, warps = INT4_LAUNCH_OVERRIDE[shape]
+        return rows, max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize))), warps, 3, False
     if dp4a and xq and shape == "square":
         rows, columns, warps, prefetch = 16, 4096, 4, False
     elif dp4a:

@@ -580,4 +580,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/boundaries-z26-64k.json"
       t 60 python3 benchmarks/boundaries.py --program-kb 128 --hold --early 8 --work 0,16,64 --programs-per-sm 0 \
         --json "$OUT/boundaries-z26-128k.json" ;;
+  z27) # session 18: z26 found that programs holding all their early bytes in registers, and computing after the
+      # wait, still stream at 97% (64 KB, 4 blocks early). So: int4 GEMV launches that take all of K in one block,
+      # all loaded before the PDL wait, in the 7B step (GRAPHDECODE_INT4_LAUNCH, a scratch switch: rows,columns,warps)
+      JSON=$OUT/h200-z27.json logged_variants 75 0 z27-none:"--quantize int4-g32"
+      for l in "gate/up=8,4096,8" "gate/up=4,4096,4" "wide=8,4096,8" "wide=16,4096,8" "long=4,16384,8" "long=8,16384,8" \
+               "gate/up=8,4096,8;wide=8,4096,8;long=4,16384,8" "gate/up=4,4096,4;wide=8,4096,4;long=4,16384,4"; do
+        GRAPHDECODE_INT4_LAUNCH="$l" JSON=$OUT/h200-z27.json logged_variants 75 0 "z27-${l//[^a-z0-9]/_}":"--quantize int4-g32"
+      done ;;
 esac; done
