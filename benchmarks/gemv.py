@@ -64,6 +64,7 @@ def fastest(time_launch, grid, best, error=None, limit=float("inf")):
         except Exception as e:
             print(f"    {launch}: {type(e).__name__}", flush=True)
             continue
+        print(f"    {launch}: {t * 1e6:.1f} us", flush=True)
         if t < best[0]:
             best = (t, launch)
     return time_launch(best[1], 10), best[1]

@@ -588,4 +588,15 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
                "gate/up=8,4096,8;wide=8,4096,8;long=4,16384,8" "gate/up=4,4096,4;wide=8,4096,4;long=4,16384,4"; do
         GRAPHDECODE_INT4_LAUNCH="$l" JSON=$OUT/h200-z27.json logged_variants 75 0 "z27-${l//[^a-z0-9]/_}":"--quantize int4-g32"
       done ;;
+  z28) # session 18, after z27 lost (all of K in one block: 383-591 tok/s against 672.5): the probe's best shape,
+      # 32-36 KB programs with half their bytes in the first block (100.3% in run 82), and the GEMVs alone at
+      # those launches, to tell a slow kernel from a slow chain
+      t 150 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --codes 1 --xq 0 \
+        --layers wqkv,w13,w2 --tune --grid 4:64,8:16,8:32,8:64,16:16,16:32,16:64 --warps 4,8 --prefetch 0 \
+        --json "$OUT/gemv-z28.json" | grep -v "^ *$" | tail -60
+      JSON=$OUT/h200-z28.json logged_variants 75 0 z28-none:"--quantize int4-g32"
+      for l in "gate/up=8,2048,8" "gate/up=8,2048,4" "wide=16,2048,8" "long=8,4096,8" \
+               "gate/up=8,2048,8;wide=16,2048,8;long=8,4096,8"; do
+        GRAPHDECODE_INT4_LAUNCH="$l" JSON=$OUT/h200-z28.json logged_variants 75 0 "z28-${l//[^a-z0-9]/_}":"--quantize int4-g32"
+      done ;;
 esac; done
