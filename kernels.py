@@ -957,11 +957,27 @@ INT4_LAUNCHES = {
 }
 
 
-# GRAPHDECODE_INT4_LAUNCH="gate/up=8,4096,8;long=4,16384,8": an experiment's launches (rows, columns, warps)
-# for the integer kernel on one row of x in bf16, by shape, in place of INT4_LAUNCHES'.
-INT4_LAUNCH_OVERRIDE = {k: tuple(int(v) for v in vals.split(",")) for k, _, vals in
-                        (part.partition("=") for part in os.environ.get("GRAPHDECODE_INT4_LAUNCH", "").split(";")
-                         if part)}
+def int4_launch_override(text: str) -> dict[str, tuple[int, int, int]]:
+    """GRAPHDECODE_INT4_LAUNCH's launches for the integer kernel on one row of x in bf16, in place of
+    INT4_LAUNCHES', by shape: "gate/up=8,2048,8;long=8,4096,8" (rows a program, columns a step,
+    warps; powers of two). For timing a launch in the whole step (bench.py), which the tuner's
+    GEMVs timed alone do not always predict."""
+    launches = {}
+    for part in filter(None, text.split(";")):
+        shape, _, values = part.partition("=")
+        try:
+            rows, columns, warps = (int(v) for v in values.split(","))
+        except ValueError:
+            rows = columns = warps = 0
+        if shape not in INT4_LAUNCHES or min(rows, columns, warps) < 1 or any(
+                v & (v - 1) for v in (rows, columns, warps)):
+            raise ValueError(f"GRAPHDECODE_INT4_LAUNCH: {part!r} is not SHAPE=ROWS,COLUMNS,WARPS (shapes "
+                             f"{', '.join(INT4_LAUNCHES)}; powers of two)")
+        launches[shape] = (rows, columns, warps)
+    return launches
+
+
+INT4_LAUNCH = os.environ.get("GRAPHDECODE_INT4_LAUNCH", "")  # read at each launch (int4_config)
 
 
 def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool = False,
@@ -976,8 +992,9 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     3.1 µs against 3.9 at the codes' launch, run 58; other groups not tuned)."""
     shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
     at_32, at_128, half, codes_at_32 = INT4_LAUNCHES[shape]
-    if shape in INT4_LAUNCH_OVERRIDE and dp4a and not xq:  # a scratch switch (GRAPHDECODE_INT4_LAUNCH)
-        rows, columns, warps = INT4_LAUNCH_OVERRIDE[shape]
+    override = int4_launch_override(INT4_LAUNCH)
+    if shape in override and dp4a and not xq:
+        rows, columns, warps = override[shape]
         return rows, max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize))), warps, 3, False
     if dp4a and xq and shape == "square":
         rows, columns, warps, prefetch = 16, 4096, 4, False

@@ -592,6 +592,28 @@ def test_int4_x_in_int8_errors_and_setting(monkeypatch):
         kernels.int4_x_group(32)
 
 
+def test_int4_launch_setting(monkeypatch):
+    """GRAPHDECODE_INT4_LAUNCH replaces a shape's launch for the integer kernel on x in bf16 (columns
+    capped at K's groups, rounded up to a power of two), leaves the other shapes and x in int8 alone,
+    and anything but SHAPE=ROWS,COLUMNS,WARPS in powers of two is an error."""
+    default_w2 = kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True)
+    default_wo = kernels.int4_config(4096, 4096, 32, dp4a=True, codes=True, xq=True)
+    monkeypatch.setattr(kernels, "INT4_LAUNCH", "gate/up=8,2048,4;square=4,65536,8")
+    assert kernels.int4_config(11008, 4096, 32, swiglu=True, dp4a=True, codes=True) == (8, 64, 4, 3, False)
+    assert kernels.int4_config(4096, 4096, 32, dp4a=True) == (4, 128, 8, 3, False)
+    assert kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True) == default_w2
+    assert kernels.int4_config(4096, 4096, 32, dp4a=True, codes=True, xq=True) == default_wo
+    packed, scales, zeros, _ = int4_weights(8, 64, 32, grid=True)
+    layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
+    x = torch.randn(1, 64)
+    expect = kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 2, 4, 3, False))
+    assert torch.allclose(kernels.int4_gemv(x, *layout, dp4a=True), expect, rtol=1e-5, atol=1e-5)
+    for bad in ("gate/up=8,2048", "up=8,2048,4", "long=8,2048,3", "wide=0,1024,4", "square=a,b,c"):
+        monkeypatch.setattr(kernels, "INT4_LAUNCH", bad)
+        with pytest.raises(ValueError, match="GRAPHDECODE_INT4_LAUNCH: .* is not SHAPE=ROWS,COLUMNS,WARPS"):
+            kernels.int4_config(4096, 4096, 32, dp4a=True)
+
+
 def test_int4_gemv_takes_one_row():
     packed, scales, zeros, _ = int4_weights(16, 64, 32)
     layout = int4_gemv_layout(packed, scales, zeros, 32)
