@@ -599,4 +599,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
                "gate/up=8,2048,8;wide=16,2048,8;long=8,4096,8"; do
         GRAPHDECODE_INT4_LAUNCH="$l" JSON=$OUT/h200-z28.json logged_variants 75 0 "z28-${l//[^a-z0-9]/_}":"--quantize int4-g32"
       done ;;
+  z29) # session 18: the int4 g32 GEMV in Gluon, each program's words and codes copied into shared memory by TMA
+      # before its PDL wait, then computed in kernels.int4_gemv's small blocks (x in int8): checked against
+      # kernels.int4_gemv, then the step's chain of 128 GEMVs against kernels.int4_gemv's
+      t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4,8 --json "$OUT/gluon-z29.json" ;;
 esac; done

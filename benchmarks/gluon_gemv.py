@@ -1,0 +1,264 @@
+"""A probe: the int4 g32 GEMV with all of each program's weights in flight before its PDL wait, written in
+Gluon (Triton's lower-level language, experimental in Triton 3.6), against kernels.int4_gemv, as the 7B step
+chains them (per layer wqkv, wo, w13, w2; 32 layers; CUDA graph replays with PDL).
+
+Why: benchmarks/boundaries.py found that chained streaming programs read the step's GEMV bytes at the copy
+ceiling when each has asked for all its bytes before its PDL wait, and at 61-87% when only the first block is
+asked for there, as kernels.int4_gemv does. Larger first blocks made that Triton kernel slower (BENCHMARKS.md,
+session 18): its tiles grow with them. Here each program copies all its rows' words and codes into shared
+memory with TMA before the wait (one mbarrier), then computes on them in blocks of 32 groups, as small as the
+Triton kernel's.
+
+The arithmetic is kernels.int4_gemv's with x already in int8 (int4_quantize_x, groups of 16: its XQ form,
+which decode uses for wo): per word two dp4a, per group of 32 its scale and zero from the row's codes and
+units; RMSNorm's scale from x's sums of squares (wqkv, w13), SwiGLU (w13), the residual (wo, w2). Each shape
+is checked against kernels.int4_gemv on the same inputs, then three chains are timed:
+
+  triton       kernels.int4_gemv as the step runs it (x in bf16 for wqkv, w13, w2; in int8 for wo)
+  triton-xq    kernels.int4_gemv with x in int8 everywhere (the arithmetic the Gluon kernel does)
+  gluon        this file's kernel, x in int8 everywhere, at --rows rows a program
+
+The chains read the same x each time (decode's data flow is not needed for the timing: each kernel still
+waits for the one before at its PDL wait). On the H200 (sm_90) only.
+
+    python benchmarks/gluon_gemv.py [--layers 32] [--rows 8,16] [--warps 4] [--json PATH]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels  # noqa: E402
+from bench import copy_bandwidth  # noqa: E402
+from benchmarks.gemv import time_calls  # noqa: E402
+
+G, XG = 32, 16  # int4 groups, x's int8 groups
+CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
+# the 7B step's GEMVs at g32: rows (N; w13 gate and up), columns, and the fusions
+SHAPES = {"wqkv": (12288, 4096, "norm"), "wo": (4096, 4096, "residual"), "w13": (11008, 4096, "swiglu"),
+          "w2": (4096, 11008, "residual")}
+
+
+@gluon.jit
+def _dp4a(w, x, acc):
+    return gl.inline_asm_elementwise(asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r",
+                                     args=[w, x, acc], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _chunk(acc, w_smem, c_smem, c, unit_s, unit_z, xw_ptr, xs_ptr, n_words, n_groups, n_x,
+           L3: gl.constexpr, BN: gl.constexpr, GC: gl.constexpr):
+    """acc [BN, GC] + chunk c's products: words [BN, GC, 4] and codes [BN, GC] from shared memory."""
+    w = w_smem.load(L3)
+    codes = c_smem.load(gl.SliceLayout(2, L3)).to(gl.int32)  # (sign-extended: >> 8 is the zero's code)
+    XL: gl.constexpr = gl.SliceLayout(0, L3)
+    word = c * (GC * 4) + gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, XL)), 1) * 4 \
+        + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, XL)), 0)  # [GC, 4]
+    ok = word < n_words
+    x_lo = gl.load(xw_ptr + 2 * word, mask=ok, other=0)
+    x_hi = gl.load(xw_ptr + 2 * word + 1, mask=ok, other=0)
+    sx = gl.load(xs_ptr + word // 2, mask=ok, other=0)  # (XG 16: two words an x group)
+    dot = _dp4a((w >> 4) & 0x0F0F0F0F, gl.expand_dims(x_hi, 0),
+                _dp4a(w & 0x0F0F0F0F, gl.expand_dims(x_lo, 0), gl.zeros_like(w)))
+    part = gl.sum(dot.to(gl.float32) * gl.expand_dims(sx, 0), axis=2)  # [BN, GC]: sum over x groups of sx dot
+    GL: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, L3))
+    group = c * GC + gl.arange(0, GC, layout=GL)
+    g_ok = group < n_groups
+    qs = gl.load(xs_ptr + n_x + 2 * group, mask=g_ok, other=0) + gl.load(xs_ptr + n_x + 2 * group + 1, mask=g_ok,
+                                                                         other=0)
+    x_sum = gl.load(xs_ptr + 2 * n_x + 2 * group, mask=g_ok, other=0) + gl.load(xs_ptr + 2 * n_x + 2 * group + 1,
+                                                                                mask=g_ok, other=0)
+    s = (codes & 255).to(gl.float32) * gl.expand_dims(unit_s, 1)
+    z = (codes >> 8).to(gl.float32) * gl.expand_dims(unit_z, 1)
+    return acc + (part - 8 * gl.expand_dims(qs, 0)) * s + z * gl.expand_dims(x_sum, 0)
+
+
+@gluon.jit
+def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale,
+                          NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
+                          CHUNKS: gl.constexpr, NX_P2: gl.constexpr):
+    """y [N] for one row of x in int8 (int4_quantize_x, groups of 16) times int4 words [N (2N: SWIGLU, gate
+    above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout with units, dp4a):
+    kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
+    TMA before the PDL wait."""
+    GC: gl.constexpr = 32  # groups a chunk (CHUNK / 4 words)
+    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
+                                        warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
+    PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    HALVES: gl.constexpr = 2 if SWIGLU else 1
+    pid = gl.program_id(0)
+    gdc_launch_dependents()
+    row0 = pid * BN
+    w_smem = gl.allocate_shared_memory(gl.int32, [HALVES * CHUNKS, BN, 4 * GC], w_desc.layout)
+    c_smem = gl.allocate_shared_memory(gl.int16, [HALVES * CHUNKS, BN, GC], c_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, HALVES * CHUNKS * (w_desc.block_type.nbytes + c_desc.block_type.nbytes))
+    for h in gl.static_range(HALVES):
+        for c in gl.static_range(CHUNKS):
+            tma.async_copy_global_to_shared(w_desc, [row0 + h * N, c * 4 * GC], bar, w_smem.index(h * CHUNKS + c))
+            tma.async_copy_global_to_shared(c_desc, [row0 + h * N, c * GC], bar, c_smem.index(h * CHUNKS + c))
+    gdc_wait()  # x and the residual were written by the kernel before
+
+    RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+    rn = row0 + gl.arange(0, BN, layout=RL)
+    rows = gl.minimum(rn, N - 1)
+    n_words = K // 8
+    n_groups = K // 32
+    n_x = K // 16
+    unscale = w_unscale
+    if NORM:
+        SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                            warps_per_cta=[gl.num_warps()], order=[0])
+        xg = gl.arange(0, NX_P2, layout=SL)
+        squares = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
+        unscale = unscale * gl.rsqrt(gl.sum(squares, axis=0) / K + eps)
+    mbarrier.wait(bar, 0)
+    out = gl.zeros([BN], gl.float32, RL)
+    for h in gl.static_range(HALVES):
+        unit_s = gl.load(u_ptr + (rows + h * N) * 2)
+        unit_z = gl.load(u_ptr + (rows + h * N) * 2 + 1)
+        acc = gl.zeros([BN, GC], gl.float32, gl.SliceLayout(2, L3))
+        for c in gl.static_range(CHUNKS):
+            # (the boxes are unswizzled, so each is plain row-major: its words viewed as [BN, GC, 4])
+            w_c = w_smem.index(h * CHUNKS + c)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
+            c_c = c_smem.index(h * CHUNKS + c)._reinterpret(gl.int16, [BN, GC], PLAIN2)
+            acc = _chunk(acc, w_c, c_c, c, unit_s, unit_z, xw_ptr, xs_ptr, n_words, n_groups, n_x, L3, BN, GC)
+        if h == 0:
+            out = gl.sum(acc, axis=1) * unscale
+        else:
+            out = out / (1 + gl.exp(-out)) * (gl.sum(acc, axis=1) * unscale)
+    mbarrier.invalidate(bar)
+    if RESIDUAL:
+        out += gl.load(r_ptr + rn, mask=rn < N, other=0).to(gl.float32)
+    gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
+    """TMA descriptors of a layer's words [R, K/8] int32 and codes [R, K/32] int16, a box of `rows` rows by
+    one chunk (128 words, 32 codes); reads past the end give zeros."""
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    c_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    return (TensorDescriptor(words, list(words.shape), list(words.stride()), [rows, CHUNK], w_layout),
+            TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [rows, CHUNK // 4], c_layout))
+
+
+def gluon_gemv(layer, xq, residual, rows, warps, eps=1e-5):
+    """One call of the Gluon kernel on `layer` (make_layer's) with x in int8 `xq`."""
+    N, K, fused = layer["N"], layer["K"], layer["fused"]
+    y = torch.empty(N, device=xq.device, dtype=torch.bfloat16)
+    n_x = K // XG
+    chunks = -(-(K // 8) // CHUNK)
+    _int4_gemv_tma_kernel[(triton.cdiv(N, rows),)](
+        *layer["desc"][rows], xq[:K // 4], xq[K // 4:].view(torch.float32), layer["units"],
+        residual if residual is not None else y, y, N, K, eps, layer["w_unscale"],
+        NORM=fused in ("norm", "swiglu"), RESIDUAL=fused == "residual", SWIGLU=fused == "swiglu", BN=rows,
+        CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), num_warps=warps, launch_pdl=True)
+    return y
+
+
+def make_layer(name, dev, rows_list):
+    """Random words, codes on quantize.py's grid (scale codes 1-255, zero codes -127-127) and units for one
+    GEMV of SHAPES, with TMA descriptors for each rows a program."""
+    N, K, fused = SHAPES[name]
+    R = 2 * N if fused == "swiglu" else N
+    words = torch.randint(-2**31, 2**31 - 1, (R, K // 8), device=dev, dtype=torch.int32)
+    codes = (torch.randint(1, 256, (R, K // G), device=dev, dtype=torch.int32)
+             | (torch.randint(-127, 128, (R, K // G), device=dev, dtype=torch.int32) << 8)).to(torch.int16)
+    units = torch.stack([torch.full((R,), 1e-5, device=dev), torch.full((R,), 1e-5, device=dev)], 1).contiguous()
+    layer = dict(name=name, N=N, K=K, fused=fused, words=words, codes=codes, units=units, w_unscale=1.0)
+    layer["desc"] = {r: descriptors(words, codes, r) for r in rows_list}
+    return layer
+
+
+def triton_gemv(layer, x, xq, residual, ones):
+    """kernels.int4_gemv on `layer`, x in int8 (xq) or in bf16 (x, xq None), with the layer's fusions."""
+    fused = layer["fused"]
+    return kernels.int4_gemv(x, layer["words"], layer["codes"], layer["w_unscale"], G, units=layer["units"],
+                             norm_weight=ones if fused in ("norm", "swiglu") else None, eps=1e-5,
+                             residual=residual if fused == "residual" else None, swiglu=fused == "swiglu",
+                             ones=ones, dp4a=True, xq=xq)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--rows", default="8,16", help="comma-separated: rows a program of the Gluon kernel")
+    p.add_argument("--warps", default="4", help="comma-separated: warps a program of the Gluon kernel")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    rows_list = [int(v) for v in a.rows.split(",")]
+    warps_list = [int(v) for v in a.warps.split(",")]
+    ceiling = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy ceiling "
+          f"{ceiling:.0f} GB/s", flush=True)
+    torch.manual_seed(0)
+    K_max = max(k for _, k, _ in SHAPES.values())
+    ones = torch.ones(K_max, device=dev, dtype=torch.bfloat16)
+    xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for k in {k for _, k, _ in SHAPES.values()}}
+    xqs = {k: kernels.int4_quantize_x(x, None, XG) for k, x in xs.items()}
+    res = {n: torch.randn(1, n, device=dev, dtype=torch.bfloat16) for n in {n for n, _, _ in SHAPES.values()}}
+    records = []
+
+    # 1. each shape: the Gluon kernel against kernels.int4_gemv with x in int8, same inputs
+    for name in SHAPES:
+        layer = make_layer(name, dev, rows_list)
+        N, K = layer["N"], layer["K"]
+        expect = triton_gemv(layer, xs[K], xqs[K], res[N], ones[:K]).float().flatten()
+        for rows in rows_list:
+            for warps in warps_list:
+                got = gluon_gemv(layer, xqs[K], res[N], rows, warps).float()
+                err = ((got - expect).abs().max() / expect.abs().max()).item()
+                print(f"check {name:5s} rows {rows:2d} warps {warps}: max error {err:.1e} of max |y| "
+                      f"{expect.abs().max().item():.3g}", flush=True)
+                if not err < 2e-2:
+                    raise SystemExit(f"gluon_gemv: {name} at rows {rows}, warps {warps} differs from "
+                                     f"kernels.int4_gemv by {err:.1e}")
+        del layer
+
+    # 2. the step's chain of GEMVs, each implementation on the same weights
+    layers = [make_layer(name, dev, rows_list) for _ in range(a.layers) for name in SHAPES]
+    total = sum(layer["words"].numel() * 4 + layer["codes"].numel() * 2 for layer in layers)
+
+    def report(name, seconds, **extra):
+        rec = dict(chain=name, us_a_step=seconds * 1e6, gb_s=total / seconds / 1e9,
+                   pct_of_ceiling=100 * total / seconds / 1e9 / ceiling, ceiling_gb_s=ceiling, bytes=total,
+                   gemvs=len(layers), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=triton.__version__, command="python " + " ".join(sys.argv), **extra)
+        records.append(rec)
+        print(f"{name:26s} {rec['us_a_step']:8.1f} us a step  {rec['gb_s']:6.0f} GB/s = "
+              f"{rec['pct_of_ceiling']:5.1f}%", flush=True)
+        if a.json:
+            a.json.write_text(json.dumps(records, indent=1) + "\n")
+
+    print(f"{len(layers)} GEMVs, {total / 1e9:.2f} GB a step", flush=True)
+
+    def triton_chain(int8_x):
+        for layer in layers:
+            K, N = layer["K"], layer["N"]
+            int8 = int8_x or layer["name"] == "wo"
+            triton_gemv(layer, xs[K], xqs[K] if int8 else None, res[N], ones[:K])
+
+    report("triton (the step's forms)", time_calls([lambda: triton_chain(False)]))
+    report("triton-xq", time_calls([lambda: triton_chain(True)]))
+    for rows in rows_list:
+        for warps in warps_list:
+            def gluon_chain(rows=rows, warps=warps):
+                for layer in layers:
+                    gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps)
+            report(f"gluon rows {rows} warps {warps}", time_calls([gluon_chain]), rows=rows, warps=warps)
+
+
+if __name__ == "__main__":
+    main()
