@@ -85,11 +85,12 @@ def _chunk(acc, w_smem, c_smem, c, unit_s, unit_z, xw_ptr, xs_ptr, n_words, n_gr
 @gluon.jit
 def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale,
                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
-                          CHUNKS: gl.constexpr, NX_P2: gl.constexpr):
+                          CHUNKS: gl.constexpr, NX_P2: gl.constexpr, EACH: gl.constexpr):
     """y [N] for one row of x in int8 (int4_quantize_x, groups of 16) times int4 words [N (2N: SWIGLU, gate
     above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout with units, dp4a):
     kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
-    TMA before the PDL wait."""
+    TMA before the PDL wait: behind one mbarrier, or (EACH) one a box, each chunk's products then starting as
+    soon as its box has landed."""
     GC: gl.constexpr = 32  # groups a chunk (CHUNK / 4 words)
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
                                         warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
@@ -101,11 +102,18 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     row0 = pid * BN
     w_smem = gl.allocate_shared_memory(gl.int32, [HALVES * CHUNKS, BN, 4 * GC], w_desc.layout)
     c_smem = gl.allocate_shared_memory(gl.int16, [HALVES * CHUNKS, BN, GC], c_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar, count=1)
-    mbarrier.expect(bar, HALVES * CHUNKS * (w_desc.block_type.nbytes + c_desc.block_type.nbytes))
+    BARS: gl.constexpr = HALVES * CHUNKS if EACH else 1
+    bars = gl.allocate_shared_memory(gl.int64, [BARS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(BARS):
+        mbarrier.init(bars.index(i), count=1)
+    BOX: gl.constexpr = w_desc.block_type.nbytes + c_desc.block_type.nbytes
+    if not EACH:
+        mbarrier.expect(bars.index(0), HALVES * CHUNKS * BOX)
     for h in gl.static_range(HALVES):
         for c in gl.static_range(CHUNKS):
+            bar = bars.index(h * CHUNKS + c if EACH else 0)
+            if EACH:
+                mbarrier.expect(bar, BOX)
             tma.async_copy_global_to_shared(w_desc, [row0 + h * N, c * 4 * GC], bar, w_smem.index(h * CHUNKS + c))
             tma.async_copy_global_to_shared(c_desc, [row0 + h * N, c * GC], bar, c_smem.index(h * CHUNKS + c))
     gdc_wait()  # x and the residual were written by the kernel before
@@ -123,13 +131,16 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
         xg = gl.arange(0, NX_P2, layout=SL)
         squares = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
         unscale = unscale * gl.rsqrt(gl.sum(squares, axis=0) / K + eps)
-    mbarrier.wait(bar, 0)
+    if not EACH:
+        mbarrier.wait(bars.index(0), 0)
     out = gl.zeros([BN], gl.float32, RL)
     for h in gl.static_range(HALVES):
         unit_s = gl.load(u_ptr + (rows + h * N) * 2)
         unit_z = gl.load(u_ptr + (rows + h * N) * 2 + 1)
         acc = gl.zeros([BN, GC], gl.float32, gl.SliceLayout(2, L3))
         for c in gl.static_range(CHUNKS):
+            if EACH:
+                mbarrier.wait(bars.index(h * CHUNKS + c), 0)
             # (the boxes are unswizzled, so each is plain row-major: its words viewed as [BN, GC, 4])
             w_c = w_smem.index(h * CHUNKS + c)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
             c_c = c_smem.index(h * CHUNKS + c)._reinterpret(gl.int16, [BN, GC], PLAIN2)
@@ -138,7 +149,8 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
             out = gl.sum(acc, axis=1) * unscale
         else:
             out = out / (1 + gl.exp(-out)) * (gl.sum(acc, axis=1) * unscale)
-    mbarrier.invalidate(bar)
+    for i in gl.static_range(BARS):
+        mbarrier.invalidate(bars.index(i))
     if RESIDUAL:
         out += gl.load(r_ptr + rn, mask=rn < N, other=0).to(gl.float32)
     gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
@@ -153,7 +165,7 @@ def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
             TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [rows, CHUNK // 4], c_layout))
 
 
-def gluon_gemv(layer, xq, residual, rows, warps, eps=1e-5):
+def gluon_gemv(layer, xq, residual, rows, warps, each=False, eps=1e-5):
     """One call of the Gluon kernel on `layer` (make_layer's) with x in int8 `xq`."""
     N, K, fused = layer["N"], layer["K"], layer["fused"]
     y = torch.empty(N, device=xq.device, dtype=torch.bfloat16)
@@ -163,7 +175,7 @@ def gluon_gemv(layer, xq, residual, rows, warps, eps=1e-5):
         *layer["desc"][rows], xq[:K // 4], xq[K // 4:].view(torch.float32), layer["units"],
         residual if residual is not None else y, y, N, K, eps, layer["w_unscale"],
         NORM=fused in ("norm", "swiglu"), RESIDUAL=fused == "residual", SWIGLU=fused == "swiglu", BN=rows,
-        CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), num_warps=warps, launch_pdl=True)
+        CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), EACH=each, num_warps=warps, launch_pdl=True)
     return y
 
 
@@ -195,8 +207,10 @@ def main():
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rows", default="8,16", help="comma-separated: rows a program of the Gluon kernel")
     p.add_argument("--warps", default="4", help="comma-separated: warps a program of the Gluon kernel")
+    p.add_argument("--each", default="0", help="comma-separated: 0 one mbarrier a program, 1 one a box")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    each_list = [bool(int(v)) for v in a.each.split(",")]
     dev = torch.device("cuda")
     rows_list = [int(v) for v in a.rows.split(",")]
     warps_list = [int(v) for v in a.warps.split(",")]
@@ -216,15 +230,14 @@ def main():
         layer = make_layer(name, dev, rows_list)
         N, K = layer["N"], layer["K"]
         expect = triton_gemv(layer, xs[K], xqs[K], res[N], ones[:K]).float().flatten()
-        for rows in rows_list:
-            for warps in warps_list:
-                got = gluon_gemv(layer, xqs[K], res[N], rows, warps).float()
-                err = ((got - expect).abs().max() / expect.abs().max()).item()
-                print(f"check {name:5s} rows {rows:2d} warps {warps}: max error {err:.1e} of max |y| "
-                      f"{expect.abs().max().item():.3g}", flush=True)
-                if not err < 2e-2:
-                    raise SystemExit(f"gluon_gemv: {name} at rows {rows}, warps {warps} differs from "
-                                     f"kernels.int4_gemv by {err:.1e}")
+        for rows, warps, each in [(r, w, e) for r in rows_list for w in warps_list for e in each_list]:
+            got = gluon_gemv(layer, xqs[K], res[N], rows, warps, each).float()
+            err = ((got - expect).abs().max() / expect.abs().max()).item()
+            print(f"check {name:5s} rows {rows:2d} warps {warps} each {int(each)}: max error {err:.1e} of max |y| "
+                  f"{expect.abs().max().item():.3g}", flush=True)
+            if not err < 2e-2:
+                raise SystemExit(f"gluon_gemv: {name} at rows {rows}, warps {warps} differs from "
+                                 f"kernels.int4_gemv by {err:.1e}")
         del layer
 
     # 2. the step's chain of GEMVs, each implementation on the same weights
@@ -252,12 +265,12 @@ def main():
 
     report("triton (the step's forms)", time_calls([lambda: triton_chain(False)]))
     report("triton-xq", time_calls([lambda: triton_chain(True)]))
-    for rows in rows_list:
-        for warps in warps_list:
-            def gluon_chain(rows=rows, warps=warps):
-                for layer in layers:
-                    gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps)
-            report(f"gluon rows {rows} warps {warps}", time_calls([gluon_chain]), rows=rows, warps=warps)
+    for rows, warps, each in [(r, w, e) for r in rows_list for w in warps_list for e in each_list]:
+        def gluon_chain(rows=rows, warps=warps, each=each):
+            for layer in layers:
+                gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each)
+        report(f"gluon rows {rows} warps {warps} each {int(each)}", time_calls([gluon_chain]), rows=rows,
+               warps=warps, each=each)
 
 
 if __name__ == "__main__":
