@@ -208,6 +208,7 @@ def main():
     p.add_argument("--rows", default="8,16", help="comma-separated: rows a program of the Gluon kernel")
     p.add_argument("--warps", default="4", help="comma-separated: warps a program of the Gluon kernel")
     p.add_argument("--each", default="0", help="comma-separated: 0 one mbarrier a program, 1 one a box")
+    p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     each_list = [bool(int(v)) for v in a.each.split(",")]
@@ -263,6 +264,19 @@ def main():
             int8 = int8_x or layer["name"] == "wo"
             triton_gemv(layer, xs[K], xqs[K] if int8 else None, res[N], ones[:K])
 
+    if a.by_shape:  # each shape's 32 layers alone, chained: where the time goes
+        for name in SHAPES:
+            group = [layer for layer in layers if layer["name"] == name]
+            for label, call in [("triton-xq", lambda layer: triton_gemv(layer, xs[layer["K"]], xqs[layer["K"]],
+                                                                        res[layer["N"]], ones[:layer["K"]]))] + [
+                    (f"gluon rows {r} warps {w} each {int(e)}",
+                     lambda layer, r=r, w=w, e=e: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, w, e))
+                    for r in rows_list for w in warps_list for e in each_list]:
+                t = time_calls([lambda: [call(layer) for layer in group]]) / len(group)
+                nbytes = group[0]["words"].numel() * 4 + group[0]["codes"].numel() * 2
+                print(f"  {name:5s} {label:26s} {t * 1e6:6.1f} us a GEMV  {nbytes / t / 1e9:5.0f} GB/s", flush=True)
+                records.append(dict(shape=name, chain=label, us_a_gemv=t * 1e6, gb_s=nbytes / t / 1e9,
+                                    command="python " + " ".join(sys.argv)))
     report("triton (the step's forms)", time_calls([lambda: triton_chain(False)]))
     report("triton-xq", time_calls([lambda: triton_chain(True)]))
     for rows, warps, each in [(r, w, e) for r in rows_list for w in warps_list for e in each_list]:
