@@ -85,12 +85,14 @@ def _chunk(acc, w_smem, c_smem, c, unit_s, unit_z, xw_ptr, xs_ptr, n_words, n_gr
 @gluon.jit
 def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale,
                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
-                          CHUNKS: gl.constexpr, NX_P2: gl.constexpr, EACH: gl.constexpr):
+                          CHUNKS: gl.constexpr, NX_P2: gl.constexpr, EACH: gl.constexpr,
+                          LOAD_ONLY: gl.constexpr = False):
     """y [N] for one row of x in int8 (int4_quantize_x, groups of 16) times int4 words [N (2N: SWIGLU, gate
     above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout with units, dp4a):
     kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
     TMA before the PDL wait: behind one mbarrier, or (EACH) one a box, each chunk's products then starting as
-    soon as its box has landed."""
+    soon as its box has landed. LOAD_ONLY (a timing probe, wrong results): each chunk's words and codes are
+    read from shared memory and summed, without x or any products."""
     GC: gl.constexpr = 32  # groups a chunk (CHUNK / 4 words)
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
                                         warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
@@ -144,7 +146,10 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
             # (the boxes are unswizzled, so each is plain row-major: its words viewed as [BN, GC, 4])
             w_c = w_smem.index(h * CHUNKS + c)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
             c_c = c_smem.index(h * CHUNKS + c)._reinterpret(gl.int16, [BN, GC], PLAIN2)
-            acc = _chunk(acc, w_c, c_c, c, unit_s, unit_z, xw_ptr, xs_ptr, n_words, n_groups, n_x, L3, BN, GC)
+            if LOAD_ONLY:
+                acc += gl.sum(w_c.load(L3), axis=2).to(gl.float32) + c_c.load(gl.SliceLayout(2, L3)).to(gl.float32)
+            else:
+                acc = _chunk(acc, w_c, c_c, c, unit_s, unit_z, xw_ptr, xs_ptr, n_words, n_groups, n_x, L3, BN, GC)
         if h == 0:
             out = gl.sum(acc, axis=1) * unscale
         else:
@@ -165,7 +170,7 @@ def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
             TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [rows, CHUNK // 4], c_layout))
 
 
-def gluon_gemv(layer, xq, residual, rows, warps, each=False, eps=1e-5):
+def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, eps=1e-5):
     """One call of the Gluon kernel on `layer` (make_layer's) with x in int8 `xq`."""
     N, K, fused = layer["N"], layer["K"], layer["fused"]
     y = torch.empty(N, device=xq.device, dtype=torch.bfloat16)
@@ -175,7 +180,8 @@ def gluon_gemv(layer, xq, residual, rows, warps, each=False, eps=1e-5):
         *layer["desc"][rows], xq[:K // 4], xq[K // 4:].view(torch.float32), layer["units"],
         residual if residual is not None else y, y, N, K, eps, layer["w_unscale"],
         NORM=fused in ("norm", "swiglu"), RESIDUAL=fused == "residual", SWIGLU=fused == "swiglu", BN=rows,
-        CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), EACH=each, num_warps=warps, launch_pdl=True)
+        CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), EACH=each, LOAD_ONLY=load_only,
+        num_warps=warps, launch_pdl=True)
     return y
 
 
@@ -209,6 +215,8 @@ def main():
     p.add_argument("--warps", default="4", help="comma-separated: warps a program of the Gluon kernel")
     p.add_argument("--each", default="0", help="comma-separated: 0 one mbarrier a program, 1 one a box")
     p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
+    p.add_argument("--load-only", action="store_true", help="with --by-shape and in the chain: also the Gluon kernel "
+                   "with its products left out (its copies, waits and shared-memory reads alone; wrong results)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     each_list = [bool(int(v)) for v in a.each.split(",")]
@@ -271,7 +279,11 @@ def main():
                                                                         res[layer["N"]], ones[:layer["K"]]))] + [
                     (f"gluon rows {r} warps {w} each {int(e)}",
                      lambda layer, r=r, w=w, e=e: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, w, e))
-                    for r in rows_list for w in warps_list for e in each_list]:
+                    for r in rows_list for w in warps_list for e in each_list] + [
+                    (f"gluon-load-only rows {r} each {int(e)}",
+                     lambda layer, r=r, e=e: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, warps_list[0], e,
+                                                        True))
+                    for r in rows_list for e in each_list if a.load_only]:
                 t = time_calls([lambda: [call(layer) for layer in group]]) / len(group)
                 nbytes = group[0]["words"].numel() * 4 + group[0]["codes"].numel() * 2
                 print(f"  {name:5s} {label:26s} {t * 1e6:6.1f} us a GEMV  {nbytes / t / 1e9:5.0f} GB/s", flush=True)
@@ -285,6 +297,12 @@ def main():
                 gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each)
         report(f"gluon rows {rows} warps {warps} each {int(each)}", time_calls([gluon_chain]), rows=rows,
                warps=warps, each=each)
+        if a.load_only:
+            def load_chain(rows=rows, warps=warps, each=each):
+                for layer in layers:
+                    gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each, True)
+            report(f"gluon-load-only rows {rows} warps {warps} each {int(each)}", time_calls([load_chain]),
+                   rows=rows, warps=warps, each=each, load_only=True)
 
 
 if __name__ == "__main__":

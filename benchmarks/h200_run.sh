@@ -605,6 +605,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4,8 --json "$OUT/gluon-z29.json" ;;
   z31) # each shape alone (its 32 layers chained)
       t 300 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --by-shape --json "$OUT/gluon-z31.json" ;;
+  z32) # the Gluon kernel with its products left out (--load-only): its TMA copies, waits and shared-memory reads alone
+      t 200 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --by-shape --load-only --json "$OUT/gluon-z32.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
