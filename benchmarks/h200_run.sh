@@ -607,6 +607,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 300 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --by-shape --json "$OUT/gluon-z31.json" ;;
   z32) # the Gluon kernel with its products left out (--load-only): its TMA copies, waits and shared-memory reads alone
       t 200 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --by-shape --load-only --json "$OUT/gluon-z32.json" ;;
+  z33) # (run 92, on the warm machine after z32) more warps, more rows
+      t 150 python3 benchmarks/gluon_gemv.py --rows 16,32 --warps 8 --each 0 --by-shape --json "$OUT/gluon-z33.json" ;;
+  z34) # (run 93) 32 rows at 4 and 2 warps
+      t 100 python3 benchmarks/gluon_gemv.py --rows 32 --warps 4,2 --each 0 --by-shape --json "$OUT/gluon-z34.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
