@@ -83,19 +83,63 @@ def _chunk(acc, w_smem, c_smem, c, unit_s, unit_z, xw_ptr, xs_ptr, n_words, n_gr
 
 
 @gluon.jit
+def _x_fast(c, xw_ptr, xs_ptr, n_x, L3: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr, GC: gl.constexpr):
+    """Chunk c's x for _products_fast (FAST), once for all of a program's rows (gate and up too): each group's 8
+    x words in one vector load, as the (lo, hi) pairs of its 4 weight words, and its two x groups' scales, sums
+    of q and sums of x in vector loads. No masks: past K the weights are TMA's zeros, and x's reads stay inside
+    int4_quantize_x's buffer (its sums follow its words), so every extra product is a finite number times 0."""
+    X8: gl.constexpr = gl.SliceLayout(0, LX)  # [GC, 8]
+    at = c * (GC * 8) + gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, X8)), 1) * 8 \
+        + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, X8)), 0)
+    x_lo, x_hi = gl.split(gl.reshape(gl.load(xw_ptr + at), [GC, 4, 2]))
+    XG2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(3, L4))  # [GC, 2]
+    xg = c * (GC * 2) + gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, XG2)), 1) * 2 \
+        + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, XG2)), 0)
+    GV: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
+    q8 = gl.convert_layout(8 * gl.sum(gl.load(xs_ptr + n_x + xg), axis=1), GV)
+    x_sum = gl.convert_layout(gl.sum(gl.load(xs_ptr + 2 * n_x + xg), axis=1), GV)
+    return (gl.convert_layout(x_lo, gl.SliceLayout(0, L3)), gl.convert_layout(x_hi, gl.SliceLayout(0, L3)),
+            gl.load(xs_ptr + xg), q8, x_sum)
+
+
+@gluon.jit
+def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: gl.constexpr, L4: gl.constexpr,
+                   BN: gl.constexpr, GC: gl.constexpr):
+    """_chunk with fewer instructions (FAST), on _x_fast's x: the dp4a of an x group's two words summed in
+    integers before one conversion, and the codes' units left for the end, once a row (acc_s: the sum over
+    groups of the scale code times (sum of sx dot - 8 sx sum(q)); acc_z: of the zero code times sum(x))."""
+    w = w_smem.load(L3)  # [BN, GC, 4]
+    dot = _dp4a((w >> 4) & 0x0F0F0F0F, gl.expand_dims(x_hi, 0),
+                _dp4a(w & 0x0F0F0F0F, gl.expand_dims(x_lo, 0), gl.zeros_like(w)))
+    dot = gl.sum(gl.convert_layout(gl.reshape(dot, [BN, GC, 2, 2]), L4), axis=3)  # [BN, GC, 2]: an x group's
+    part = gl.sum(dot.to(gl.float32) * gl.expand_dims(sx, 0), axis=2)  # [BN, GC]
+    codes = c_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, L4))).to(gl.int32)  # (sign-extended: >> 8 the zero's)
+    acc_s += (part - gl.expand_dims(q8, 0)) * (codes & 255).to(gl.float32)
+    acc_z += (codes >> 8).to(gl.float32) * gl.expand_dims(x_sum, 0)
+    return acc_s, acc_z
+
+
+@gluon.jit
 def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale,
                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                           CHUNKS: gl.constexpr, NX_P2: gl.constexpr, EACH: gl.constexpr,
-                          LOAD_ONLY: gl.constexpr = False):
+                          LOAD_ONLY: gl.constexpr = False, FAST: gl.constexpr = False):
     """y [N] for one row of x in int8 (int4_quantize_x, groups of 16) times int4 words [N (2N: SWIGLU, gate
     above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout with units, dp4a):
     kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
     TMA before the PDL wait: behind one mbarrier, or (EACH) one a box, each chunk's products then starting as
     soon as its box has landed. LOAD_ONLY (a timing probe, wrong results): each chunk's words and codes are
-    read from shared memory and summed, without x or any products."""
+    read from shared memory and summed, without x or any products. FAST: the products by _chunk_fast."""
     GC: gl.constexpr = 32  # groups a chunk (CHUNK / 4 words)
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
                                         warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
+    # (FAST: the same threads' words as [BN, GC, x group, word], and x's words as [BN, GC, 8])
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, 2], threads_per_warp=[1, 32, 1, 1],
+                                        warps_per_cta=[gl.num_warps(), 1, 1, 1], order=[3, 2, 1, 0])
+    LX: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[1, 32, 1],
+                                        warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
+    LG: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))
+    RG: gl.constexpr = gl.SliceLayout(1, LG)
     PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
     PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     HALVES: gl.constexpr = 2 if SWIGLU else 1
@@ -125,7 +169,7 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     rows = gl.minimum(rn, N - 1)
     n_words = K // 8
     n_groups = K // 32
-    n_x = K // 16
+    n_x = gl.multiple_of(K // 16, 16)  # (gluon_gemv asserts K % 256 == 0: x's sums load as vectors)
     unscale = w_unscale
     if NORM:
         SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
@@ -136,14 +180,38 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     if not EACH:
         mbarrier.wait(bars.index(0), 0)
     out = gl.zeros([BN], gl.float32, RL)
-    for h in gl.static_range(HALVES):
+    if FAST:  # chunk by chunk, x's work once for gate and up
+        acc_s = gl.zeros([BN, GC], gl.float32, LG)
+        acc_z = gl.zeros([BN, GC], gl.float32, LG)
+        up_s = gl.zeros([BN, GC], gl.float32, LG)
+        up_z = gl.zeros([BN, GC], gl.float32, LG)
+        for c in gl.static_range(CHUNKS):
+            x_lo, x_hi, sx, q8, x_sum = _x_fast(c, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
+            for h in gl.static_range(HALVES):
+                if EACH:
+                    mbarrier.wait(bars.index(h * CHUNKS + c), 0)
+                # (the boxes are unswizzled, so each is plain row-major: its words viewed as [BN, GC, 4])
+                w_c = w_smem.index(h * CHUNKS + c)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
+                c_c = c_smem.index(h * CHUNKS + c)._reinterpret(gl.int16, [BN, GC], PLAIN2)
+                if h == 0:
+                    acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
+                else:
+                    up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
+        for h in gl.static_range(HALVES):  # the rows' units, once a row
+            unit_s = gl.convert_layout(gl.load(u_ptr + (rows + h * N) * 2), RG)
+            unit_z = gl.convert_layout(gl.load(u_ptr + (rows + h * N) * 2 + 1), RG)
+            if h == 0:
+                out = gl.convert_layout(unit_s * gl.sum(acc_s, axis=1) + unit_z * gl.sum(acc_z, axis=1), RL) * unscale
+            else:
+                up = gl.convert_layout(unit_s * gl.sum(up_s, axis=1) + unit_z * gl.sum(up_z, axis=1), RL) * unscale
+                out = out / (1 + gl.exp(-out)) * up
+    for h in gl.static_range(HALVES if not FAST else 0):
         unit_s = gl.load(u_ptr + (rows + h * N) * 2)
         unit_z = gl.load(u_ptr + (rows + h * N) * 2 + 1)
         acc = gl.zeros([BN, GC], gl.float32, gl.SliceLayout(2, L3))
         for c in gl.static_range(CHUNKS):
             if EACH:
                 mbarrier.wait(bars.index(h * CHUNKS + c), 0)
-            # (the boxes are unswizzled, so each is plain row-major: its words viewed as [BN, GC, 4])
             w_c = w_smem.index(h * CHUNKS + c)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
             c_c = c_smem.index(h * CHUNKS + c)._reinterpret(gl.int16, [BN, GC], PLAIN2)
             if LOAD_ONLY:
@@ -170,9 +238,10 @@ def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
             TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [rows, CHUNK // 4], c_layout))
 
 
-def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, eps=1e-5):
+def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fast=False, eps=1e-5):
     """One call of the Gluon kernel on `layer` (make_layer's) with x in int8 `xq`."""
     N, K, fused = layer["N"], layer["K"], layer["fused"]
+    assert K % 256 == 0, "K a multiple of 256 (the kernel takes x's sums as 16-aligned)"
     y = torch.empty(N, device=xq.device, dtype=torch.bfloat16)
     n_x = K // XG
     chunks = -(-(K // 8) // CHUNK)
@@ -180,7 +249,7 @@ def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, ep
         *layer["desc"][rows], xq[:K // 4], xq[K // 4:].view(torch.float32), layer["units"],
         residual if residual is not None else y, y, N, K, eps, layer["w_unscale"],
         NORM=fused in ("norm", "swiglu"), RESIDUAL=fused == "residual", SWIGLU=fused == "swiglu", BN=rows,
-        CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), EACH=each, LOAD_ONLY=load_only,
+        CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), EACH=each, LOAD_ONLY=load_only, FAST=fast,
         num_warps=warps, launch_pdl=True)
     return y
 
@@ -214,12 +283,16 @@ def main():
     p.add_argument("--rows", default="8,16", help="comma-separated: rows a program of the Gluon kernel")
     p.add_argument("--warps", default="4", help="comma-separated: warps a program of the Gluon kernel")
     p.add_argument("--each", default="0", help="comma-separated: 0 one mbarrier a program, 1 one a box")
+    p.add_argument("--fast", default="0", help="comma-separated: 0 the first products (_chunk), 1 _x_fast and "
+                   "_products_fast (fewer instructions; not yet run on a GPU)")
     p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
     p.add_argument("--load-only", action="store_true", help="with --by-shape and in the chain: also the Gluon kernel "
                    "with its products left out (its copies, waits and shared-memory reads alone; wrong results)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     each_list = [bool(int(v)) for v in a.each.split(",")]
+    configs = [(r, w, e, bool(int(f))) for r in rows_list for w in warps_list for e in each_list
+               for f in a.fast.split(",")]
     dev = torch.device("cuda")
     rows_list = [int(v) for v in a.rows.split(",")]
     warps_list = [int(v) for v in a.warps.split(",")]
@@ -239,11 +312,11 @@ def main():
         layer = make_layer(name, dev, rows_list)
         N, K = layer["N"], layer["K"]
         expect = triton_gemv(layer, xs[K], xqs[K], res[N], ones[:K]).float().flatten()
-        for rows, warps, each in [(r, w, e) for r in rows_list for w in warps_list for e in each_list]:
-            got = gluon_gemv(layer, xqs[K], res[N], rows, warps, each).float()
+        for rows, warps, each, fast in configs:
+            got = gluon_gemv(layer, xqs[K], res[N], rows, warps, each, fast=fast).float()
             err = ((got - expect).abs().max() / expect.abs().max()).item()
-            print(f"check {name:5s} rows {rows:2d} warps {warps} each {int(each)}: max error {err:.1e} of max |y| "
-                  f"{expect.abs().max().item():.3g}", flush=True)
+            print(f"check {name:5s} rows {rows:2d} warps {warps} each {int(each)} fast {int(fast)}: max error "
+                  f"{err:.1e} of max |y| {expect.abs().max().item():.3g}", flush=True)
             if not err < 2e-2:
                 raise SystemExit(f"gluon_gemv: {name} at rows {rows}, warps {warps} differs from "
                                  f"kernels.int4_gemv by {err:.1e}")
@@ -277,9 +350,10 @@ def main():
             group = [layer for layer in layers if layer["name"] == name]
             for label, call in [("triton-xq", lambda layer: triton_gemv(layer, xs[layer["K"]], xqs[layer["K"]],
                                                                         res[layer["N"]], ones[:layer["K"]]))] + [
-                    (f"gluon rows {r} warps {w} each {int(e)}",
-                     lambda layer, r=r, w=w, e=e: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, w, e))
-                    for r in rows_list for w in warps_list for e in each_list] + [
+                    (f"gluon rows {r} warps {w} each {int(e)}{' fast' if f else ''}",
+                     lambda layer, r=r, w=w, e=e, f=f: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, w, e,
+                                                                  fast=f))
+                    for r, w, e, f in configs] + [
                     (f"gluon-load-only rows {r} each {int(e)}",
                      lambda layer, r=r, e=e: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, warps_list[0], e,
                                                         True))
@@ -291,13 +365,13 @@ def main():
                                     command="python " + " ".join(sys.argv)))
     report("triton (the step's forms)", time_calls([lambda: triton_chain(False)]))
     report("triton-xq", time_calls([lambda: triton_chain(True)]))
-    for rows, warps, each in [(r, w, e) for r in rows_list for w in warps_list for e in each_list]:
-        def gluon_chain(rows=rows, warps=warps, each=each):
+    for rows, warps, each, fast in configs:
+        def gluon_chain(rows=rows, warps=warps, each=each, fast=fast):
             for layer in layers:
-                gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each)
-        report(f"gluon rows {rows} warps {warps} each {int(each)}", time_calls([gluon_chain]), rows=rows,
-               warps=warps, each=each)
-        if a.load_only:
+                gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each, fast=fast)
+        report(f"gluon rows {rows} warps {warps} each {int(each)}{' fast' if fast else ''}",
+               time_calls([gluon_chain]), rows=rows, warps=warps, each=each, fast=fast)
+        if a.load_only and not fast:
             def load_chain(rows=rows, warps=warps, each=each):
                 for layer in layers:
                     gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each, True)
