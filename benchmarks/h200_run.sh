@@ -614,7 +614,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   z35) # prepared in session 18, not run (no device time left): _x_fast/_products_fast (--fast 1), fewer instructions
       # after the wait (offline, 16 rows, 4 warps: w13 2160 -> 1984 a thread, wqkv 1192 -> 1024, w2 2952 -> 2128),
       # checked against kernels.int4_gemv before it is timed
-      t 300 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --fast 0,1 --by-shape --json "$OUT/gluon-z35.json" ;;
+      # (with 8 rows at 2 warps: 4 rows a thread as at 16 rows and 4 warps, and half the shared memory a program,
+      # so twice the programs an SM; and one mbarrier a box)
+      t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 2,4 --each 0,1 --fast 1 --by-shape \
+        --json "$OUT/gluon-z35.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
