@@ -129,7 +129,9 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
     TMA before the PDL wait: behind one mbarrier, or (EACH) one a box, each chunk's products then starting as
     soon as its box has landed. LOAD_ONLY (a timing probe, wrong results): each chunk's words and codes are
-    read from shared memory and summed, without x or any products. FAST: the products by _chunk_fast."""
+    read from shared memory and summed, without x or any products. FAST: the products by _x_fast and
+    _products_fast."""
+    gl.static_assert(not (FAST and LOAD_ONLY))
     GC: gl.constexpr = 32  # groups a chunk (CHUNK / 4 words)
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
                                         warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
@@ -241,7 +243,8 @@ def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
 def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fast=False, eps=1e-5):
     """One call of the Gluon kernel on `layer` (make_layer's) with x in int8 `xq`."""
     N, K, fused = layer["N"], layer["K"], layer["fused"]
-    assert K % 256 == 0, "K a multiple of 256 (the kernel takes x's sums as 16-aligned)"
+    # (K a multiple of 256: x's sums are 16-aligned; at least 512: FAST's reads past K stay in xq's buffer)
+    assert K % 256 == 0 and K >= 512, f"gluon_gemv takes K a multiple of 256, at least 512 (got {K})"
     y = torch.empty(N, device=xq.device, dtype=torch.bfloat16)
     n_x = K // XG
     chunks = -(-(K // 8) // CHUNK)
@@ -290,12 +293,14 @@ def main():
                    "with its products left out (its copies, waits and shared-memory reads alone; wrong results)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    each_list = [bool(int(v)) for v in a.each.split(",")]
-    configs = [(r, w, e, bool(int(f))) for r in rows_list for w in warps_list for e in each_list
-               for f in a.fast.split(",")]
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        raise SystemExit("gluon_gemv.py needs a CUDA GPU with TMA (Hopper, sm_90, or later)")
     dev = torch.device("cuda")
     rows_list = [int(v) for v in a.rows.split(",")]
     warps_list = [int(v) for v in a.warps.split(",")]
+    each_list = [bool(int(v)) for v in a.each.split(",")]
+    configs = [(r, w, e, bool(int(f))) for r in rows_list for w in warps_list for e in each_list
+               for f in a.fast.split(",")]
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy ceiling "
           f"{ceiling:.0f} GB/s", flush=True)
@@ -318,8 +323,8 @@ def main():
             print(f"check {name:5s} rows {rows:2d} warps {warps} each {int(each)} fast {int(fast)}: max error "
                   f"{err:.1e} of max |y| {expect.abs().max().item():.3g}", flush=True)
             if not err < 2e-2:
-                raise SystemExit(f"gluon_gemv: {name} at rows {rows}, warps {warps} differs from "
-                                 f"kernels.int4_gemv by {err:.1e}")
+                raise SystemExit(f"gluon_gemv: {name} at rows {rows}, warps {warps}, each {int(each)}, fast "
+                                 f"{int(fast)} differs from kernels.int4_gemv by {err:.1e}")
         del layer
 
     # 2. the step's chain of GEMVs, each implementation on the same weights
@@ -354,7 +359,7 @@ def main():
                      lambda layer, r=r, w=w, e=e, f=f: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, w, e,
                                                                   fast=f))
                     for r, w, e, f in configs] + [
-                    (f"gluon-load-only rows {r} each {int(e)}",
+                    (f"gluon-load-only rows {r} warps {warps_list[0]} each {int(e)}",
                      lambda layer, r=r, e=e: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, warps_list[0], e,
                                                         True))
                     for r in rows_list for e in each_list if a.load_only]:
@@ -365,13 +370,15 @@ def main():
                                     command="python " + " ".join(sys.argv)))
     report("triton (the step's forms)", time_calls([lambda: triton_chain(False)]))
     report("triton-xq", time_calls([lambda: triton_chain(True)]))
+    loaded_only = set()
     for rows, warps, each, fast in configs:
         def gluon_chain(rows=rows, warps=warps, each=each, fast=fast):
             for layer in layers:
                 gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each, fast=fast)
         report(f"gluon rows {rows} warps {warps} each {int(each)}{' fast' if fast else ''}",
                time_calls([gluon_chain]), rows=rows, warps=warps, each=each, fast=fast)
-        if a.load_only and not fast:
+        if a.load_only and (rows, warps, each) not in loaded_only:  # (once for FAST and not)
+            loaded_only.add((rows, warps, each))
             def load_chain(rows=rows, warps=warps, each=each):
                 for layer in layers:
                     gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each, True)

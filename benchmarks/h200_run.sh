@@ -617,7 +617,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # (with 8 rows at 2 warps: 4 rows a thread as at 16 rows and 4 warps, and half the shared memory a program,
       # so twice the programs an SM; and one mbarrier a box)
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 2,4 --each 0,1 --fast 1 --by-shape \
-        --json "$OUT/gluon-z35.json" ;;
+        --json "$OUT/gluon-z35.json"
+      t 200 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --fast 0 --by-shape --json "$OUT/gluon-z35-base.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
