@@ -123,14 +123,16 @@ def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: 
 def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale,
                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                           CHUNKS: gl.constexpr, NX_P2: gl.constexpr, EACH: gl.constexpr,
-                          LOAD_ONLY: gl.constexpr = False, FAST: gl.constexpr = False):
+                          LOAD_ONLY: gl.constexpr = False, FAST: gl.constexpr = 0):
     """y [N] for one row of x in int8 (int4_quantize_x, groups of 16) times int4 words [N (2N: SWIGLU, gate
     above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout with units, dp4a):
     kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
     TMA before the PDL wait: behind one mbarrier, or (EACH) one a box, each chunk's products then starting as
     soon as its box has landed. LOAD_ONLY (a timing probe, wrong results): each chunk's words and codes are
-    read from shared memory and summed, without x or any products. FAST: the products by _x_fast and
-    _products_fast."""
+    read from shared memory and summed, without x or any products. FAST (1, 2): the products by _x_fast and
+    _products_fast; 2: each chunk's x loaded one chunk ahead (chunk 0's before the weights are waited for),
+    the rows' units before the PDL wait and the residual right after it.
+    (Run 88-93's kernel, FAST 0, loads each chunk's x from L2 where its products begin, after the copies.)"""
     gl.static_assert(not (FAST and LOAD_ONLY))
     GC: gl.constexpr = 32  # groups a chunk (CHUNK / 4 words)
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
@@ -164,11 +166,15 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
                 mbarrier.expect(bar, BOX)
             tma.async_copy_global_to_shared(w_desc, [row0 + h * N, c * 4 * GC], bar, w_smem.index(h * CHUNKS + c))
             tma.async_copy_global_to_shared(c_desc, [row0 + h * N, c * GC], bar, c_smem.index(h * CHUNKS + c))
-    gdc_wait()  # x and the residual were written by the kernel before
-
     RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
     rn = row0 + gl.arange(0, BN, layout=RL)
     rows = gl.minimum(rn, N - 1)
+    if FAST == 2:  # the rows' units before the wait (weights), the residual right after it: not at the end
+        units = (gl.load(u_ptr + rows * 2), gl.load(u_ptr + rows * 2 + 1),
+                 gl.load(u_ptr + (rows + (HALVES - 1) * N) * 2), gl.load(u_ptr + (rows + (HALVES - 1) * N) * 2 + 1))
+    gdc_wait()  # x and the residual were written by the kernel before
+    if FAST == 2 and RESIDUAL:
+        r_early = gl.load(r_ptr + rn, mask=rn < N, other=0).to(gl.float32)
     n_words = K // 8
     n_groups = K // 32
     n_x = gl.multiple_of(K // 16, 16)  # (gluon_gemv asserts K % 256 == 0: x's sums load as vectors)
@@ -179,6 +185,8 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
         xg = gl.arange(0, NX_P2, layout=SL)
         squares = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
         unscale = unscale * gl.rsqrt(gl.sum(squares, axis=0) / K + eps)
+    if FAST == 2:  # chunk 0's x asked for before the weights are waited for
+        x_next = _x_fast(0, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
     if not EACH:
         mbarrier.wait(bars.index(0), 0)
     out = gl.zeros([BN], gl.float32, RL)
@@ -188,7 +196,12 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
         up_s = gl.zeros([BN, GC], gl.float32, LG)
         up_z = gl.zeros([BN, GC], gl.float32, LG)
         for c in gl.static_range(CHUNKS):
-            x_lo, x_hi, sx, q8, x_sum = _x_fast(c, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
+            if FAST == 2:  # (each chunk's x loads issued a chunk ahead of its products: their latency hidden)
+                x_lo, x_hi, sx, q8, x_sum = x_next
+                if c + 1 < CHUNKS:
+                    x_next = _x_fast(c + 1, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
+            else:
+                x_lo, x_hi, sx, q8, x_sum = _x_fast(c, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
             for h in gl.static_range(HALVES):
                 if EACH:
                     mbarrier.wait(bars.index(h * CHUNKS + c), 0)
@@ -200,8 +213,12 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
                 else:
                     up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
         for h in gl.static_range(HALVES):  # the rows' units, once a row
-            unit_s = gl.convert_layout(gl.load(u_ptr + (rows + h * N) * 2), RG)
-            unit_z = gl.convert_layout(gl.load(u_ptr + (rows + h * N) * 2 + 1), RG)
+            if FAST == 2:
+                unit_s = gl.convert_layout(units[2 * h], RG)
+                unit_z = gl.convert_layout(units[2 * h + 1], RG)
+            else:
+                unit_s = gl.convert_layout(gl.load(u_ptr + (rows + h * N) * 2), RG)
+                unit_z = gl.convert_layout(gl.load(u_ptr + (rows + h * N) * 2 + 1), RG)
             if h == 0:
                 out = gl.convert_layout(unit_s * gl.sum(acc_s, axis=1) + unit_z * gl.sum(acc_z, axis=1), RL) * unscale
             else:
@@ -227,7 +244,10 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     for i in gl.static_range(BARS):
         mbarrier.invalidate(bars.index(i))
     if RESIDUAL:
-        out += gl.load(r_ptr + rn, mask=rn < N, other=0).to(gl.float32)
+        if FAST == 2:
+            out += r_early
+        else:
+            out += gl.load(r_ptr + rn, mask=rn < N, other=0).to(gl.float32)
     gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -240,7 +260,7 @@ def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
             TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [rows, CHUNK // 4], c_layout))
 
 
-def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fast=False, eps=1e-5):
+def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fast=0, eps=1e-5):
     """One call of the Gluon kernel on `layer` (make_layer's) with x in int8 `xq`."""
     N, K, fused = layer["N"], layer["K"], layer["fused"]
     # (K a multiple of 256: x's sums are 16-aligned; at least 512: FAST's reads past K stay in xq's buffer)
@@ -287,7 +307,8 @@ def main():
     p.add_argument("--warps", default="4", help="comma-separated: warps a program of the Gluon kernel")
     p.add_argument("--each", default="0", help="comma-separated: 0 one mbarrier a program, 1 one a box")
     p.add_argument("--fast", default="0", help="comma-separated: 0 the first products (_chunk), 1 _x_fast and "
-                   "_products_fast (fewer instructions; not yet run on a GPU)")
+                   "_products_fast (fewer instructions), 2 those with each chunk's x loaded a chunk ahead (1 and 2 "
+                   "not yet run on a GPU)")
     p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
     p.add_argument("--load-only", action="store_true", help="with --by-shape and in the chain: also the Gluon kernel "
                    "with its products left out (its copies, waits and shared-memory reads alone; wrong results)")
@@ -299,7 +320,7 @@ def main():
     rows_list = [int(v) for v in a.rows.split(",")]
     warps_list = [int(v) for v in a.warps.split(",")]
     each_list = [bool(int(v)) for v in a.each.split(",")]
-    configs = [(r, w, e, bool(int(f))) for r in rows_list for w in warps_list for e in each_list
+    configs = [(r, w, e, int(f)) for r in rows_list for w in warps_list for e in each_list
                for f in a.fast.split(",")]
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy ceiling "
@@ -355,7 +376,7 @@ def main():
             group = [layer for layer in layers if layer["name"] == name]
             for label, call in [("triton-xq", lambda layer: triton_gemv(layer, xs[layer["K"]], xqs[layer["K"]],
                                                                         res[layer["N"]], ones[:layer["K"]]))] + [
-                    (f"gluon rows {r} warps {w} each {int(e)}{' fast' if f else ''}",
+                    (f"gluon rows {r} warps {w} each {int(e)}{f' fast {f}' if f else ''}",
                      lambda layer, r=r, w=w, e=e, f=f: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, w, e,
                                                                   fast=f))
                     for r, w, e, f in configs] + [
@@ -375,7 +396,7 @@ def main():
         def gluon_chain(rows=rows, warps=warps, each=each, fast=fast):
             for layer in layers:
                 gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each, fast=fast)
-        report(f"gluon rows {rows} warps {warps} each {int(each)}{' fast' if fast else ''}",
+        report(f"gluon rows {rows} warps {warps} each {int(each)}{f' fast {fast}' if fast else ''}",
                time_calls([gluon_chain]), rows=rows, warps=warps, each=each, fast=fast)
         if a.load_only and (rows, warps, each) not in loaded_only:  # (once for FAST and not)
             loaded_only.add((rows, warps, each))

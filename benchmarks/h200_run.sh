@@ -611,14 +611,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 150 python3 benchmarks/gluon_gemv.py --rows 16,32 --warps 8 --each 0 --by-shape --json "$OUT/gluon-z33.json" ;;
   z34) # (run 93) 32 rows at 4 and 2 warps
       t 100 python3 benchmarks/gluon_gemv.py --rows 32 --warps 4,2 --each 0 --by-shape --json "$OUT/gluon-z34.json" ;;
-  z35) # prepared in session 18, not run (no device time left): _x_fast/_products_fast (--fast 1), fewer instructions
-      # after the wait (offline, 16 rows, 4 warps: w13 2160 -> 1984 a thread, wqkv 1192 -> 1024, w2 2952 -> 2128),
-      # checked against kernels.int4_gemv before it is timed
-      # (with 8 rows at 2 warps: 4 rows a thread as at 16 rows and 4 warps, and half the shared memory a program,
-      # so twice the programs an SM; and one mbarrier a box)
-      t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 2,4 --each 0,1 --fast 1 --by-shape \
+  z35) # prepared in session 18, not run (no device time left): --fast 1 (_x_fast/_products_fast: fewer instructions
+      # after the wait; offline, 16 rows, 4 warps: w13 2160 -> 1984 a thread, wqkv 1192 -> 1024, w2 2952 -> 2128) and
+      # --fast 2 (also each chunk's x loaded a chunk ahead, the units before the PDL wait, the residual right after
+      # it: run 88-93's kernel waits on L2 for x at every chunk), each checked against kernels.int4_gemv before it
+      # is timed; with run 88-93's form (--fast 0) as the baseline in the same session
+      t 300 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,1,2 --by-shape \
         --json "$OUT/gluon-z35.json"
-      t 200 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --fast 0 --by-shape --json "$OUT/gluon-z35-base.json" ;;
+      t 200 python3 benchmarks/gluon_gemv.py --rows 8 --warps 2 --fast 2 --by-shape --json "$OUT/gluon-z35-8.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
