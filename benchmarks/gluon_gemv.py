@@ -178,6 +178,8 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     n_words = K // 8
     n_groups = K // 32
     n_x = gl.multiple_of(K // 16, 16)  # (gluon_gemv asserts K % 256 == 0: x's sums load as vectors)
+    if FAST == 2:  # chunk 0's x asked for before the weights are waited for (and before the norm's sum)
+        x_next = _x_fast(0, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
     unscale = w_unscale
     if NORM:
         SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
@@ -185,8 +187,6 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
         xg = gl.arange(0, NX_P2, layout=SL)
         squares = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
         unscale = unscale * gl.rsqrt(gl.sum(squares, axis=0) / K + eps)
-    if FAST == 2:  # chunk 0's x asked for before the weights are waited for
-        x_next = _x_fast(0, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
     if not EACH:
         mbarrier.wait(bars.index(0), 0)
     out = gl.zeros([BN], gl.float32, RL)
@@ -314,6 +314,8 @@ def main():
                    "with its products left out (its copies, waits and shared-memory reads alone; wrong results)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    if any(v not in ("0", "1", "2") for v in a.fast.split(",")):
+        p.error("--fast takes 0, 1 or 2")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("gluon_gemv.py needs a CUDA GPU with TMA (Hopper, sm_90, or later)")
     dev = torch.device("cuda")
