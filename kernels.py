@@ -992,11 +992,10 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     3.1 µs against 3.9 at the codes' launch, run 58; other groups not tuned)."""
     shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
     at_32, at_128, half, codes_at_32 = INT4_LAUNCHES[shape]
-    override = int4_launch_override(INT4_LAUNCH)
-    if shape in override and dp4a and not xq:
-        rows, columns, warps = override[shape]
-        return rows, max(1, min(columns // groupsize, triton.next_power_of_2(K // groupsize))), warps, 3, False
-    if dp4a and xq and shape == "square":
+    override = int4_launch_override(INT4_LAUNCH).get(shape) if dp4a and not xq else None
+    if override:
+        (rows, columns, warps), prefetch = override, False
+    elif dp4a and xq and shape == "square":
         rows, columns, warps, prefetch = 16, 4096, 4, False
     elif dp4a:
         (rows, columns, warps), prefetch = (codes_at_32 if codes else at_32) if groupsize <= 32 else at_128, False
