@@ -38,14 +38,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
-from bench import copy_bandwidth  # noqa: E402
-from benchmarks.gemv import time_calls  # noqa: E402
+import model as M  # noqa: E402
+from bench import PRESETS, copy_bandwidth  # noqa: E402
+from benchmarks.gemv import shapes, time_calls  # noqa: E402
+from benchmarks.gemv_int4 import FUSED, file_weights  # noqa: E402
 
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
-# the 7B step's GEMVs at g32: rows (N; w13 gate and up), columns, and the fusions
-SHAPES = {"wqkv": (12288, 4096, "norm"), "wo": (4096, 4096, "residual"), "w13": (11008, 4096, "swiglu"),
-          "w2": (4096, 11008, "residual")}
+STEP = ("wqkv", "wo", "w13", "w2")  # a layer's GEMVs, in decode's order
 
 
 @gluon.jit
@@ -277,16 +277,15 @@ def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fa
     return y
 
 
-def make_layer(name, dev, rows_list):
-    """Random words, codes on quantize.py's grid (scale codes 1-255, zero codes -127-127) and units for one
-    GEMV of SHAPES, with TMA descriptors for each rows a program."""
-    N, K, fused = SHAPES[name]
-    R = 2 * N if fused == "swiglu" else N
-    words = torch.randint(-2**31, 2**31 - 1, (R, K // 8), device=dev, dtype=torch.int32)
-    codes = (torch.randint(1, 256, (R, K // G), device=dev, dtype=torch.int32)
-             | (torch.randint(-127, 128, (R, K // G), device=dev, dtype=torch.int32) << 8)).to(torch.int16)
-    units = torch.stack([torch.full((R,), 1e-5, device=dev), torch.full((R,), 1e-5, device=dev)], 1).contiguous()
-    layer = dict(name=name, N=N, K=K, fused=fused, words=words, codes=codes, units=units, w_unscale=1.0)
+def make_layer(name, R, K, dev, rows_list):
+    """One GEMV's int4 g32 weights [R, K] as quantize.py writes them (gemv_int4.file_weights: scales and
+    zeros on its grid) in kernels.int4_gemv's integer layout with codes (model.int4_gemv_layout), with TMA
+    descriptors for each rows a program. R holds gate above up for w13."""
+    fused = FUSED[name]
+    words, codes, w_unscale, _, units = M.int4_gemv_layout(*file_weights(R, K, G, dev), G, dp4a=True, codes=True)
+    assert units is not None, "file_weights' scales and zeros lie on the grid, so they take codes"
+    layer = dict(name=name, N=R // 2 if fused == "swiglu" else R, K=K, fused=fused, words=words, codes=codes,
+                 units=units, w_unscale=w_unscale)
     layer["desc"] = {r: descriptors(words, codes, r) for r in rows_list}
     return layer
 
@@ -302,6 +301,7 @@ def triton_gemv(layer, x, xq, residual, ones):
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rows", default="8,16", help="comma-separated: rows a program of the Gluon kernel")
     p.add_argument("--warps", default="4", help="comma-separated: warps a program of the Gluon kernel")
@@ -328,16 +328,18 @@ def main():
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy ceiling "
           f"{ceiling:.0f} GB/s", flush=True)
     torch.manual_seed(0)
-    K_max = max(k for _, k, _ in SHAPES.values())
-    ones = torch.ones(K_max, device=dev, dtype=torch.bfloat16)
-    xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for k in {k for _, k, _ in SHAPES.values()}}
+    step = {name: shape for name, shape in shapes(PRESETS[a.model]).items() if name in STEP}  # [R, K]
+    ks = {k for _, k in step.values()}
+    ones = torch.ones(max(ks), device=dev, dtype=torch.bfloat16)
+    xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for k in ks}
     xqs = {k: kernels.int4_quantize_x(x, None, XG) for k, x in xs.items()}
-    res = {n: torch.randn(1, n, device=dev, dtype=torch.bfloat16) for n in {n for n, _, _ in SHAPES.values()}}
+    outs = {r // 2 if FUSED[name] == "swiglu" else r for name, (r, _) in step.items()}  # each GEMV's N
+    res = {n: torch.randn(1, n, device=dev, dtype=torch.bfloat16) for n in outs}
     records = []
 
     # 1. each shape: the Gluon kernel against kernels.int4_gemv with x in int8, same inputs
-    for name in SHAPES:
-        layer = make_layer(name, dev, rows_list)
+    for name, (R, K) in step.items():
+        layer = make_layer(name, R, K, dev, rows_list)
         N, K = layer["N"], layer["K"]
         expect = triton_gemv(layer, xs[K], xqs[K], res[N], ones[:K]).float().flatten()
         for rows, warps, each, fast in configs:
@@ -351,7 +353,7 @@ def main():
         del layer
 
     # 2. the step's chain of GEMVs, each implementation on the same weights
-    layers = [make_layer(name, dev, rows_list) for _ in range(a.layers) for name in SHAPES]
+    layers = [make_layer(name, R, K, dev, rows_list) for _ in range(a.layers) for name, (R, K) in step.items()]
     total = sum(layer["words"].numel() * 4 + layer["codes"].numel() * 2 for layer in layers)
 
     def report(name, seconds, **extra):
@@ -374,7 +376,7 @@ def main():
             triton_gemv(layer, xs[K], xqs[K] if int8 else None, res[N], ones[:K])
 
     if a.by_shape:  # each shape's 32 layers alone, chained: where the time goes
-        for name in SHAPES:
+        for name in step:
             group = [layer for layer in layers if layer["name"] == name]
             for label, call in [("triton-xq", lambda layer: triton_gemv(layer, xs[layer["K"]], xqs[layer["K"]],
                                                                         res[layer["N"]], ones[:layer["K"]]))] + [
