@@ -32,6 +32,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -103,6 +104,39 @@ def _x_fast(c, xw_ptr, xs_ptr, n_x, L3: gl.constexpr, L4: gl.constexpr, LX: gl.c
 
 
 @gluon.jit
+def _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX: gl.constexpr, L4: gl.constexpr, GC: gl.constexpr,
+             CHUNKS: gl.constexpr):
+    """FAST 3: all of x's words and its groups' scales, sx sums of q and sums into shared memory ([CHUNKS, GC, 8]
+    and [CHUNKS, GC, 2] each), by cp.async, in one group: one L2 round trip for all chunks (zeros past K)."""
+    X8: gl.constexpr = gl.SliceLayout(0, LX)
+    XG2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(3, L4))
+    for c in gl.static_range(CHUNKS):
+        at = c * (GC * 8) + gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, X8)), 1) * 8 \
+            + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, X8)), 0)
+        async_copy.async_copy_global_to_shared(xw_s.index(c), xw_ptr + at, mask=at < 4 * n_x)  # (K / 4 words)
+        xg = c * (GC * 2) + gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, XG2)), 1) * 2 \
+            + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, XG2)), 0)
+        ok = xg < n_x
+        async_copy.async_copy_global_to_shared(sx_s.index(c), xs_ptr + xg, mask=ok)
+        async_copy.async_copy_global_to_shared(qs_s.index(c), xs_ptr + n_x + xg, mask=ok)
+        async_copy.async_copy_global_to_shared(xsum_s.index(c), xs_ptr + 2 * n_x + xg, mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr, GC: gl.constexpr):
+    """_x_fast's values for chunk c, from _x_stage's shared memory."""
+    X8: gl.constexpr = gl.SliceLayout(0, LX)
+    x_lo, x_hi = gl.split(gl.reshape(xw_s.index(c).load(X8), [GC, 4, 2]))
+    XG2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(3, L4))
+    GV: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
+    q8 = gl.convert_layout(8 * gl.sum(qs_s.index(c).load(XG2), axis=1), GV)
+    x_sum = gl.convert_layout(gl.sum(xsum_s.index(c).load(XG2), axis=1), GV)
+    return (gl.convert_layout(x_lo, gl.SliceLayout(0, L3)), gl.convert_layout(x_hi, gl.SliceLayout(0, L3)),
+            sx_s.index(c).load(XG2), q8, x_sum)
+
+
+@gluon.jit
 def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: gl.constexpr, L4: gl.constexpr,
                    BN: gl.constexpr, GC: gl.constexpr):
     """_chunk with fewer instructions (FAST), on _x_fast's x: the dp4a of an x group's two words summed in
@@ -129,9 +163,10 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
     TMA before the PDL wait: behind one mbarrier, or (EACH) one a box, each chunk's products then starting as
     soon as its box has landed. LOAD_ONLY (a timing probe, wrong results): each chunk's words and codes are
-    read from shared memory and summed, without x or any products. FAST (1, 2): the products by _x_fast and
+    read from shared memory and summed, without x or any products. FAST (1, 2, 3): the products by _x_fast and
     _products_fast; 2: each chunk's x loaded one chunk ahead (chunk 0's before the weights are waited for),
-    the rows' units before the PDL wait and the residual right after it.
+    the rows' units before the PDL wait and the residual right after it; 3: as 2, but all of x is copied
+    into shared memory once, right after the PDL wait (_x_stage), and each chunk reads it there.
     (Run 88-93's kernel, FAST 0, loads each chunk's x from L2 where its products begin, after the copies.)"""
     gl.static_assert(not (FAST and LOAD_ONLY))
     GC: gl.constexpr = 32  # groups a chunk (CHUNK / 4 words)
@@ -159,27 +194,35 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     BOX: gl.constexpr = w_desc.block_type.nbytes + c_desc.block_type.nbytes
     if not EACH:
         mbarrier.expect(bars.index(0), HALVES * CHUNKS * BOX)
-    for h in gl.static_range(HALVES):
-        for c in gl.static_range(CHUNKS):
-            bar = bars.index(h * CHUNKS + c if EACH else 0)
-            if EACH:
-                mbarrier.expect(bar, BOX)
-            tma.async_copy_global_to_shared(w_desc, [row0 + h * N, c * 4 * GC], bar, w_smem.index(h * CHUNKS + c))
-            tma.async_copy_global_to_shared(c_desc, [row0 + h * N, c * GC], bar, c_smem.index(h * CHUNKS + c))
+    for i in gl.static_range(HALVES * CHUNKS):  # (in the order the products take them: FAST chunk by chunk,
+        h = i % HALVES if FAST else i // CHUNKS  # gate and up together; else all of gate, then up)
+        c = i // HALVES if FAST else i % CHUNKS
+        bar = bars.index(h * CHUNKS + c if EACH else 0)
+        if EACH:
+            mbarrier.expect(bar, BOX)
+        tma.async_copy_global_to_shared(w_desc, [row0 + h * N, c * 4 * GC], bar, w_smem.index(h * CHUNKS + c))
+        tma.async_copy_global_to_shared(c_desc, [row0 + h * N, c * GC], bar, c_smem.index(h * CHUNKS + c))
     RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
     rn = row0 + gl.arange(0, BN, layout=RL)
     rows = gl.minimum(rn, N - 1)
-    if FAST == 2:  # the rows' units before the wait (weights), the residual right after it: not at the end
+    if FAST >= 2:  # the rows' units before the wait (weights), the residual right after it: not at the end
         units = (gl.load(u_ptr + rows * 2), gl.load(u_ptr + rows * 2 + 1),
                  gl.load(u_ptr + (rows + (HALVES - 1) * N) * 2), gl.load(u_ptr + (rows + (HALVES - 1) * N) * 2 + 1))
     gdc_wait()  # x and the residual were written by the kernel before
-    if FAST == 2 and RESIDUAL:
+    if FAST >= 2 and RESIDUAL:
         r_early = gl.load(r_ptr + rn, mask=rn < N, other=0).to(gl.float32)
     n_words = K // 8
     n_groups = K // 32
     n_x = gl.multiple_of(K // 16, 16)  # (gluon_gemv asserts K % 256 == 0: x's sums load as vectors)
     if FAST == 2:  # chunk 0's x asked for before the weights are waited for (and before the norm's sum)
         x_next = _x_fast(0, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
+    if FAST == 3:  # all of x into shared memory, asked for before the norm's sum
+        X3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])  # (a chunk's)
+        xw_s = gl.allocate_shared_memory(gl.int32, [CHUNKS, GC, 8], X3)
+        sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
+        qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
+        xsum_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
+        _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX, L4, GC, CHUNKS)
     unscale = w_unscale
     if NORM:
         SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
@@ -187,6 +230,8 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
         xg = gl.arange(0, NX_P2, layout=SL)
         squares = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
         unscale = unscale * gl.rsqrt(gl.sum(squares, axis=0) / K + eps)
+    if FAST == 3:
+        async_copy.wait_group(0)
     if not EACH:
         mbarrier.wait(bars.index(0), 0)
     out = gl.zeros([BN], gl.float32, RL)
@@ -200,6 +245,8 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
                 x_lo, x_hi, sx, q8, x_sum = x_next
                 if c + 1 < CHUNKS:
                     x_next = _x_fast(c + 1, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
+            elif FAST == 3:
+                x_lo, x_hi, sx, q8, x_sum = _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3, L4, LX, GC)
             else:
                 x_lo, x_hi, sx, q8, x_sum = _x_fast(c, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
             for h in gl.static_range(HALVES):
@@ -213,7 +260,7 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
                 else:
                     up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
         for h in gl.static_range(HALVES):  # the rows' units, once a row
-            if FAST == 2:
+            if FAST >= 2:
                 unit_s = gl.convert_layout(units[2 * h], RG)
                 unit_z = gl.convert_layout(units[2 * h + 1], RG)
             else:
@@ -244,7 +291,7 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     for i in gl.static_range(BARS):
         mbarrier.invalidate(bars.index(i))
     if RESIDUAL:
-        if FAST == 2:
+        if FAST >= 2:
             out += r_early
         else:
             out += gl.load(r_ptr + rn, mask=rn < N, other=0).to(gl.float32)
@@ -307,15 +354,15 @@ def main():
     p.add_argument("--warps", default="4", help="comma-separated: warps a program of the Gluon kernel")
     p.add_argument("--each", default="0", help="comma-separated: 0 one mbarrier a program, 1 one a box")
     p.add_argument("--fast", default="0", help="comma-separated: 0 the first products (_chunk), 1 _x_fast and "
-                   "_products_fast (fewer instructions), 2 those with each chunk's x loaded a chunk ahead (1 and 2 "
-                   "not yet run on a GPU)")
+                   "_products_fast (fewer instructions), 2 those with each chunk's x loaded a chunk ahead, 3 those with "
+                   "all of x copied into shared memory once, after the PDL wait")
     p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
     p.add_argument("--load-only", action="store_true", help="with --by-shape and in the chain: also the Gluon kernel "
                    "with its products left out (its copies, waits and shared-memory reads alone; wrong results)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    if any(v not in ("0", "1", "2") for v in a.fast.split(",")):
-        p.error("--fast takes 0, 1 or 2")
+    if any(v not in ("0", "1", "2", "3") for v in a.fast.split(",")):
+        p.error("--fast takes 0, 1, 2 or 3")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("gluon_gemv.py needs a CUDA GPU with TMA (Hopper, sm_90, or later)")
     dev = torch.device("cuda")
@@ -338,6 +385,7 @@ def main():
     records = []
 
     # 1. each shape: the Gluon kernel against kernels.int4_gemv with x in int8, same inputs
+    failed = set()
     for name, (R, K) in step.items():
         layer = make_layer(name, R, K, dev, rows_list)
         N, K = layer["N"], layer["K"]
@@ -347,10 +395,12 @@ def main():
             err = ((got - expect).abs().max() / expect.abs().max()).item()
             print(f"check {name:5s} rows {rows:2d} warps {warps} each {int(each)} fast {int(fast)}: max error "
                   f"{err:.1e} of max |y| {expect.abs().max().item():.3g}", flush=True)
-            if not err < 2e-2:
-                raise SystemExit(f"gluon_gemv: {name} at rows {rows}, warps {warps}, each {int(each)}, fast "
-                                 f"{int(fast)} differs from kernels.int4_gemv by {err:.1e}")
+            if not err < 2e-2:  # (not timed; the others still are)
+                print(f"gluon_gemv: {name} at rows {rows}, warps {warps}, each {int(each)}, fast {int(fast)} "
+                      f"differs from kernels.int4_gemv by {err:.1e}: left out of the timings", flush=True)
+                failed.add((rows, warps, each, fast))
         del layer
+    configs = [config for config in configs if config not in failed]
 
     # 2. the step's chain of GEMVs, each implementation on the same weights
     layers = [make_layer(name, R, K, dev, rows_list) for _ in range(a.layers) for name, (R, K) in step.items()]

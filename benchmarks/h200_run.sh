@@ -615,10 +615,20 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # after the wait; offline, 16 rows, 4 warps: w13 2160 -> 1984 a thread, wqkv 1192 -> 1024, w2 2952 -> 2128) and
       # --fast 2 (also each chunk's x loaded a chunk ahead, the units before the PDL wait, the residual right after
       # it: run 88-93's kernel waits on L2 for x at every chunk), each checked against kernels.int4_gemv before it
-      # is timed; with run 88-93's form (--fast 0) as the baseline in the same session
-      t 300 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,1,2 --by-shape \
+      # is timed; with run 88-93's form (--fast 0) and the copies alone (--load-only) as the baselines in the same
+      # session. (Session 19, before it ran: with FAST the boxes are issued chunk by chunk, gate and up together,
+      # the order the products take them; they were all of gate, then all of up.)
+      t 300 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,1,2 --by-shape --load-only \
         --json "$OUT/gluon-z35.json"
       t 200 python3 benchmarks/gluon_gemv.py --rows 8 --warps 2 --fast 2 --by-shape --json "$OUT/gluon-z35-8.json" ;;
+  z36) # run 94 (session 19; replaces z35, which never ran): --fast 2 and 3 (3: all of x copied into shared memory by
+      # cp.async once, right after the PDL wait, and read there by each chunk: one L2 round trip, not one a chunk),
+      # one mbarrier a program or a box, against run 88-93's form (--fast 0) and the copies alone (--load-only);
+      # with FAST the boxes are issued chunk by chunk, gate and up together (the order the products take them)
+      t 330 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,2,3 --by-shape --load-only \
+        --json "$OUT/gluon-z36.json"
+      t 240 python3 benchmarks/gluon_gemv.py --rows 8 --warps 2,4 --each 0,1 --fast 3 --by-shape \
+        --json "$OUT/gluon-z36-8.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
