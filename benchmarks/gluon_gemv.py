@@ -124,6 +124,34 @@ def _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX: gl.constexpr, L4
 
 
 @gluon.jit
+def _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ: gl.constexpr, GC: gl.constexpr, CHUNKS: gl.constexpr):
+    """XBF16: x [K] in bf16 (times g) to int8 per group of 32 columns, as kernels.int4_gemv's dp4a path rounds it
+    (_int4_dp4a_block: q = floor(x g 127 / max|x g| + 0.5)), into _x_stage's shared memory: an x group of 32 is
+    stored as _x_smem's two x groups of 16 with the same scale (sx twice; sx sum(q) and sum(x g) in the first,
+    0 in the second). Returns x's sum of squares (the norm's, before g)."""
+    squares = 0.0
+    for c in gl.static_range(CHUNKS):
+        at = c * (GC * 32) + gl.expand_dims(gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, gl.SliceLayout(
+            2, LQ))), 1), 2) * 32 + gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(
+                2, LQ))), 0), 2) * 4 + gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(
+                    0, gl.SliceLayout(1, LQ))), 0), 1)  # [GC, 8 words, 4 bytes]
+        ok = at < K
+        x = gl.load(x_ptr + at, mask=ok, other=0).to(gl.float32)
+        squares += gl.sum(gl.sum(gl.sum(x * x, axis=2), axis=1), axis=0)
+        u = x * gl.load(g_ptr + at, mask=ok, other=0).to(gl.float32)
+        amax = gl.max(gl.max(gl.abs(u), axis=2), axis=1)  # [GC]
+        q = gl.floor(u * gl.expand_dims(gl.expand_dims(gl.where(amax > 0, 127 / amax, 0), 1), 2) + 0.5).to(gl.int32)
+        shift = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LQ)))
+        xw_s.index(c).store(gl.sum((q & 255) << gl.expand_dims(gl.expand_dims(shift, 0), 1), axis=2))  # (bytes apart)
+        sx = amax / 127
+        zero = gl.zeros_like(sx)
+        sx_s.index(c).store(gl.join(sx, sx))
+        qs_s.index(c).store(gl.join(sx * gl.sum(gl.sum(q, axis=2), axis=1).to(gl.float32), zero))
+        xsum_s.index(c).store(gl.join(gl.sum(gl.sum(u, axis=2), axis=1), zero))
+    return squares
+
+
+@gluon.jit
 def _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr, GC: gl.constexpr):
     """_x_fast's values for chunk c, from _x_stage's shared memory."""
     X8: gl.constexpr = gl.SliceLayout(0, LX)
@@ -154,10 +182,10 @@ def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: 
 
 
 @gluon.jit
-def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale,
+def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale, x_ptr, g_ptr,
                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                           CHUNKS: gl.constexpr, NX_P2: gl.constexpr, EACH: gl.constexpr,
-                          LOAD_ONLY: gl.constexpr = False, FAST: gl.constexpr = 0):
+                          LOAD_ONLY: gl.constexpr = False, FAST: gl.constexpr = 0, XBF16: gl.constexpr = False):
     """y [N] for one row of x in int8 (int4_quantize_x, groups of 16) times int4 words [N (2N: SWIGLU, gate
     above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout with units, dp4a):
     kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
@@ -166,9 +194,12 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     read from shared memory and summed, without x or any products. FAST (1, 2, 3): the products by _x_fast and
     _products_fast; 2: each chunk's x loaded one chunk ahead (chunk 0's before the weights are waited for),
     the rows' units before the PDL wait and the residual right after it; 3: as 2, but all of x is copied
-    into shared memory once, right after the PDL wait (_x_stage), and each chunk reads it there.
+    into shared memory once, right after the PDL wait (_x_stage), and each chunk reads it there. XBF16 (FAST 3
+    only): x is x_ptr's [K] bf16, times g_ptr's norm weight, rounded to int8 by each program (_x_quantize), as
+    kernels.int4_gemv takes x without xq (decode's wqkv, w13 and w2); xw_ptr and xs_ptr are not read.
     (Run 88-93's kernel, FAST 0, loads each chunk's x from L2 where its products begin, after the copies.)"""
     gl.static_assert(not (FAST and LOAD_ONLY))
+    gl.static_assert(FAST == 3 or not XBF16)
     GC: gl.constexpr = 32  # groups a chunk (CHUNK / 4 words)
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
                                         warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
@@ -222,15 +253,22 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
         sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
         qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
         xsum_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
-        _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX, L4, GC, CHUNKS)
+        if XBF16:
+            LQ: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 4], threads_per_warp=[8, 4, 1],
+                                                warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
+            squares = _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ, GC, CHUNKS)
+        else:
+            _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX, L4, GC, CHUNKS)
     unscale = w_unscale
-    if NORM:
+    if NORM and XBF16:
+        unscale = unscale * gl.rsqrt(squares / K + eps)
+    elif NORM:
         SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
                                             warps_per_cta=[gl.num_warps()], order=[0])
         xg = gl.arange(0, NX_P2, layout=SL)
         squares = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
         unscale = unscale * gl.rsqrt(gl.sum(squares, axis=0) / K + eps)
-    if FAST == 3:
+    if FAST == 3 and not XBF16:
         async_copy.wait_group(0)
     if not EACH:
         mbarrier.wait(bars.index(0), 0)
@@ -307,8 +345,15 @@ def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
             TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [rows, CHUNK // 4], c_layout))
 
 
-def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fast=0, eps=1e-5):
-    """One call of the Gluon kernel on `layer` (make_layer's) with x in int8 `xq`."""
+def bf16_x(layer, fast):
+    """Whether `fast` (4: decode's forms of x) gives this layer x in bf16: all but wo, whose x the attention
+    kernel writes in int8."""
+    return fast == 4 and layer["name"] != "wo"
+
+
+def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fast=0, x=None, g=None, eps=1e-5):
+    """One call of the Gluon kernel on `layer` (make_layer's) with x in int8 `xq`, or (fast 4, but for wo) x in
+    bf16 `x` [K] with the norm weight `g` [K] (FAST 3 with XBF16)."""
     N, K, fused = layer["N"], layer["K"], layer["fused"]
     # (K a multiple of 256: x's sums are 16-aligned; at least 512: FAST's reads past K stay in xq's buffer)
     assert K % 256 == 0 and K >= 512, f"gluon_gemv takes K a multiple of 256, at least 512 (got {K})"
@@ -318,9 +363,10 @@ def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fa
     _int4_gemv_tma_kernel[(triton.cdiv(N, rows),)](
         *layer["desc"][rows], xq[:K // 4], xq[K // 4:].view(torch.float32), layer["units"],
         residual if residual is not None else y, y, N, K, eps, layer["w_unscale"],
+        x if bf16_x(layer, fast) else y, g if bf16_x(layer, fast) else y,
         NORM=fused in ("norm", "swiglu"), RESIDUAL=fused == "residual", SWIGLU=fused == "swiglu", BN=rows,
-        CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), EACH=each, LOAD_ONLY=load_only, FAST=fast,
-        num_warps=warps, launch_pdl=True)
+        CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), EACH=each, LOAD_ONLY=load_only, FAST=min(fast, 3),
+        XBF16=bf16_x(layer, fast), num_warps=warps, launch_pdl=True)
     return y
 
 
@@ -355,14 +401,15 @@ def main():
     p.add_argument("--each", default="0", help="comma-separated: 0 one mbarrier a program, 1 one a box")
     p.add_argument("--fast", default="0", help="comma-separated: 0 the first products (_chunk), 1 _x_fast and "
                    "_products_fast (fewer instructions), 2 those with each chunk's x loaded a chunk ahead, 3 those with "
-                   "all of x copied into shared memory once, after the PDL wait")
+                   "all of x copied into shared memory once, after the PDL wait, 4 as 3 but x in bf16 where decode has it so "
+                   "(all but wo), rounded to int8 by each program (against the Triton kernel on the same forms)")
     p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
     p.add_argument("--load-only", action="store_true", help="with --by-shape and in the chain: also the Gluon kernel "
                    "with its products left out (its copies, waits and shared-memory reads alone; wrong results)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    if any(v not in ("0", "1", "2", "3") for v in a.fast.split(",")):
-        p.error("--fast takes 0, 1, 2 or 3")
+    if any(v not in ("0", "1", "2", "3", "4") for v in a.fast.split(",")):
+        p.error("--fast takes 0, 1, 2, 3 or 4")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise SystemExit("gluon_gemv.py needs a CUDA GPU with TMA (Hopper, sm_90, or later)")
     dev = torch.device("cuda")
@@ -384,14 +431,21 @@ def main():
     res = {n: torch.randn(1, n, device=dev, dtype=torch.bfloat16) for n in outs}
     records = []
 
+    def gluon(layer, rows, warps, each, fast, load_only=False):
+        K = layer["K"]
+        return gluon_gemv(layer, xqs[K], res[layer["N"]], rows, warps, each, load_only, fast, xs[K].flatten(),
+                          ones[:K])
+
     # 1. each shape: the Gluon kernel against kernels.int4_gemv with x in int8, same inputs
     failed = set()
     for name, (R, K) in step.items():
         layer = make_layer(name, R, K, dev, rows_list)
         N, K = layer["N"], layer["K"]
-        expect = triton_gemv(layer, xs[K], xqs[K], res[N], ones[:K]).float().flatten()
+        expect_int8 = triton_gemv(layer, xs[K], xqs[K], res[N], ones[:K]).float().flatten()
+        expect_bf16 = triton_gemv(layer, xs[K], None, res[N], ones[:K]).float().flatten()  # (fast 4)
         for rows, warps, each, fast in configs:
-            got = gluon_gemv(layer, xqs[K], res[N], rows, warps, each, fast=fast).float()
+            got = gluon(layer, rows, warps, each, fast).float()
+            expect = expect_bf16 if bf16_x(layer, fast) else expect_int8
             err = ((got - expect).abs().max() / expect.abs().max()).item()
             print(f"check {name:5s} rows {rows:2d} warps {warps} each {int(each)} fast {int(fast)}: max error "
                   f"{err:.1e} of max |y| {expect.abs().max().item():.3g}", flush=True)
@@ -428,15 +482,16 @@ def main():
     if a.by_shape:  # each shape's 32 layers alone, chained: where the time goes
         for name in step:
             group = [layer for layer in layers if layer["name"] == name]
-            for label, call in [("triton-xq", lambda layer: triton_gemv(layer, xs[layer["K"]], xqs[layer["K"]],
+            for label, call in [("triton (the step's form)", lambda layer: triton_gemv(
+                                    layer, xs[layer["K"]], xqs[layer["K"]] if layer["name"] == "wo" else None,
+                                    res[layer["N"]], ones[:layer["K"]])),
+                                ("triton-xq", lambda layer: triton_gemv(layer, xs[layer["K"]], xqs[layer["K"]],
                                                                         res[layer["N"]], ones[:layer["K"]]))] + [
                     (f"gluon rows {r} warps {w} each {int(e)}{f' fast {f}' if f else ''}",
-                     lambda layer, r=r, w=w, e=e, f=f: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, w, e,
-                                                                  fast=f))
+                     lambda layer, r=r, w=w, e=e, f=f: gluon(layer, r, w, e, f))
                     for r, w, e, f in configs] + [
                     (f"gluon-load-only rows {r} warps {warps_list[0]} each {int(e)}",
-                     lambda layer, r=r, e=e: gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], r, warps_list[0], e,
-                                                        True))
+                     lambda layer, r=r, e=e: gluon(layer, r, warps_list[0], e, 0, True))
                     for r in rows_list for e in each_list if a.load_only]:
                 t = time_calls([lambda: [call(layer) for layer in group]]) / len(group)
                 nbytes = group[0]["words"].numel() * 4 + group[0]["codes"].numel() * 2
@@ -449,14 +504,14 @@ def main():
     for rows, warps, each, fast in configs:
         def gluon_chain(rows=rows, warps=warps, each=each, fast=fast):
             for layer in layers:
-                gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each, fast=fast)
+                gluon(layer, rows, warps, each, fast)
         report(f"gluon rows {rows} warps {warps} each {int(each)}{f' fast {fast}' if fast else ''}",
                time_calls([gluon_chain]), rows=rows, warps=warps, each=each, fast=fast)
         if a.load_only and (rows, warps, each) not in loaded_only:  # (once for FAST and not)
             loaded_only.add((rows, warps, each))
             def load_chain(rows=rows, warps=warps, each=each):
                 for layer in layers:
-                    gluon_gemv(layer, xqs[layer["K"]], res[layer["N"]], rows, warps, each, True)
+                    gluon(layer, rows, warps, each, 0, True)
             report(f"gluon-load-only rows {rows} warps {warps} each {int(each)}", time_calls([load_chain]),
                    rows=rows, warps=warps, each=each, load_only=True)
 

@@ -624,10 +624,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   z36) # run 94 (session 19; replaces z35, which never ran): --fast 2 and 3 (3: all of x copied into shared memory by
       # cp.async once, right after the PDL wait, and read there by each chunk: one L2 round trip, not one a chunk),
       # one mbarrier a program or a box, against run 88-93's form (--fast 0) and the copies alone (--load-only);
-      # with FAST the boxes are issued chunk by chunk, gate and up together (the order the products take them)
-      t 330 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,2,3 --by-shape --load-only \
+      # with FAST the boxes are issued chunk by chunk, gate and up together (the order the products take them);
+      # --fast 4: as 3, but x in bf16 where decode has it so (all but wo), rounded to int8 by each program, as the
+      # Triton kernel does it (the form that could replace kernels.int4_gemv in decode as it stands)
+      t 330 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,2,3,4 --by-shape --load-only \
         --json "$OUT/gluon-z36.json"
-      t 240 python3 benchmarks/gluon_gemv.py --rows 8 --warps 2,4 --each 0,1 --fast 3 --by-shape \
+      t 240 python3 benchmarks/gluon_gemv.py --rows 8 --warps 2,4 --each 0,1 --fast 3,4 --by-shape \
         --json "$OUT/gluon-z36-8.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
