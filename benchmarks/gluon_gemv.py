@@ -16,12 +16,19 @@ is checked against kernels.int4_gemv on the same inputs, then three chains are t
 
   triton       kernels.int4_gemv as the step runs it (x in bf16 for wqkv, w13, w2; in int8 for wo)
   triton-xq    kernels.int4_gemv with x in int8 everywhere (the arithmetic the Gluon kernel does)
-  gluon        this file's kernel, x in int8 everywhere, at --rows rows a program
+  gluon        this file's kernel, x in int8 everywhere (--fast 4: in bf16 where decode has it), at --rows
+               rows a program
 
 The chains read the same x each time (decode's data flow is not needed for the timing: each kernel still
 waits for the one before at its PDL wait). On the H200 (sm_90) only.
 
-    python benchmarks/gluon_gemv.py [--layers 32] [--rows 8,16] [--warps 4] [--json PATH]
+What it found (BENCHMARKS.md, sessions 18-19): the copies alone stream the step's GEMV bytes at 87-90% of the
+copy ceiling; with the products the best form (--fast 2, one mbarrier a box, 16 rows, 8 warps) reached 69.9%,
+against the Triton kernel's 68.4%, and only with x in int8 for every GEMV. With x in bf16 (--fast 4) it took
+1.5x the Triton kernel's time at best. So it stays a probe, outside decode.
+
+    python benchmarks/gluon_gemv.py [--layers 32] [--rows 8,16] [--warps 4] [--each 0,1] [--fast 0,1,2,3,4]
+        [--by-shape] [--load-only] [--json PATH]
 """
 import argparse
 import json

@@ -611,14 +611,11 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 150 python3 benchmarks/gluon_gemv.py --rows 16,32 --warps 8 --each 0 --by-shape --json "$OUT/gluon-z33.json" ;;
   z34) # (run 93) 32 rows at 4 and 2 warps
       t 100 python3 benchmarks/gluon_gemv.py --rows 32 --warps 4,2 --each 0 --by-shape --json "$OUT/gluon-z34.json" ;;
-  z35) # prepared in session 18, not run (no device time left): --fast 1 (_x_fast/_products_fast: fewer instructions
-      # after the wait; offline, 16 rows, 4 warps: w13 2160 -> 1984 a thread, wqkv 1192 -> 1024, w2 2952 -> 2128) and
-      # --fast 2 (also each chunk's x loaded a chunk ahead, the units before the PDL wait, the residual right after
-      # it: run 88-93's kernel waits on L2 for x at every chunk), each checked against kernels.int4_gemv before it
-      # is timed; with run 88-93's form (--fast 0) and the copies alone (--load-only) as the baselines in the same
-      # session. (Session 19, before it ran: with FAST the boxes are issued chunk by chunk, gate and up together,
-      # the order the products take them; they were all of gate, then all of up.)
-      t 300 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,1,2 --by-shape --load-only \
+  z35) # prepared in session 18 and never run (no device time left); session 19 ran z36, which covers it: --fast 1
+      # (_x_fast/_products_fast: fewer instructions after the wait; offline, 16 rows, 4 warps: w13 2160 -> 1984 a
+      # thread, wqkv 1192 -> 1024, w2 2952 -> 2128) and --fast 2 (also each chunk's x loaded a chunk ahead, the units
+      # before the PDL wait, the residual right after it), each checked against kernels.int4_gemv before it is timed
+      t 300 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,1,2 --by-shape \
         --json "$OUT/gluon-z35.json"
       t 200 python3 benchmarks/gluon_gemv.py --rows 8 --warps 2 --fast 2 --by-shape --json "$OUT/gluon-z35-8.json" ;;
   z36) # run 94 (session 19; replaces z35, which never ran): --fast 2 and 3 (3: all of x copied into shared memory by
@@ -631,6 +628,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/gluon-z36.json"
       t 240 python3 benchmarks/gluon_gemv.py --rows 8 --warps 2,4 --each 0,1 --fast 3,4 --by-shape \
         --json "$OUT/gluon-z36-8.json" ;;
+  z37) # run 95 (session 19): run 94's best form (--fast 2, one mbarrier a box: 1229.9 against the Triton kernel's
+      # 1241.6 us a step) at more warps an SM: 8 rows a program (w2: 4 programs an SM, not 2) and 8 warps a program
+      t 300 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4,8 --each 1 --fast 2 --by-shape \
+        --json "$OUT/gluon-z37.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
