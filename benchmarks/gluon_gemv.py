@@ -343,6 +343,143 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
+@gluon.jit
+def _ring_issue(i, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES: gl.constexpr, CHUNKS: gl.constexpr,
+                STAGES: gl.constexpr, BN: gl.constexpr, GC: gl.constexpr):
+    """RING: box i of this program's sequence (its tiles pid, pid + P, ...; in each, chunk by chunk, gate then up)
+    copied by TMA into stage i % STAGES, behind that stage's mbarrier."""
+    s = i % STAGES
+    h = i % HALVES
+    k = i // HALVES  # the chunk step
+    row0 = (pid + (k // CHUNKS) * P) * BN
+    c = k % CHUNKS
+    bar = bars.index(s)
+    mbarrier.expect(bar, w_desc.block_type.nbytes + c_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(w_desc, [row0 + h * N, c * 4 * GC], bar, w_smem.index(s))
+    tma.async_copy_global_to_shared(c_desc, [row0 + h * N, c * GC], bar, c_smem.index(s))
+
+
+@gluon.jit
+def _ring_tile_inputs(u_ptr, r_ptr, t, pid, P, N, RL: gl.constexpr, BN: gl.constexpr, HALVES: gl.constexpr,
+                      RESIDUAL: gl.constexpr):
+    """Local tile t's rows' units (scale's and zero's; gate's then up's) and residual."""
+    rn = (pid + t * P) * BN + gl.arange(0, BN, layout=RL)
+    rows = gl.minimum(rn, N - 1)
+    units = (gl.load(u_ptr + rows * 2), gl.load(u_ptr + rows * 2 + 1),
+             gl.load(u_ptr + (rows + (HALVES - 1) * N) * 2), gl.load(u_ptr + (rows + (HALVES - 1) * N) * 2 + 1))
+    if RESIDUAL:
+        r = gl.load(r_ptr + rn, mask=rn < N, other=0).to(gl.float32)
+    else:
+        r = gl.zeros([BN], gl.float32, RL)
+    return units, r
+
+
+@gluon.jit
+def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale, x_ptr, g_ptr,
+                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
+                           CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr, XBF16: gl.constexpr):
+    """_int4_gemv_tma_kernel's FAST 3 arithmetic (x in int8 staged in shared memory, or XBF16), in persistent
+    programs: each takes tiles of BN rows pid, pid + P, ... (P programs), their words and codes a box (BN rows, one
+    chunk of K, gate or up) at a time through a ring of STAGES boxes in shared memory, each box's copy issued
+    STAGES boxes ahead of its products, the first STAGES before the PDL wait. Memory stays busy while the
+    products run, and an SM's boxes stream without waves of programs."""
+    GC: gl.constexpr = 32
+    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
+                                        warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, 2], threads_per_warp=[1, 32, 1, 1],
+                                        warps_per_cta=[gl.num_warps(), 1, 1, 1], order=[3, 2, 1, 0])
+    LX: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[1, 32, 1],
+                                        warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
+    LG: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))
+    RG: gl.constexpr = gl.SliceLayout(1, LG)
+    RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+    PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    HALVES: gl.constexpr = 2 if SWIGLU else 1
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    gdc_launch_dependents()
+    my_tiles = (gl.cdiv(N, BN) - pid + P - 1) // P
+    total = my_tiles * (CHUNKS * HALVES)  # boxes
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4 * GC], w_desc.layout)
+    c_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BN, GC], c_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES):  # the first STAGES boxes, before the wait
+        if i < total:
+            _ring_issue(i, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES, CHUNKS, STAGES, BN, GC)
+    gdc_wait()  # x and the residual were written by the kernel before
+    X3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    xw_s = gl.allocate_shared_memory(gl.int32, [CHUNKS, GC, 8], X3)
+    sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
+    qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
+    xsum_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
+    n_x = gl.multiple_of(K // 16, 16)
+    if not XBF16:
+        _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX, L4, GC, CHUNKS)
+    units, r = _ring_tile_inputs(u_ptr, r_ptr, 0, pid, P, N, RL, BN, HALVES, RESIDUAL)
+    unscale = w_unscale
+    if XBF16:
+        LQ: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 4], threads_per_warp=[8, 4, 1],
+                                            warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
+        squares = _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ, GC, CHUNKS)
+        if NORM:
+            unscale = unscale * gl.rsqrt(squares / K + eps)
+    else:
+        if NORM:
+            SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                                warps_per_cta=[gl.num_warps()], order=[0])
+            xg = gl.arange(0, NX_P2, layout=SL)
+            sq = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
+            unscale = unscale * gl.rsqrt(gl.sum(sq, axis=0) / K + eps)
+        async_copy.wait_group(0)
+    gl.thread_barrier()  # x in shared memory, for every warp
+    acc_s = gl.zeros([BN, GC], gl.float32, LG)
+    acc_z = gl.zeros([BN, GC], gl.float32, LG)
+    up_s = gl.zeros([BN, GC], gl.float32, LG)
+    up_z = gl.zeros([BN, GC], gl.float32, LG)
+    for k in range(my_tiles * CHUNKS):  # chunk steps
+        c = k % CHUNKS
+        x_lo, x_hi, sx, q8, x_sum = _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3, L4, LX, GC)
+        for h in gl.static_range(HALVES):
+            box = k * HALVES + h
+            s = box % STAGES
+            mbarrier.wait(bars.index(s), (box // STAGES) & 1)
+            w_c = w_smem.index(s)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
+            c_c = c_smem.index(s)._reinterpret(gl.int16, [BN, GC], PLAIN2)
+            if h == 0:
+                acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
+            else:
+                up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
+        gl.thread_barrier()  # every warp has read this step's stages before they are refilled
+        for h in gl.static_range(HALVES):
+            box = k * HALVES + h
+            if box + STAGES < total:
+                _ring_issue(box + STAGES, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES, CHUNKS, STAGES, BN,
+                            GC)
+        if c == CHUNKS - 1:  # the tile's last chunk: its rows out, then the next tile's inputs asked for
+            t = k // CHUNKS
+            out = gl.convert_layout(gl.convert_layout(units[0], RG) * gl.sum(acc_s, axis=1)
+                                    + gl.convert_layout(units[1], RG) * gl.sum(acc_z, axis=1), RL) * unscale
+            if SWIGLU:
+                up = gl.convert_layout(gl.convert_layout(units[2], RG) * gl.sum(up_s, axis=1)
+                                       + gl.convert_layout(units[3], RG) * gl.sum(up_z, axis=1), RL) * unscale
+                out = out / (1 + gl.exp(-out)) * up
+            if RESIDUAL:
+                out += r
+            rn = (pid + t * P) * BN + gl.arange(0, BN, layout=RL)
+            gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
+            units, r = _ring_tile_inputs(u_ptr, r_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, RL, BN, HALVES,
+                                         RESIDUAL)
+            acc_s = gl.zeros([BN, GC], gl.float32, LG)
+            acc_z = gl.zeros([BN, GC], gl.float32, LG)
+            up_s = gl.zeros([BN, GC], gl.float32, LG)
+            up_z = gl.zeros([BN, GC], gl.float32, LG)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
 def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
     """TMA descriptors of a layer's words [R, K/8] int32 and codes [R, K/32] int16, a box of `rows` rows by
     one chunk (128 words, 32 codes); reads past the end give zeros."""
@@ -373,6 +510,23 @@ def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fa
         x if bf16_x(layer, fast) else y, g if bf16_x(layer, fast) else y,
         NORM=fused in ("norm", "swiglu"), RESIDUAL=fused == "residual", SWIGLU=fused == "swiglu", BN=rows,
         CHUNKS=chunks, NX_P2=triton.next_power_of_2(n_x), EACH=each, LOAD_ONLY=load_only, FAST=min(fast, 3),
+        XBF16=bf16_x(layer, fast), num_warps=warps, launch_pdl=True)
+    return y
+
+
+def gluon_ring_gemv(layer, xq, residual, rows, warps, stages, per_sm, fast=3, x=None, g=None, eps=1e-5):
+    """One call of the ring kernel (_int4_gemv_ring_kernel) on `layer`, per_sm programs an SM (at most one a
+    tile); x as gluon_gemv takes it (fast 3 or 4)."""
+    N, K, fused = layer["N"], layer["K"], layer["fused"]
+    assert K % 256 == 0 and K >= 512, f"gluon_ring_gemv takes K a multiple of 256, at least 512 (got {K})"
+    y = torch.empty(N, device=xq.device, dtype=torch.bfloat16)
+    programs = min(triton.cdiv(N, rows), per_sm * torch.cuda.get_device_properties(xq.device).multi_processor_count)
+    _int4_gemv_ring_kernel[(programs,)](
+        *layer["desc"][rows], xq[:K // 4], xq[K // 4:].view(torch.float32), layer["units"],
+        residual if residual is not None else y, y, N, K, eps, layer["w_unscale"],
+        x if bf16_x(layer, fast) else y, g if bf16_x(layer, fast) else y,
+        NORM=fused in ("norm", "swiglu"), RESIDUAL=fused == "residual", SWIGLU=fused == "swiglu", BN=rows,
+        CHUNKS=-(-(K // 8) // CHUNK), NX_P2=triton.next_power_of_2(K // XG), STAGES=stages,
         XBF16=bf16_x(layer, fast), num_warps=warps, launch_pdl=True)
     return y
 
@@ -410,6 +564,11 @@ def main():
                    "_products_fast (fewer instructions), 2 those with each chunk's x loaded a chunk ahead, 3 those with "
                    "all of x copied into shared memory once, after the PDL wait, 4 as 3 but x in bf16 where decode has it so "
                    "(all but wo), rounded to int8 by each program (against the Triton kernel on the same forms)")
+    p.add_argument("--ring", default="", help="comma-separated: boxes in flight a program of the ring kernel "
+                   "(persistent programs, each box's copy issued that many boxes ahead of its products), at each "
+                   "--rows, --warps, --per-sm and --fast of 3 or 4 (3 if none)")
+    p.add_argument("--per-sm", default="1", help="comma-separated: ring kernel programs an SM")
+    p.add_argument("--ring-only", action="store_true", help="time the ring kernel, not _int4_gemv_tma_kernel")
     p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
     p.add_argument("--load-only", action="store_true", help="with --by-shape and in the chain: also the Gluon kernel "
                    "with its products left out (its copies, waits and shared-memory reads alone; wrong results)")
@@ -423,8 +582,11 @@ def main():
     rows_list = [int(v) for v in a.rows.split(",")]
     warps_list = [int(v) for v in a.warps.split(",")]
     each_list = [bool(int(v)) for v in a.each.split(",")]
-    configs = [(r, w, e, int(f)) for r in rows_list for w in warps_list for e in each_list
-               for f in a.fast.split(",")]
+    configs = [(r, w, e, int(f), None) for r in rows_list for w in warps_list for e in each_list
+               for f in a.fast.split(",") if not a.ring_only]
+    ring_fast = [int(f) for f in a.fast.split(",") if f in ("3", "4")] or [3]
+    configs += [(r, w, False, f, (int(st), int(ps))) for r in rows_list for w in warps_list
+                for st in a.ring.split(",") if st for ps in a.per_sm.split(",") for f in ring_fast]
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy ceiling "
           f"{ceiling:.0f} GB/s", flush=True)
@@ -438,10 +600,17 @@ def main():
     res = {n: torch.randn(1, n, device=dev, dtype=torch.bfloat16) for n in outs}
     records = []
 
-    def gluon(layer, rows, warps, each, fast, load_only=False):
+    def gluon(layer, rows, warps, each, fast, ring=None, load_only=False):
         K = layer["K"]
+        if ring:
+            return gluon_ring_gemv(layer, xqs[K], res[layer["N"]], rows, warps, *ring, fast, xs[K].flatten(),
+                                   ones[:K])
         return gluon_gemv(layer, xqs[K], res[layer["N"]], rows, warps, each, load_only, fast, xs[K].flatten(),
                           ones[:K])
+
+    def label(rows, warps, each, fast, ring):
+        form = f"ring {ring[0]} x{ring[1]}" if ring else f"each {int(each)}"
+        return f"gluon rows {rows} warps {warps} {form}{f' fast {fast}' if fast else ''}"
 
     # 1. each shape: the Gluon kernel against kernels.int4_gemv with x in int8, same inputs
     failed = set()
@@ -450,16 +619,16 @@ def main():
         N, K = layer["N"], layer["K"]
         expect_int8 = triton_gemv(layer, xs[K], xqs[K], res[N], ones[:K]).float().flatten()
         expect_bf16 = triton_gemv(layer, xs[K], None, res[N], ones[:K]).float().flatten()  # (fast 4)
-        for rows, warps, each, fast in configs:
-            got = gluon(layer, rows, warps, each, fast).float()
-            expect = expect_bf16 if bf16_x(layer, fast) else expect_int8
+        for config in configs:
+            got = gluon(layer, *config).float()
+            expect = expect_bf16 if bf16_x(layer, config[3]) else expect_int8
             err = ((got - expect).abs().max() / expect.abs().max()).item()
-            print(f"check {name:5s} rows {rows:2d} warps {warps} each {int(each)} fast {int(fast)}: max error "
-                  f"{err:.1e} of max |y| {expect.abs().max().item():.3g}", flush=True)
+            print(f"check {name:5s} {label(*config)}: max error {err:.1e} of max |y| "
+                  f"{expect.abs().max().item():.3g}", flush=True)
             if not err < 2e-2:  # (not timed; the others still are)
-                print(f"gluon_gemv: {name} at rows {rows}, warps {warps}, each {int(each)}, fast {int(fast)} "
-                      f"differs from kernels.int4_gemv by {err:.1e}: left out of the timings", flush=True)
-                failed.add((rows, warps, each, fast))
+                print(f"gluon_gemv: {name}, {label(*config)}, differs from kernels.int4_gemv by {err:.1e}: left out "
+                      "of the timings", flush=True)
+                failed.add(config)
         del layer
     configs = [config for config in configs if config not in failed]
 
@@ -494,11 +663,10 @@ def main():
                                     res[layer["N"]], ones[:layer["K"]])),
                                 ("triton-xq", lambda layer: triton_gemv(layer, xs[layer["K"]], xqs[layer["K"]],
                                                                         res[layer["N"]], ones[:layer["K"]]))] + [
-                    (f"gluon rows {r} warps {w} each {int(e)}{f' fast {f}' if f else ''}",
-                     lambda layer, r=r, w=w, e=e, f=f: gluon(layer, r, w, e, f))
-                    for r, w, e, f in configs] + [
+                    (label(*config), lambda layer, config=config: gluon(layer, *config))
+                    for config in configs] + [
                     (f"gluon-load-only rows {r} warps {warps_list[0]} each {int(e)}",
-                     lambda layer, r=r, e=e: gluon(layer, r, warps_list[0], e, 0, True))
+                     lambda layer, r=r, e=e: gluon(layer, r, warps_list[0], e, 0, None, True))
                     for r in rows_list for e in each_list if a.load_only]:
                 t = time_calls([lambda: [call(layer) for layer in group]]) / len(group)
                 nbytes = group[0]["words"].numel() * 4 + group[0]["codes"].numel() * 2
@@ -508,17 +676,18 @@ def main():
     report("triton (the step's forms)", time_calls([lambda: triton_chain(False)]))
     report("triton-xq", time_calls([lambda: triton_chain(True)]))
     loaded_only = set()
-    for rows, warps, each, fast in configs:
-        def gluon_chain(rows=rows, warps=warps, each=each, fast=fast):
+    for config in configs:
+        rows, warps, each, fast, ring = config
+        def gluon_chain(config=config):
             for layer in layers:
-                gluon(layer, rows, warps, each, fast)
-        report(f"gluon rows {rows} warps {warps} each {int(each)}{f' fast {fast}' if fast else ''}",
-               time_calls([gluon_chain]), rows=rows, warps=warps, each=each, fast=fast)
-        if a.load_only and (rows, warps, each) not in loaded_only:  # (once for FAST and not)
+                gluon(layer, *config)
+        report(label(*config), time_calls([gluon_chain]), rows=rows, warps=warps, each=each, fast=fast,
+               **({"ring": list(ring)} if ring else {}))
+        if a.load_only and not ring and (rows, warps, each) not in loaded_only:  # (once for FAST and not)
             loaded_only.add((rows, warps, each))
             def load_chain(rows=rows, warps=warps, each=each):
                 for layer in layers:
-                    gluon(layer, rows, warps, each, 0, True)
+                    gluon(layer, rows, warps, each, 0, None, True)
             report(f"gluon-load-only rows {rows} warps {warps} each {int(each)}", time_calls([load_chain]),
                    rows=rows, warps=warps, each=each, load_only=True)
 

@@ -632,6 +632,15 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # 1241.6 us a step) at more warps an SM: 8 rows a program (w2: 4 programs an SM, not 2) and 8 warps a program
       t 300 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4,8 --each 1 --fast 2 --by-shape \
         --json "$OUT/gluon-z37.json" ;;
+  z38) # run 96 (session 19): the ring kernel (persistent programs, a ring of boxes in shared memory, each box's copy
+      # issued --ring boxes ahead of its products, the first ones before the PDL wait; x staged in shared memory,
+      # --fast 3 in int8, 4 in bf16 where decode has it), against the Triton kernel in the same run
+      t 260 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4,8 --ring 8,16 --per-sm 1 --fast 3,4 --ring-only \
+        --by-shape --json "$OUT/gluon-z38.json"
+      t 150 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4,8 --ring 8 --per-sm 2 --fast 3 --ring-only \
+        --json "$OUT/gluon-z38-2.json"
+      t 150 python3 benchmarks/gluon_gemv.py --rows 8 --warps 4 --ring 16,24 --per-sm 1,2 --fast 3 --ring-only \
+        --json "$OUT/gluon-z38-8.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
