@@ -658,7 +658,7 @@ def main():
     if a.by_shape:  # each shape's 32 layers alone, chained: where the time goes
         for name in step:
             group = [layer for layer in layers if layer["name"] == name]
-            for label, call in [("triton (the step's form)", lambda layer: triton_gemv(
+            for form, call in [("triton (the step's form)", lambda layer: triton_gemv(
                                     layer, xs[layer["K"]], xqs[layer["K"]] if layer["name"] == "wo" else None,
                                     res[layer["N"]], ones[:layer["K"]])),
                                 ("triton-xq", lambda layer: triton_gemv(layer, xs[layer["K"]], xqs[layer["K"]],
@@ -670,8 +670,8 @@ def main():
                     for r in rows_list for e in each_list if a.load_only]:
                 t = time_calls([lambda: [call(layer) for layer in group]]) / len(group)
                 nbytes = group[0]["words"].numel() * 4 + group[0]["codes"].numel() * 2
-                print(f"  {name:5s} {label:26s} {t * 1e6:6.1f} us a GEMV  {nbytes / t / 1e9:5.0f} GB/s", flush=True)
-                records.append(dict(shape=name, chain=label, us_a_gemv=t * 1e6, gb_s=nbytes / t / 1e9,
+                print(f"  {name:5s} {form:26s} {t * 1e6:6.1f} us a GEMV  {nbytes / t / 1e9:5.0f} GB/s", flush=True)
+                records.append(dict(shape=name, chain=form, us_a_gemv=t * 1e6, gb_s=nbytes / t / 1e9,
                                     command="python " + " ".join(sys.argv)))
     report("triton (the step's forms)", time_calls([lambda: triton_chain(False)]))
     report("triton-xq", time_calls([lambda: triton_chain(True)]))

@@ -641,6 +641,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/gluon-z38-2.json"
       t 150 python3 benchmarks/gluon_gemv.py --rows 8 --warps 4 --ring 16,24 --per-sm 1,2 --fast 3 --ring-only \
         --json "$OUT/gluon-z38-8.json" ;;
+  z39) # run 97 (session 19): z38's first command again (its by-shape table ended in a naming bug before the chains),
+      # and the ring at 3 and 4 programs an SM (run 96: 2 an SM beat 1 an SM)
+      t 200 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4,8 --ring 8 --per-sm 1 --fast 3,4 --ring-only \
+        --by-shape --json "$OUT/gluon-z39.json"
+      t 200 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 4,6 --per-sm 3,4 --fast 3,4 --ring-only \
+        --by-shape --json "$OUT/gluon-z39-34.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
