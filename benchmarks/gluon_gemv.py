@@ -131,31 +131,47 @@ def _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX: gl.constexpr, L4
 
 
 @gluon.jit
-def _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ: gl.constexpr, GC: gl.constexpr, CHUNKS: gl.constexpr):
-    """XBF16: x [K] in bf16 (times g) to int8 per group of 32 columns, as kernels.int4_gemv's dp4a path rounds it
-    (_int4_dp4a_block: q = floor(x g 127 / max|x g| + 0.5)), into _x_stage's shared memory: an x group of 32 is
-    stored as _x_smem's two x groups of 16 with the same scale (sx twice; sx sum(q) and sum(x g) in the first,
-    0 in the second). Returns x's sum of squares (the norm's, before g)."""
-    squares = 0.0
-    for c in gl.static_range(CHUNKS):
-        at = c * (GC * 32) + gl.expand_dims(gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, gl.SliceLayout(
-            2, LQ))), 1), 2) * 32 + gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(
-                2, LQ))), 0), 2) * 4 + gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(
-                    0, gl.SliceLayout(1, LQ))), 0), 1)  # [GC, 8 words, 4 bytes]
+def _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ: gl.constexpr, GC: gl.constexpr, CHUNKS: gl.constexpr,
+                NORM: gl.constexpr):
+    """XBF16: x [K] in bf16 (NORM: times g) to int8 per group of 32 columns, as kernels.int4_gemv's dp4a path
+    rounds it (_int4_dp4a_block: q = floor(x g 127 / max|x g| + 0.5)), into _x_stage's shared memory
+    (allocated for a power of 2 of chunks, at least 4): an x group of 32 is stored as _x_smem's two x groups of
+    16 with the same scale (sx twice; sx sum(q) and sum(x g) in the first, 0 in the second). Four chunks at a
+    time, in one load of x (and g), and the squares summed across warps once at the end (run 94's form took a
+    chunk at a time and summed its squares each time: it waited on L2 and on a barrier at every chunk).
+    Returns x's sum of squares (the norm's, before g)."""
+    XB: gl.constexpr = 4  # chunks a batch
+    R: gl.constexpr = XB * GC  # groups a batch
+    rg = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, LQ)))
+    rw = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LQ)))
+    rb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LQ)))
+    at0 = gl.expand_dims(gl.expand_dims(rg, 1), 2) * 32 + gl.expand_dims(gl.expand_dims(rw, 0), 2) * 4 \
+        + gl.expand_dims(gl.expand_dims(rb, 0), 1)  # [groups, 8 words, 4 bytes]
+    shift = gl.expand_dims(gl.expand_dims(8 * rb, 0), 1)
+    squares = gl.zeros([R, 8, 4], gl.float32, LQ)
+    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    ROWS: gl.constexpr = xw_s.shape[0] * GC  # (the buffers seen as 2D: a batch is a slice of rows)
+    xw_2d = xw_s._reinterpret(gl.int32, [ROWS, 8], PLAIN2)
+    sx_2d = sx_s._reinterpret(gl.float32, [ROWS, 2], PLAIN2)
+    qs_2d = qs_s._reinterpret(gl.float32, [ROWS, 2], PLAIN2)
+    xsum_2d = xsum_s._reinterpret(gl.float32, [ROWS, 2], PLAIN2)
+    for c0 in gl.static_range(0, CHUNKS, XB):
+        at = c0 * (GC * 32) + at0
         ok = at < K
         x = gl.load(x_ptr + at, mask=ok, other=0).to(gl.float32)
-        squares += gl.sum(gl.sum(gl.sum(x * x, axis=2), axis=1), axis=0)
-        u = x * gl.load(g_ptr + at, mask=ok, other=0).to(gl.float32)
-        amax = gl.max(gl.max(gl.abs(u), axis=2), axis=1)  # [GC]
+        squares += x * x
+        u = x
+        if NORM:
+            u = x * gl.load(g_ptr + at, mask=ok, other=0).to(gl.float32)
+        amax = gl.max(gl.max(gl.abs(u), axis=2), axis=1)  # [groups]
         q = gl.floor(u * gl.expand_dims(gl.expand_dims(gl.where(amax > 0, 127 / amax, 0), 1), 2) + 0.5).to(gl.int32)
-        shift = 8 * gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, LQ)))
-        xw_s.index(c).store(gl.sum((q & 255) << gl.expand_dims(gl.expand_dims(shift, 0), 1), axis=2))  # (bytes apart)
+        xw_2d.slice(c0 * GC, R).store(gl.sum((q & 255) << shift, axis=2))  # (bytes apart)
         sx = amax / 127
         zero = gl.zeros_like(sx)
-        sx_s.index(c).store(gl.join(sx, sx))
-        qs_s.index(c).store(gl.join(sx * gl.sum(gl.sum(q, axis=2), axis=1).to(gl.float32), zero))
-        xsum_s.index(c).store(gl.join(gl.sum(gl.sum(u, axis=2), axis=1), zero))
-    return squares
+        sx_2d.slice(c0 * GC, R).store(gl.join(sx, sx))
+        qs_2d.slice(c0 * GC, R).store(gl.join(sx * gl.sum(gl.sum(q, axis=2), axis=1).to(gl.float32), zero))
+        xsum_2d.slice(c0 * GC, R).store(gl.join(gl.sum(gl.sum(u, axis=2), axis=1), zero))
+    return gl.sum(gl.sum(gl.sum(squares, axis=2), axis=1), axis=0)
 
 
 @gluon.jit
@@ -256,14 +272,16 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
         x_next = _x_fast(0, xw_ptr, xs_ptr, n_x, L3, L4, LX, GC)
     if FAST == 3:  # all of x into shared memory, asked for before the norm's sum
         X3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])  # (a chunk's)
-        xw_s = gl.allocate_shared_memory(gl.int32, [CHUNKS, GC, 8], X3)
-        sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
-        qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
-        xsum_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
+        # (chunks a power of 2, at least 4: _x_quantize's batches of 4, in 2D views of power-of-2 shapes)
+        CHUNKS4: gl.constexpr = 4 if CHUNKS <= 4 else 8 if CHUNKS <= 8 else 16 if CHUNKS <= 16 else 32
+        xw_s = gl.allocate_shared_memory(gl.int32, [CHUNKS4, GC, 8], X3)
+        sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
+        qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
+        xsum_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
         if XBF16:
             LQ: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 4], threads_per_warp=[8, 4, 1],
                                                 warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
-            squares = _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ, GC, CHUNKS)
+            squares = _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ, GC, CHUNKS, NORM)
         else:
             _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX, L4, GC, CHUNKS)
     unscale = w_unscale
@@ -411,10 +429,12 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             _ring_issue(i, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES, CHUNKS, STAGES, BN, GC)
     gdc_wait()  # x and the residual were written by the kernel before
     X3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    xw_s = gl.allocate_shared_memory(gl.int32, [CHUNKS, GC, 8], X3)
-    sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
-    qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
-    xsum_s = gl.allocate_shared_memory(gl.float32, [CHUNKS, GC, 2], X3)
+    # (chunks a power of 2, at least 4: _x_quantize's batches of 4, in 2D views of power-of-2 shapes)
+    CHUNKS4: gl.constexpr = 4 if CHUNKS <= 4 else 8 if CHUNKS <= 8 else 16 if CHUNKS <= 16 else 32
+    xw_s = gl.allocate_shared_memory(gl.int32, [CHUNKS4, GC, 8], X3)
+    sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
+    qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
+    xsum_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
     n_x = gl.multiple_of(K // 16, 16)
     if not XBF16:
         _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX, L4, GC, CHUNKS)
@@ -423,7 +443,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     if XBF16:
         LQ: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 4], threads_per_warp=[8, 4, 1],
                                             warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
-        squares = _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ, GC, CHUNKS)
+        squares = _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ, GC, CHUNKS, NORM)
         if NORM:
             unscale = unscale * gl.rsqrt(squares / K + eps)
     else:
