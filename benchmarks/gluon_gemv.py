@@ -591,6 +591,8 @@ def main():
                    "--rows, --warps, --per-sm and --fast of 3 or 4 (3 if none)")
     p.add_argument("--per-sm", default="1", help="comma-separated: ring kernel programs an SM")
     p.add_argument("--ring-only", action="store_true", help="time the ring kernel, not _int4_gemv_tma_kernel")
+    p.add_argument("--mix", action="store_true", help="also each Gluon form in the chain for w13 and w2 only, with "
+                   "the Triton kernel in the step's forms for wqkv and wo")
     p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
     p.add_argument("--load-only", action="store_true", help="with --by-shape and in the chain: also the Gluon kernel "
                    "with its products left out (its copies, waits and shared-memory reads alone; wrong results)")
@@ -705,6 +707,16 @@ def main():
                 gluon(layer, *config)
         report(label(*config), time_calls([gluon_chain]), rows=rows, warps=warps, each=each, fast=fast,
                **({"ring": list(ring)} if ring else {}))
+        if a.mix:
+            def mixed_chain(config=config):
+                for layer in layers:
+                    if layer["name"] in ("w13", "w2"):
+                        gluon(layer, *config)
+                    else:
+                        K, N = layer["K"], layer["N"]
+                        triton_gemv(layer, xs[K], xqs[K] if layer["name"] == "wo" else None, res[N], ones[:K])
+            report("mix: triton wqkv, wo; " + label(*config), time_calls([mixed_chain]), rows=rows, warps=warps,
+                   each=each, fast=fast, mix=True, **({"ring": list(ring)} if ring else {}))
         if a.load_only and not ring and (rows, warps, each) not in loaded_only:  # (once for FAST and not)
             loaded_only.add((rows, warps, each))
             def load_chain(rows=rows, warps=warps, each=each):

@@ -649,9 +649,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --by-shape --json "$OUT/gluon-z39-34.json" ;;
   z40) # run 98 (session 19): run 97's best ring (6 boxes, 3 or 4 programs an SM: 1139.9 and 1156.9 us a step with x
       # in int8, against the Triton kernel's 1243.4) with x in bf16 (--fast 4) rounded four chunks at a time (run 97
-      # waited on L2 and a barrier at every chunk: 1434.7), and its neighbours at 5 and 7 boxes
+      # waited on L2 and a barrier at every chunk: 1434.7), and its neighbours at 5 and 7 boxes; --mix: the ring for
+      # w13 and w2 only, the Triton kernel for wqkv and wo (which the ring lost by shape)
       t 200 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 6 --per-sm 3,4 --fast 3,4 --ring-only \
-        --by-shape --json "$OUT/gluon-z40.json"
+        --by-shape --mix --json "$OUT/gluon-z40.json"
       t 150 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 5,7 --per-sm 3 --fast 3,4 --ring-only \
         --json "$OUT/gluon-z40-57.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
