@@ -25,9 +25,9 @@ waits for the one before at its PDL wait). On the H200 (sm_90) only.
 What it found (BENCHMARKS.md, sessions 18-19): the copies alone stream the step's GEMV bytes at 87-90% of the
 copy ceiling; with the products the best form (--fast 2, one mbarrier a box, 16 rows, 8 warps) reached 69.9%,
 against the Triton kernel's 68.4%, and only with x in int8 for every GEMV. With x in bf16 (--fast 4) it took
-1.5x the Triton kernel's time at best. The persistent ring kernel (--ring 6 --per-sm 3) took 1139.9 us a step
-of GEMVs against the Triton kernel's 1243.4 (74.6% of the ceiling), again only with x in int8; with x in bf16,
-as run 97 rounded it, 1434.7. So it stays a probe, outside decode.
+1.5x the Triton kernel's time at best. The persistent ring kernel (--ring 6 --per-sm 3) took 1128.2-1139.9 us
+a step of GEMVs against the Triton kernel's 1242.7-1243.4 (75% of the ceiling), again only with x in int8; with
+x in bf16 rounded in each program, for w13 and w2 only (--mix), 1217.4. So it stays a probe, outside decode.
 
     python benchmarks/gluon_gemv.py [--layers 32] [--rows 8,16] [--warps 4] [--each 0,1] [--fast 0,1,2,3,4]
         [--ring 6 --per-sm 3 [--ring-only]] [--by-shape] [--load-only] [--json PATH]
