@@ -396,13 +396,17 @@ def _ring_tile_inputs(u_ptr, r_ptr, t, pid, P, N, RL: gl.constexpr, BN: gl.const
 
 @gluon.jit
 def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale, x_ptr, g_ptr,
+                           yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
-                           CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr, XBF16: gl.constexpr):
+                           CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr, XBF16: gl.constexpr,
+                           XQ_OUT: gl.constexpr = False, GO: gl.constexpr = False):
     """_int4_gemv_tma_kernel's FAST 3 arithmetic (x in int8 staged in shared memory, or XBF16), in persistent
     programs: each takes tiles of BN rows pid, pid + P, ... (P programs), their words and codes a box (BN rows, one
     chunk of K, gate or up) at a time through a ring of STAGES boxes in shared memory, each box's copy issued
     STAGES boxes ahead of its products, the first STAGES before the PDL wait. Memory stays busy while the
-    products run, and an SM's boxes stream without waves of programs."""
+    products run, and an SM's boxes stream without waves of programs. XQ_OUT (BN 16): y also in int8 for the
+    next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
+    go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x."""
     GC: gl.constexpr = 32
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
                                         warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
@@ -492,6 +496,26 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                 out += r
             rn = (pid + t * P) * BN + gl.arange(0, BN, layout=RL)
             gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
+            if XQ_OUT:  # (the group is the tile: its 16 values, rounded as stored)
+                yv = out.to(y_ptr.dtype.element_ty).to(gl.float32)
+                yu = yv
+                if GO:
+                    yu = yv * gl.load(go_ptr + rn, mask=rn < N, other=0).to(gl.float32)
+                y_amax = gl.max(gl.abs(yu), axis=0)
+                yq = gl.floor(yu * gl.where(y_amax > 0, 127 / y_amax, 0) + 0.5).to(gl.int32)
+                LW: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1],
+                                                    warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
+                q4 = gl.convert_layout(gl.reshape(yq & 255, [BN // 4, 4]), LW)
+                words = gl.sum(q4 << gl.expand_dims(8 * gl.arange(0, 4, layout=gl.SliceLayout(0, LW)), 0), axis=1)
+                tile = pid + t * P
+                rw = tile * (BN // 4) + gl.arange(0, BN // 4, layout=gl.SliceLayout(1, LW))
+                gl.store(yw_ptr + rw, words, mask=rw * 4 < N)
+                n_y = N // 16
+                y_sx = y_amax / 127
+                gl.store(ys_ptr + tile, y_sx)
+                gl.store(ys_ptr + n_y + tile, y_sx * gl.sum(yq, axis=0).to(gl.float32))
+                gl.store(ys_ptr + 2 * n_y + tile, gl.sum(yu, axis=0))
+                gl.store(ys_ptr + 3 * n_y + tile, gl.sum(yv * yv, axis=0))
             units, r = _ring_tile_inputs(u_ptr, r_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, RL, BN, HALVES,
                                          RESIDUAL)
             acc_s = gl.zeros([BN, GC], gl.float32, LG)
@@ -536,20 +560,25 @@ def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fa
     return y
 
 
-def gluon_ring_gemv(layer, xq, residual, rows, warps, stages, per_sm, fast=3, x=None, g=None, eps=1e-5):
+def gluon_ring_gemv(layer, xq, residual, rows, warps, stages, per_sm, fast=3, x=None, g=None, eps=1e-5,
+                    yq=None, g_out=None):
     """One call of the ring kernel (_int4_gemv_ring_kernel) on `layer`, per_sm programs an SM (at most one a
-    tile); x as gluon_gemv takes it (fast 3 or 4)."""
+    tile); x as gluon_gemv takes it (fast 3 or 4). yq (rows 16): y also in int8 into that buffer
+    (int4_quantize_x's layout for N columns), times g_out if given."""
     N, K, fused = layer["N"], layer["K"], layer["fused"]
     assert K % 256 == 0 and K >= 512, f"gluon_ring_gemv takes K a multiple of 256, at least 512 (got {K})"
+    assert yq is None or rows == XG, "gluon_ring_gemv writes y in int8 a tile a group: rows must be 16"
     y = torch.empty(N, device=xq.device, dtype=torch.bfloat16)
     programs = min(triton.cdiv(N, rows), per_sm * torch.cuda.get_device_properties(xq.device).multi_processor_count)
     _int4_gemv_ring_kernel[(programs,)](
         *layer["desc"][rows], xq[:K // 4], xq[K // 4:].view(torch.float32), layer["units"],
         residual if residual is not None else y, y, N, K, eps, layer["w_unscale"],
         x if bf16_x(layer, fast) else y, g if bf16_x(layer, fast) else y,
+        yq[:N // 4] if yq is not None else xq, yq[N // 4:].view(torch.float32) if yq is not None else xq,
+        g_out if g_out is not None else y,
         NORM=fused in ("norm", "swiglu"), RESIDUAL=fused == "residual", SWIGLU=fused == "swiglu", BN=rows,
         CHUNKS=-(-(K // 8) // CHUNK), NX_P2=triton.next_power_of_2(K // XG), STAGES=stages,
-        XBF16=bf16_x(layer, fast), num_warps=warps, launch_pdl=True)
+        XBF16=bf16_x(layer, fast), XQ_OUT=yq is not None, GO=g_out is not None, num_warps=warps, launch_pdl=True)
     return y
 
 
@@ -591,6 +620,9 @@ def main():
                    "--rows, --warps, --per-sm and --fast of 3 or 4 (3 if none)")
     p.add_argument("--per-sm", default="1", help="comma-separated: ring kernel programs an SM")
     p.add_argument("--ring-only", action="store_true", help="time the ring kernel, not _int4_gemv_tma_kernel")
+    p.add_argument("--int8-flow", action="store_true", help="also each ring form at 16 rows with x in int8 (--fast 3) "
+                   "in decode's data flow: wo, w13 and w2 write their y in int8 for the GEMV after them (wo's and w2's "
+                   "times a norm weight), wqkv is the Triton kernel reading w2's; checked against int4_quantize_x")
     p.add_argument("--mix", action="store_true", help="also each Gluon form in the chain for w13 and w2 only, with "
                    "the Triton kernel in the step's forms for wqkv and wo")
     p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
@@ -656,6 +688,29 @@ def main():
         del layer
     configs = [config for config in configs if config not in failed]
 
+    # 1b. the ring's y in int8 (--int8-flow) against int4_quantize_x of its bf16 y
+    flow = [c for c in configs if c[4] and c[0] == XG and c[3] == 3] if a.int8_flow else []
+    for name, (R, K) in step.items():
+        if not flow or name == "wqkv":
+            continue
+        layer = make_layer(name, R, K, dev, rows_list)
+        N, K = layer["N"], layer["K"]
+        g_out = ones[:N] * 0.5 if name != "w13" else None  # (a norm weight: w13's output has none)
+        for config in list(flow):
+            yq = kernels.int4_quantize_x(res[N], None, XG)  # (a buffer of the layout, overwritten)
+            y = gluon_ring_gemv(layer, xqs[K], res[N], *config[:2], *config[4], 3, yq=yq, g_out=g_out)
+            ref = kernels.int4_quantize_x(y.view(1, N), g_out, XG)
+            same = (yq[:N // 4] == ref[:N // 4]).float().mean().item()
+            stats, stats_ref = yq[N // 4:].view(torch.float32), ref[N // 4:].view(torch.float32)
+            err = ((stats - stats_ref).abs().max() / stats_ref.abs().max()).item()
+            print(f"check {name:5s} {label(*config)} y in int8: words equal {100 * same:.2f}%, group numbers max "
+                  f"error {err:.1e}", flush=True)
+            if not (same > 0.99 and err < 1e-3):
+                print(f"gluon_gemv: the ring's int8 y differs from int4_quantize_x ({name}, {label(*config)}): left "
+                      "out of the int8 flow", flush=True)
+                flow.remove(config)
+        del layer
+
     # 2. the step's chain of GEMVs, each implementation on the same weights
     layers = [make_layer(name, R, K, dev, rows_list) for _ in range(a.layers) for name, (R, K) in step.items()]
     total = sum(layer["words"].numel() * 4 + layer["codes"].numel() * 2 for layer in layers)
@@ -699,6 +754,30 @@ def main():
                                     command="python " + " ".join(sys.argv)))
     report("triton (the step's forms)", time_calls([lambda: triton_chain(False)]))
     report("triton-xq", time_calls([lambda: triton_chain(True)]))
+    def flow_buffers():
+        return {"wo": kernels.int4_quantize_x(res[step["wo"][0]], None, XG),
+                "w13": kernels.int4_quantize_x(torch.randn(1, step["w13"][0] // 2, device=dev,
+                                                           dtype=torch.bfloat16), None, XG),
+                "w2": kernels.int4_quantize_x(res[step["w2"][0]], None, XG)}
+
+    for config in flow:  # decode's data flow with x in int8 throughout
+        rows, warps, _, _, ring = config
+        for epilogues in (False, True):
+            bufs = flow_buffers()
+            def flow_chain(config=config, bufs=bufs, epilogues=epilogues):
+                for layer in layers:
+                    name, K, N = layer["name"], layer["K"], layer["N"]
+                    if name == "wqkv":
+                        triton_gemv(layer, xs[K], bufs["w2"], res[N], ones[:K])
+                    else:
+                        x_in = {"wo": xqs[K], "w13": bufs["wo"], "w2": bufs["w13"]}[name]
+                        gluon_ring_gemv(layer, x_in, res[N], rows, warps, *ring, 3,
+                                        yq=bufs[name] if epilogues else None,
+                                        g_out=ones[:N] if epilogues and name != "w13" else None)
+            report(f"int8 flow{' with epilogues' if epilogues else ''}: triton wqkv, {label(*config)}",
+                   time_calls([flow_chain]), rows=rows, warps=warps, ring=list(ring), int8_flow=True,
+                   epilogues=epilogues)
+
     loaded_only = set()
     for config in configs:
         rows, warps, each, fast, ring = config
