@@ -408,6 +408,9 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
     go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x."""
     GC: gl.constexpr = 32
+    HALVES: gl.constexpr = 2 if SWIGLU else 1
+    gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
+    gl.static_assert(BN == 16 or not XQ_OUT)  # (a tile is one group of y in int8)
     L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
                                         warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, 2], threads_per_warp=[1, 32, 1, 1],
@@ -419,7 +422,6 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
     PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
     PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    HALVES: gl.constexpr = 2 if SWIGLU else 1
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     gdc_launch_dependents()
@@ -700,12 +702,15 @@ def main():
             yq = kernels.int4_quantize_x(res[N], None, XG)  # (a buffer of the layout, overwritten)
             y = gluon_ring_gemv(layer, xqs[K], res[N], *config[:2], *config[4], 3, yq=yq, g_out=g_out)
             ref = kernels.int4_quantize_x(y.view(1, N), g_out, XG)
-            same = (yq[:N // 4] == ref[:N // 4]).float().mean().item()
-            stats, stats_ref = yq[N // 4:].view(torch.float32), ref[N // 4:].view(torch.float32)
-            err = ((stats - stats_ref).abs().max() / stats_ref.abs().max()).item()
-            print(f"check {name:5s} {label(*config)} y in int8: words equal {100 * same:.2f}%, group numbers max "
-                  f"error {err:.1e}", flush=True)
-            if not (same > 0.99 and err < 1e-3):
+            # codes within 1 of int4_quantize_x's (a tie at .5 may round either way), and each row of the
+            # groups' numbers (sx, sx sum(q), sum(u), sum(v^2)) within 1e-3 of its own largest value
+            codes = yq[:N // 4].view(torch.int8).int() - ref[:N // 4].view(torch.int8).int()
+            off = (codes.abs() > 1).sum().item()
+            stats, stats_ref = yq[N // 4:].view(torch.float32).view(4, -1), ref[N // 4:].view(torch.float32).view(4, -1)
+            err = ((stats - stats_ref).abs().amax(1) / stats_ref.abs().amax(1)).max().item()
+            print(f"check {name:5s} {label(*config)} y in int8: {off} codes off by more than 1, group numbers max "
+                  f"error {err:.1e} (each row against its largest)", flush=True)
+            if not (off == 0 and err < 1e-3):
                 print(f"gluon_gemv: the ring's int8 y differs from int4_quantize_x ({name}, {label(*config)}): left "
                       "out of the int8 flow", flush=True)
                 flow.remove(config)

@@ -657,7 +657,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/gluon-z40-57.json" ;;
   z41) # run 99 (session 19): the ring in decode's data flow with x in int8 throughout (--int8-flow): wo, w13 and w2
       # write their y in int8 for the GEMV after them (each tile one group of 16), wqkv is the Triton kernel reading
-      # w2's; with and without those epilogues (without: what run 98's 1128.2 had), checked against int4_quantize_x
+      # w2's; with and without those epilogues (to set against the plain ring chain timed in the same run: run 98's
+      # 1128.2 had the ring for wqkv too), the int8 y checked against int4_quantize_x first
       t 240 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 6 --per-sm 3,4 --fast 3 --ring-only \
         --int8-flow --json "$OUT/gluon-z41.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
