@@ -206,6 +206,18 @@ def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: 
     return acc_s, acc_z
 
 
+@gluon.constexpr_function
+def _layouts(warps):
+    """Both kernels' register layouts at `warps` warps: the words of a box [BN, GC, 4] (a thread a group, the
+    warps over rows); FAST's view of the same threads' words as [BN, GC, x group, word]; x's words [BN, GC, 8]."""
+    return (gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1], warps_per_cta=[warps, 1, 1],
+                             order=[2, 1, 0]),
+            gl.BlockedLayout(size_per_thread=[1, 1, 2, 2], threads_per_warp=[1, 32, 1, 1],
+                             warps_per_cta=[warps, 1, 1, 1], order=[3, 2, 1, 0]),
+            gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[1, 32, 1], warps_per_cta=[warps, 1, 1],
+                             order=[2, 1, 0]))
+
+
 @gluon.jit
 def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale, x_ptr, g_ptr,
                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
@@ -226,13 +238,9 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     gl.static_assert(not (FAST and LOAD_ONLY))
     gl.static_assert(FAST == 3 or not XBF16)
     GC: gl.constexpr = 32  # groups a chunk (CHUNK / 4 words)
-    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
-                                        warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
-    # (FAST: the same threads' words as [BN, GC, x group, word], and x's words as [BN, GC, 8])
-    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, 2], threads_per_warp=[1, 32, 1, 1],
-                                        warps_per_cta=[gl.num_warps(), 1, 1, 1], order=[3, 2, 1, 0])
-    LX: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[1, 32, 1],
-                                        warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
+    L3: gl.constexpr = _layouts(gl.num_warps())[0]
+    L4: gl.constexpr = _layouts(gl.num_warps())[1]
+    LX: gl.constexpr = _layouts(gl.num_warps())[2]
     LG: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))
     RG: gl.constexpr = gl.SliceLayout(1, LG)
     PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
@@ -411,12 +419,9 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     HALVES: gl.constexpr = 2 if SWIGLU else 1
     gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
     gl.static_assert(BN == 16 or not XQ_OUT)  # (a tile is one group of y in int8)
-    L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1],
-                                        warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
-    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 2, 2], threads_per_warp=[1, 32, 1, 1],
-                                        warps_per_cta=[gl.num_warps(), 1, 1, 1], order=[3, 2, 1, 0])
-    LX: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[1, 32, 1],
-                                        warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
+    L3: gl.constexpr = _layouts(gl.num_warps())[0]
+    L4: gl.constexpr = _layouts(gl.num_warps())[1]
+    LX: gl.constexpr = _layouts(gl.num_warps())[2]
     LG: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))
     RG: gl.constexpr = gl.SliceLayout(1, LG)
     RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
