@@ -403,6 +403,14 @@ def _ring_tile_inputs(u_ptr, r_ptr, t, pid, P, N, RL: gl.constexpr, BN: gl.const
 
 
 @gluon.jit
+def _ring_tile_go(go_ptr, t, pid, P, N, LA: gl.constexpr):
+    """XQ_OUT with GO: local tile t's 16 values of the next norm's weight, [4, 4] in layout LA."""
+    rn = ((pid + t * P) * 16 + 4 * gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, LA)), 1)
+          + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LA)), 0))
+    return gl.load(go_ptr + rn, mask=rn < N, other=0).to(gl.float32)
+
+
+@gluon.jit
 def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale, x_ptr, g_ptr,
                            yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
@@ -452,6 +460,12 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     if not XBF16:
         _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX, L4, GC, CHUNKS)
     units, r = _ring_tile_inputs(u_ptr, r_ptr, 0, pid, P, N, RL, BN, HALVES, RESIDUAL)
+    # XQ_OUT: a tile's 16 values of y as [4, 4], all in every thread (its sums without barriers)
+    LA: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 4], threads_per_warp=[32, 1],
+                                        warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
+    go = gl.zeros([4, 4], gl.float32, LA)
+    if GO:
+        go = _ring_tile_go(go_ptr, 0, pid, P, N, LA)
     unscale = w_unscale
     if XBF16:
         LQ: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 4], threads_per_warp=[8, 4, 1],
@@ -503,28 +517,26 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                 out += r
             rn = (pid + t * P) * BN + gl.arange(0, BN, layout=RL)
             gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
-            if XQ_OUT:  # (the group is the tile: its 16 values, rounded as stored)
-                yv = out.to(y_ptr.dtype.element_ty).to(gl.float32)
-                yu = yv
-                if GO:
-                    yu = yv * gl.load(go_ptr + rn, mask=rn < N, other=0).to(gl.float32)
-                y_amax = gl.max(gl.abs(yu), axis=0)
+            if XQ_OUT:  # (the group is the tile: its 16 values, rounded as stored, all in each thread)
+                yv = gl.convert_layout(gl.reshape(out.to(y_ptr.dtype.element_ty).to(gl.float32), [4, 4]), LA)
+                yu = yv * go if GO else yv
+                y_amax = gl.max(gl.max(gl.abs(yu), axis=1), axis=0)
                 yq = gl.floor(yu * gl.where(y_amax > 0, 127 / y_amax, 0) + 0.5).to(gl.int32)
-                LW: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1],
-                                                    warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
-                q4 = gl.convert_layout(gl.reshape(yq & 255, [BN // 4, 4]), LW)
-                words = gl.sum(q4 << gl.expand_dims(8 * gl.arange(0, 4, layout=gl.SliceLayout(0, LW)), 0), axis=1)
+                words = gl.sum((yq & 255) << gl.expand_dims(8 * gl.arange(0, 4, layout=gl.SliceLayout(0, LA)), 0),
+                               axis=1)
                 tile = pid + t * P
-                rw = tile * (BN // 4) + gl.arange(0, BN // 4, layout=gl.SliceLayout(1, LW))
+                rw = tile * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, LA))
                 gl.store(yw_ptr + rw, words, mask=rw * 4 < N)
                 n_y = N // 16
                 y_sx = y_amax / 127
                 gl.store(ys_ptr + tile, y_sx)
-                gl.store(ys_ptr + n_y + tile, y_sx * gl.sum(yq, axis=0).to(gl.float32))
-                gl.store(ys_ptr + 2 * n_y + tile, gl.sum(yu, axis=0))
-                gl.store(ys_ptr + 3 * n_y + tile, gl.sum(yv * yv, axis=0))
+                gl.store(ys_ptr + n_y + tile, y_sx * gl.sum(gl.sum(yq, axis=1), axis=0).to(gl.float32))
+                gl.store(ys_ptr + 2 * n_y + tile, gl.sum(gl.sum(yu, axis=1), axis=0))
+                gl.store(ys_ptr + 3 * n_y + tile, gl.sum(gl.sum(yv * yv, axis=1), axis=0))
             units, r = _ring_tile_inputs(u_ptr, r_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, RL, BN, HALVES,
                                          RESIDUAL)
+            if GO:
+                go = _ring_tile_go(go_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, LA)
             acc_s = gl.zeros([BN, GC], gl.float32, LG)
             acc_z = gl.zeros([BN, GC], gl.float32, LG)
             up_s = gl.zeros([BN, GC], gl.float32, LG)
@@ -629,7 +641,7 @@ def main():
     p.add_argument("--ring-only", action="store_true", help="time the ring kernel, not _int4_gemv_tma_kernel")
     p.add_argument("--int8-flow", action="store_true", help="also each ring form at 16 rows with x in int8 (--fast 3) "
                    "in decode's data flow: wo, w13 and w2 write their y in int8 for the GEMV after them (wo's and w2's "
-                   "times a norm weight), wqkv is the Triton kernel reading w2's; checked against int4_quantize_x")
+                   "times a norm weight), wqkv the Triton kernel or the ring reading w2's; checked against int4_quantize_x")
     p.add_argument("--mix", action="store_true", help="also each Gluon form in the chain for w13 and w2 only, with "
                    "the Triton kernel in the step's forms for wqkv and wo")
     p.add_argument("--by-shape", action="store_true", help="also each shape's layers alone, chained")
@@ -772,21 +784,22 @@ def main():
 
     for config in flow:  # decode's data flow with x in int8 throughout
         rows, warps, _, _, ring = config
-        for epilogues in (False, True):
+        for epilogues, ring_wqkv in ((False, False), (True, False), (False, True), (True, True)):
             bufs = flow_buffers()
-            def flow_chain(config=config, bufs=bufs, epilogues=epilogues):
+            def flow_chain(config=config, bufs=bufs, epilogues=epilogues, ring_wqkv=ring_wqkv):
                 for layer in layers:
                     name, K, N = layer["name"], layer["K"], layer["N"]
-                    if name == "wqkv":
+                    if name == "wqkv" and not ring_wqkv:
                         triton_gemv(layer, xs[K], bufs["w2"], res[N], ones[:K])
                     else:
-                        x_in = {"wo": xqs[K], "w13": bufs["wo"], "w2": bufs["w13"]}[name]
+                        x_in = {"wqkv": bufs["w2"], "wo": xqs[K], "w13": bufs["wo"], "w2": bufs["w13"]}[name]
                         gluon_ring_gemv(layer, x_in, res[N], rows, warps, *ring, 3,
-                                        yq=bufs[name] if epilogues else None,
-                                        g_out=ones[:N] if epilogues and name != "w13" else None)
-            report(f"int8 flow{' with epilogues' if epilogues else ''}: triton wqkv, {label(*config)}",
+                                        yq=bufs[name] if epilogues and name != "wqkv" else None,
+                                        g_out=ones[:N] if epilogues and name in ("wo", "w2") else None)
+            wqkv_form = "ring" if ring_wqkv else "triton"
+            report(f"int8 flow{' with epilogues' if epilogues else ''}: {wqkv_form} wqkv, {label(*config)}",
                    time_calls([flow_chain]), rows=rows, warps=warps, ring=list(ring), int8_flow=True,
-                   epilogues=epilogues)
+                   epilogues=epilogues, wqkv=wqkv_form)
 
     loaded_only = set()
     for config in configs:

@@ -661,6 +661,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # 1128.2 had the ring for wqkv too), the int8 y checked against int4_quantize_x first
       t 240 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 6 --per-sm 3,4 --fast 3 --ring-only \
         --int8-flow --json "$OUT/gluon-z41.json" ;;
+  z42) # run 100 (session 20): z41 with the epilogue's sums in each thread (one layout change, the next norm weight
+      # loaded with the tile's units), and wqkv also as the ring reading w2's int8 y
+      t 240 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 6 --per-sm 3 --fast 3 --ring-only \
+        --int8-flow --json "$OUT/gluon-z42.json" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
