@@ -334,6 +334,9 @@ def main(argv=None) -> int:
                         "kernels.int4_dp4a's rule (auto, the default: integers on every shape)")
     p.add_argument("--int4-tinygemm", action="store_true",
                    help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
+    p.add_argument("--int4-no-ring", action="store_true",
+                   help="one-token int4 decode without int4_ring.py's kernel and its int8 flow (model.TransformerBlock."
+                        "forward_int8): kernels.int4_gemv for every GEMV (A/B)")
     p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
                    help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
                         "float16 (0), or by model.int4_codes' rule (auto, the default: codes up to group 64)")
@@ -366,6 +369,8 @@ def main(argv=None) -> int:
     kernels.PDL = not a.no_pdl
     kernels.INT8_HALF = not a.int8_float32
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
+    if model_module.int4_ring is not None:
+        model_module.int4_ring.ENABLED = model_module.int4_ring.ENABLED and not a.int4_no_ring
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
@@ -422,6 +427,8 @@ def main(argv=None) -> int:
     # the int4 layers that read their scales as codes (by model.int4_codes' rule, per kernel group; a layer
     # off quantize.py's grid keeps float16)
     codes_used = sum(getattr(m, "gemv_units", None) is not None for m in int4_layers)
+    # the int4 layers that int4_ring.py's kernel runs in one-token decode (model.TransformerBlock.forward_int8)
+    ring_used = sum(getattr(m, "gemv_ring", False) for m in int4_layers)
     # the group of the attention output in int8 that the target's one-row step hands an int4 wo (0: none)
     x_group = model.layers[0].attention.wo_x_group(torch.zeros(1, 1, 1, device=device)) if int4 else None
 
@@ -435,6 +442,7 @@ def main(argv=None) -> int:
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,
                  int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
+                 int4_ring_layers=f"{ring_used} of {len(int4_layers)}" if int4 else None,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

@@ -22,6 +22,11 @@ import torch.nn.functional as F
 import cpu_kernels
 import kernels
 
+try:  # Gluon (Triton 3.6 or newer): the int4 GEMV of decode's int8 flow on Hopper (TransformerBlock.forward_int8)
+    import int4_ring
+except (ImportError, AttributeError):
+    int4_ring = None
+
 
 @dataclass
 class ModelArgs:
@@ -116,8 +121,10 @@ class Transformer(nn.Module):
             raise RuntimeError("call setup_caches() before forward()")
         x = self.tok_embeddings(idx)
         mask = self.kv_pos <= input_pos.unsqueeze(-1)  # [S, L]: True where a query may look
-        for layer in self.layers:
-            x = layer(x, input_pos, self.rope_cos, self.rope_sin, mask)
+        xq = None  # int4 decode on Hopper: x in int8 too, from each layer to the next (TransformerBlock.forward_int8)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].attention_norm if i + 1 < len(self.layers) else None
+            x, xq = layer(x, input_pos, self.rope_cos, self.rope_sin, mask, xq, next_norm)
         return self.output(x, norm=self.norm)  # = output(norm(x)): see Linear
 
     # -- loading ---------------------------------------------------------------------------
@@ -192,12 +199,42 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, input_pos, rope_cos, rope_sin, mask):
-        # h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h)). The norm and the
-        # residual are handed to the first and the last matmul of each sublayer, so that decode
-        # on CUDA (up to 16 rows) does them inside its GEMVs (Linear).
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask, xq=None, next_norm=None):
+        """-> (out, out in int8 for the next layer or None). h = x + attention(attention_norm(x)); out = h +
+        feed_forward(ffn_norm(h)). The norm and the residual are handed to the first and the last matmul
+        of each sublayer, so that decode on CUDA (up to 16 rows) does them inside its GEMVs (Linear).
+        xq, next_norm: forward_int8's."""
+        if self.int8_flow(x, input_pos):
+            return self.forward_int8(x, xq, input_pos, rope_cos, rope_sin, next_norm)
         h = self.attention(x, input_pos, rope_cos, rope_sin, mask, norm=self.attention_norm, residual=x)
-        return self.feed_forward(h, norm=self.ffn_norm, residual=h)
+        return self.feed_forward(h, norm=self.ffn_norm, residual=h), None
+
+    def int8_flow(self, x, input_pos) -> bool:
+        """Whether this step runs forward_int8: one token on CUDA, every GEMV of the layer an Int4Linear
+        that int4_ring.py runs (gemv_ring: group 32 with codes, sm_90), no bias, and the attention kernel
+        writing wo's x in int8 groups of 16 (wo_x_group), with SwiGLU fused."""
+        a, f = self.attention, self.feed_forward
+        return (x.numel() == x.shape[-1] and FUSE_SWIGLU and kernels.attention_usable(x, input_pos)
+                and all(getattr(m, "gemv_ring", False) and m.bias is None for m in (a.wqkv, a.wo, f.w13, f.w2))
+                and a.wo_x_group(x) == int4_ring.XG)
+
+    def forward_int8(self, x, xq, input_pos, rope_cos, rope_sin, next_norm):
+        """forward for one token of int4 decode on Hopper, x handed from GEMV to GEMV in int8 as well as in
+        bf16: each GEMV reads its x in int8 and writes its output in int8 too (int4_ring.py), times the next
+        RMSNorm's weight (kernels.int4_quantize_x's layout, groups of 16); the attention kernel writes wo's
+        x so. 7B int4 g32: the step's GEMVs 8% faster than kernels.int4_gemv's (BENCHMARKS.md, session 20).
+        xq: x in int8 from the layer before (times attention_norm's weight), or None (the first layer: wqkv
+        reads bf16 x, kernels.int4_gemv). next_norm: the next layer's attention_norm (None: the last layer,
+        whose output the head reads in bf16)."""
+        a, f = self.attention, self.feed_forward
+        if xq is None:
+            qkv = a.wqkv(x, norm=self.attention_norm)
+        else:
+            qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm)
+        y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG)
+        h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm)
+        z, zq = f.w13.ring(h, hq, norm=self.ffn_norm, swiglu=True, out_q=True)
+        return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm)
 
 
 class Attention(nn.Module):
@@ -219,14 +256,11 @@ class Attention(nn.Module):
         qkv = self.wqkv(x, norm=norm)
         if S == 1 and FUSE_ATTENTION and kernels.attention_usable(qkv, input_pos) and not hasattr(self, "q_norm"):
             # Decode on CUDA: RoPE, the cache write and the attention below in one Triton kernel
-            cache = self.kv_cache
-            args = (qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
-                    self.n_heads, self.n_kv_heads)
             group = self.wo_x_group(qkv)
             if group:  # an int4 wo: the kernel also writes its output in int8, which wo reads
-                y, yq = kernels.attention(*args, out_group=group)
+                y, yq = self.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=group)
                 return self.wo(y, residual=residual, xq=yq)
-            return self.wo(kernels.attention(*args), residual=residual)
+            return self.wo(self.fused_attention(qkv, input_pos, rope_cos, rope_sin), residual=residual)
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
@@ -243,6 +277,12 @@ class Attention(nn.Module):
         else:  # prefill: grouped-query attention without repeating K and V (enable_gqa)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
+
+    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0):
+        """kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group)."""
+        cache = self.kv_cache
+        return kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
+                                 self.n_heads, self.n_kv_heads, out_group=out_group)
 
     def wo_x_group(self, x) -> int:
         """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one
@@ -657,6 +697,14 @@ class Int4Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         return unfused(self.linear, x, norm, residual, swiglu)
 
+    def ring(self, x, xq, norm=None, residual=None, swiglu=False, out_q=False, out_norm=None):
+        """forward in decode's int8 flow (TransformerBlock.forward_int8; gemv_ring): (y, y in int8 or None) by
+        int4_ring.py's kernel, which reads x in int8 only (xq: kernels.int4_quantize_x(x, norm's weight), groups
+        of 16; x gives the shape); out_q: y also in int8, times out_norm's weight if given."""
+        return int4_ring.matmul(x, xq, self.gemv_weight, self.gemv_sz, self.gemv_units, self.gemv_unscale,
+                                norm is not None, 0.0 if norm is None else norm.eps, residual, swiglu, out_q,
+                                None if out_norm is None else out_norm.weight)
+
     def x_group(self, x) -> int:
         """The group of x in int8 that the one-row kernel can read for this x (kernels.int4_x_group), or
         0: x in bf16 only (the kernel not run, float16 pairs, or FUSE_NORM_AND_RESIDUAL off)."""
@@ -697,6 +745,9 @@ class Int4Linear(nn.Module):
             self.register_buffer("gemv_units", units, persistent=False)
             self.register_buffer("gemv_ones", torch.ones(weight.shape[1] * 8, device=weight.device, dtype=torch.bfloat16),
                                  persistent=False)  # (bf16: the kernel build benchmarks/gemv_int4.py timed)
+            # decode's int8 flow (TransformerBlock.forward_int8) runs this layer by int4_ring.py's kernel
+            self.gemv_ring = int4_ring is not None and units is not None and int4_ring.usable(
+                weight, sz, self.kernel_groupsize)
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)

@@ -47,21 +47,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import int4_ring  # noqa: E402
 import kernels  # noqa: E402
 import model as M  # noqa: E402
 from bench import PRESETS, copy_bandwidth  # noqa: E402
 from benchmarks.gemv import shapes, time_calls  # noqa: E402
 from benchmarks.gemv_int4 import FUSED, file_weights  # noqa: E402
 
-G, XG = 32, 16  # int4 groups, x's int8 groups
-CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
+from int4_ring import CHUNK, G, XG, _dp4a, _layouts, _products_fast, _x_smem, _x_stage, descriptors  # noqa: E402
 STEP = ("wqkv", "wo", "w13", "w2")  # a layer's GEMVs, in decode's order
-
-
-@gluon.jit
-def _dp4a(w, x, acc):
-    return gl.inline_asm_elementwise(asm="dp4a.u32.s32 $0, $1, $2, $3;", constraints="=r,r,r,r",
-                                     args=[w, x, acc], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -113,26 +107,6 @@ def _x_fast(c, xw_ptr, xs_ptr, n_x, L3: gl.constexpr, L4: gl.constexpr, LX: gl.c
 
 
 @gluon.jit
-def _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX: gl.constexpr, L4: gl.constexpr, GC: gl.constexpr,
-             CHUNKS: gl.constexpr):
-    """FAST 3: all of x's words and its groups' scales, sx sums of q and sums into shared memory ([CHUNKS, GC, 8]
-    and [CHUNKS, GC, 2] each), by cp.async, in one group: one L2 round trip for all chunks (zeros past K)."""
-    X8: gl.constexpr = gl.SliceLayout(0, LX)
-    XG2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(3, L4))
-    for c in gl.static_range(CHUNKS):
-        at = c * (GC * 8) + gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, X8)), 1) * 8 \
-            + gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, X8)), 0)
-        async_copy.async_copy_global_to_shared(xw_s.index(c), xw_ptr + at, mask=at < 4 * n_x)  # (K / 4 words)
-        xg = c * (GC * 2) + gl.expand_dims(gl.arange(0, GC, layout=gl.SliceLayout(1, XG2)), 1) * 2 \
-            + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, XG2)), 0)
-        ok = xg < n_x
-        async_copy.async_copy_global_to_shared(sx_s.index(c), xs_ptr + xg, mask=ok)
-        async_copy.async_copy_global_to_shared(qs_s.index(c), xs_ptr + n_x + xg, mask=ok)
-        async_copy.async_copy_global_to_shared(xsum_s.index(c), xs_ptr + 2 * n_x + xg, mask=ok)
-    async_copy.commit_group()
-
-
-@gluon.jit
 def _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ: gl.constexpr, GC: gl.constexpr, CHUNKS: gl.constexpr,
                 NORM: gl.constexpr):
     """XBF16: x [K] in bf16 (NORM: times g) to int8 per group of 32 columns, as kernels.int4_gemv's dp4a path
@@ -174,48 +148,6 @@ def _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ: gl.constexpr, GC:
         qs_2d.slice(c0 * GC, R).store(gl.join(sx * gl.sum(gl.sum(q, axis=2), axis=1).to(gl.float32), zero))
         xsum_2d.slice(c0 * GC, R).store(gl.join(gl.sum(gl.sum(u, axis=2), axis=1), zero))
     return gl.sum(gl.sum(gl.sum(squares, axis=2), axis=1), axis=0)
-
-
-@gluon.jit
-def _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3: gl.constexpr, L4: gl.constexpr, LX: gl.constexpr, GC: gl.constexpr):
-    """_x_fast's values for chunk c, from _x_stage's shared memory."""
-    X8: gl.constexpr = gl.SliceLayout(0, LX)
-    x_lo, x_hi = gl.split(gl.reshape(xw_s.index(c).load(X8), [GC, 4, 2]))
-    XG2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(3, L4))
-    GV: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4)))
-    q8 = gl.convert_layout(8 * gl.sum(qs_s.index(c).load(XG2), axis=1), GV)
-    x_sum = gl.convert_layout(gl.sum(xsum_s.index(c).load(XG2), axis=1), GV)
-    return (gl.convert_layout(x_lo, gl.SliceLayout(0, L3)), gl.convert_layout(x_hi, gl.SliceLayout(0, L3)),
-            sx_s.index(c).load(XG2), q8, x_sum)
-
-
-@gluon.jit
-def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: gl.constexpr, L4: gl.constexpr,
-                   BN: gl.constexpr, GC: gl.constexpr):
-    """_chunk with fewer instructions (FAST), on _x_fast's x: the dp4a of an x group's two words summed in
-    integers before one conversion, and the codes' units left for the end, once a row (acc_s: the sum over
-    groups of the scale code times (sum of sx dot - 8 sx sum(q)); acc_z: of the zero code times sum(x))."""
-    w = w_smem.load(L3)  # [BN, GC, 4]
-    dot = _dp4a((w >> 4) & 0x0F0F0F0F, gl.expand_dims(x_hi, 0),
-                _dp4a(w & 0x0F0F0F0F, gl.expand_dims(x_lo, 0), gl.zeros_like(w)))
-    dot = gl.sum(gl.convert_layout(gl.reshape(dot, [BN, GC, 2, 2]), L4), axis=3)  # [BN, GC, 2]: an x group's
-    part = gl.sum(dot.to(gl.float32) * gl.expand_dims(sx, 0), axis=2)  # [BN, GC]
-    codes = c_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, L4))).to(gl.int32)  # (sign-extended: >> 8 the zero's)
-    acc_s += (part - gl.expand_dims(q8, 0)) * (codes & 255).to(gl.float32)
-    acc_z += (codes >> 8).to(gl.float32) * gl.expand_dims(x_sum, 0)
-    return acc_s, acc_z
-
-
-@gluon.constexpr_function
-def _layouts(warps):
-    """Both kernels' register layouts at `warps` warps: the words of a box [BN, GC, 4] (a thread a group, the
-    warps over rows); FAST's view of the same threads' words as [BN, GC, x group, word]; x's words [BN, GC, 8]."""
-    return (gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[1, 32, 1], warps_per_cta=[warps, 1, 1],
-                             order=[2, 1, 0]),
-            gl.BlockedLayout(size_per_thread=[1, 1, 2, 2], threads_per_warp=[1, 32, 1, 1],
-                             warps_per_cta=[warps, 1, 1, 1], order=[3, 2, 1, 0]),
-            gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[1, 32, 1], warps_per_cta=[warps, 1, 1],
-                             order=[2, 1, 0]))
 
 
 @gluon.jit
@@ -371,189 +303,6 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-@gluon.jit
-def _ring_issue(i, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES: gl.constexpr, CHUNKS: gl.constexpr,
-                STAGES: gl.constexpr, BN: gl.constexpr, GC: gl.constexpr):
-    """RING: box i of this program's sequence (its tiles pid, pid + P, ...; in each, chunk by chunk, gate then up)
-    copied by TMA into stage i % STAGES, behind that stage's mbarrier."""
-    s = i % STAGES
-    h = i % HALVES
-    k = i // HALVES  # the chunk step
-    row0 = (pid + (k // CHUNKS) * P) * BN
-    c = k % CHUNKS
-    bar = bars.index(s)
-    mbarrier.expect(bar, w_desc.block_type.nbytes + c_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(w_desc, [row0 + h * N, c * 4 * GC], bar, w_smem.index(s))
-    tma.async_copy_global_to_shared(c_desc, [row0 + h * N, c * GC], bar, c_smem.index(s))
-
-
-@gluon.jit
-def _ring_tile_inputs(u_ptr, r_ptr, t, pid, P, N, RL: gl.constexpr, BN: gl.constexpr, HALVES: gl.constexpr,
-                      RESIDUAL: gl.constexpr):
-    """Local tile t's rows' units (scale's and zero's; gate's then up's) and residual."""
-    rn = (pid + t * P) * BN + gl.arange(0, BN, layout=RL)
-    rows = gl.minimum(rn, N - 1)
-    units = (gl.load(u_ptr + rows * 2), gl.load(u_ptr + rows * 2 + 1),
-             gl.load(u_ptr + (rows + (HALVES - 1) * N) * 2), gl.load(u_ptr + (rows + (HALVES - 1) * N) * 2 + 1))
-    if RESIDUAL:
-        r = gl.load(r_ptr + rn, mask=rn < N, other=0).to(gl.float32)
-    else:
-        r = gl.zeros([BN], gl.float32, RL)
-    return units, r
-
-
-@gluon.jit
-def _ring_tile_go(go_ptr, t, pid, P, N, LA: gl.constexpr):
-    """XQ_OUT with GO: local tile t's 16 values of the next norm's weight, [4, 4] in layout LA."""
-    rn = ((pid + t * P) * 16 + 4 * gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, LA)), 1)
-          + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LA)), 0))
-    return gl.load(go_ptr + rn, mask=rn < N, other=0).to(gl.float32)
-
-
-@gluon.jit
-def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale, x_ptr, g_ptr,
-                           yw_ptr, ys_ptr, go_ptr,
-                           NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
-                           CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr, XBF16: gl.constexpr,
-                           XQ_OUT: gl.constexpr = False, GO: gl.constexpr = False):
-    """_int4_gemv_tma_kernel's FAST 3 arithmetic (x in int8 staged in shared memory, or XBF16), in persistent
-    programs: each takes tiles of BN rows pid, pid + P, ... (P programs), their words and codes a box (BN rows, one
-    chunk of K, gate or up) at a time through a ring of STAGES boxes in shared memory, each box's copy issued
-    STAGES boxes ahead of its products, the first STAGES before the PDL wait. Memory stays busy while the
-    products run, and an SM's boxes stream without waves of programs. XQ_OUT (BN 16): y also in int8 for the
-    next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
-    go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x."""
-    GC: gl.constexpr = 32
-    HALVES: gl.constexpr = 2 if SWIGLU else 1
-    gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
-    gl.static_assert(BN == 16 or not XQ_OUT)  # (a tile is one group of y in int8)
-    L3: gl.constexpr = _layouts(gl.num_warps())[0]
-    L4: gl.constexpr = _layouts(gl.num_warps())[1]
-    LX: gl.constexpr = _layouts(gl.num_warps())[2]
-    LG: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))
-    RG: gl.constexpr = gl.SliceLayout(1, LG)
-    RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
-    PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-    PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    pid = gl.program_id(0)
-    P = gl.num_programs(0)
-    gdc_launch_dependents()
-    my_tiles = (gl.cdiv(N, BN) - pid + P - 1) // P
-    total = my_tiles * (CHUNKS * HALVES)  # boxes
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4 * GC], w_desc.layout)
-    c_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BN, GC], c_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    for i in gl.static_range(STAGES):  # the first STAGES boxes, before the wait
-        if i < total:
-            _ring_issue(i, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES, CHUNKS, STAGES, BN, GC)
-    gdc_wait()  # x and the residual were written by the kernel before
-    X3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    # (chunks a power of 2, at least 4: _x_quantize's batches of 4, in 2D views of power-of-2 shapes)
-    CHUNKS4: gl.constexpr = 4 if CHUNKS <= 4 else 8 if CHUNKS <= 8 else 16 if CHUNKS <= 16 else 32
-    xw_s = gl.allocate_shared_memory(gl.int32, [CHUNKS4, GC, 8], X3)
-    sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
-    qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
-    xsum_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
-    n_x = gl.multiple_of(K // 16, 16)
-    if not XBF16:
-        _x_stage(xw_ptr, xs_ptr, n_x, xw_s, sx_s, qs_s, xsum_s, LX, L4, GC, CHUNKS)
-    units, r = _ring_tile_inputs(u_ptr, r_ptr, 0, pid, P, N, RL, BN, HALVES, RESIDUAL)
-    # XQ_OUT: a tile's 16 values of y as [4, 4], all in every thread (its sums without barriers)
-    LA: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 4], threads_per_warp=[32, 1],
-                                        warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
-    go = gl.zeros([4, 4], gl.float32, LA)
-    if GO:
-        go = _ring_tile_go(go_ptr, 0, pid, P, N, LA)
-    unscale = w_unscale
-    if XBF16:
-        LQ: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2, 4], threads_per_warp=[8, 4, 1],
-                                            warps_per_cta=[gl.num_warps(), 1, 1], order=[2, 1, 0])
-        squares = _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ, GC, CHUNKS, NORM)
-        if NORM:
-            unscale = unscale * gl.rsqrt(squares / K + eps)
-    else:
-        if NORM:
-            SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
-                                                warps_per_cta=[gl.num_warps()], order=[0])
-            xg = gl.arange(0, NX_P2, layout=SL)
-            sq = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
-            unscale = unscale * gl.rsqrt(gl.sum(sq, axis=0) / K + eps)
-        async_copy.wait_group(0)
-    gl.thread_barrier()  # x in shared memory, for every warp
-    acc_s = gl.zeros([BN, GC], gl.float32, LG)
-    acc_z = gl.zeros([BN, GC], gl.float32, LG)
-    up_s = gl.zeros([BN, GC], gl.float32, LG)
-    up_z = gl.zeros([BN, GC], gl.float32, LG)
-    for k in range(my_tiles * CHUNKS):  # chunk steps
-        c = k % CHUNKS
-        x_lo, x_hi, sx, q8, x_sum = _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3, L4, LX, GC)
-        for h in gl.static_range(HALVES):
-            box = k * HALVES + h
-            s = box % STAGES
-            mbarrier.wait(bars.index(s), (box // STAGES) & 1)
-            w_c = w_smem.index(s)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
-            c_c = c_smem.index(s)._reinterpret(gl.int16, [BN, GC], PLAIN2)
-            if h == 0:
-                acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
-            else:
-                up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
-        gl.thread_barrier()  # every warp has read this step's stages before they are refilled
-        for h in gl.static_range(HALVES):
-            box = k * HALVES + h
-            if box + STAGES < total:
-                _ring_issue(box + STAGES, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES, CHUNKS, STAGES, BN,
-                            GC)
-        if c == CHUNKS - 1:  # the tile's last chunk: its rows out, then the next tile's inputs asked for
-            t = k // CHUNKS
-            out = gl.convert_layout(gl.convert_layout(units[0], RG) * gl.sum(acc_s, axis=1)
-                                    + gl.convert_layout(units[1], RG) * gl.sum(acc_z, axis=1), RL) * unscale
-            if SWIGLU:
-                up = gl.convert_layout(gl.convert_layout(units[2], RG) * gl.sum(up_s, axis=1)
-                                       + gl.convert_layout(units[3], RG) * gl.sum(up_z, axis=1), RL) * unscale
-                out = out / (1 + gl.exp(-out)) * up
-            if RESIDUAL:
-                out += r
-            rn = (pid + t * P) * BN + gl.arange(0, BN, layout=RL)
-            gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
-            if XQ_OUT:  # (the group is the tile: its 16 values, rounded as stored, all in each thread)
-                yv = gl.convert_layout(gl.reshape(out.to(y_ptr.dtype.element_ty).to(gl.float32), [4, 4]), LA)
-                yu = yv * go if GO else yv
-                y_amax = gl.max(gl.max(gl.abs(yu), axis=1), axis=0)
-                yq = gl.floor(yu * gl.where(y_amax > 0, 127 / y_amax, 0) + 0.5).to(gl.int32)
-                words = gl.sum((yq & 255) << gl.expand_dims(8 * gl.arange(0, 4, layout=gl.SliceLayout(0, LA)), 0),
-                               axis=1)
-                tile = pid + t * P
-                rw = tile * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, LA))
-                gl.store(yw_ptr + rw, words, mask=rw * 4 < N)
-                n_y = N // 16
-                y_sx = y_amax / 127
-                gl.store(ys_ptr + tile, y_sx)
-                gl.store(ys_ptr + n_y + tile, y_sx * gl.sum(gl.sum(yq, axis=1), axis=0).to(gl.float32))
-                gl.store(ys_ptr + 2 * n_y + tile, gl.sum(gl.sum(yu, axis=1), axis=0))
-                gl.store(ys_ptr + 3 * n_y + tile, gl.sum(gl.sum(yv * yv, axis=1), axis=0))
-            units, r = _ring_tile_inputs(u_ptr, r_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, RL, BN, HALVES,
-                                         RESIDUAL)
-            if GO:
-                go = _ring_tile_go(go_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, LA)
-            acc_s = gl.zeros([BN, GC], gl.float32, LG)
-            acc_z = gl.zeros([BN, GC], gl.float32, LG)
-            up_s = gl.zeros([BN, GC], gl.float32, LG)
-            up_z = gl.zeros([BN, GC], gl.float32, LG)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-
-
-def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
-    """TMA descriptors of a layer's words [R, K/8] int32 and codes [R, K/32] int16, a box of `rows` rows by
-    one chunk (128 words, 32 codes); reads past the end give zeros."""
-    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    c_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    return (TensorDescriptor(words, list(words.shape), list(words.stride()), [rows, CHUNK], w_layout),
-            TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [rows, CHUNK // 4], c_layout))
-
-
 def bf16_x(layer, fast):
     """Whether `fast` (4: decode's forms of x) gives this layer x in bf16: all but wo, whose x the attention
     kernel writes in int8."""
@@ -579,26 +328,15 @@ def gluon_gemv(layer, xq, residual, rows, warps, each=False, load_only=False, fa
     return y
 
 
-def gluon_ring_gemv(layer, xq, residual, rows, warps, stages, per_sm, fast=3, x=None, g=None, eps=1e-5,
-                    yq=None, g_out=None):
-    """One call of the ring kernel (_int4_gemv_ring_kernel) on `layer`, per_sm programs an SM (at most one a
-    tile); x as gluon_gemv takes it (fast 3 or 4). yq (rows 16): y also in int8 into that buffer
-    (int4_quantize_x's layout for N columns), times g_out if given."""
-    N, K, fused = layer["N"], layer["K"], layer["fused"]
-    assert K % 256 == 0 and K >= 512, f"gluon_ring_gemv takes K a multiple of 256, at least 512 (got {K})"
-    assert yq is None or rows == XG, "gluon_ring_gemv writes y in int8 a tile a group: rows must be 16"
-    y = torch.empty(N, device=xq.device, dtype=torch.bfloat16)
-    programs = min(triton.cdiv(N, rows), per_sm * torch.cuda.get_device_properties(xq.device).multi_processor_count)
-    _int4_gemv_ring_kernel[(programs,)](
-        *layer["desc"][rows], xq[:K // 4], xq[K // 4:].view(torch.float32), layer["units"],
-        residual if residual is not None else y, y, N, K, eps, layer["w_unscale"],
-        x if bf16_x(layer, fast) else y, g if bf16_x(layer, fast) else y,
-        yq[:N // 4] if yq is not None else xq, yq[N // 4:].view(torch.float32) if yq is not None else xq,
-        g_out if g_out is not None else y,
-        NORM=fused in ("norm", "swiglu"), RESIDUAL=fused == "residual", SWIGLU=fused == "swiglu", BN=rows,
-        CHUNKS=-(-(K // 8) // CHUNK), NX_P2=triton.next_power_of_2(K // XG), STAGES=stages,
-        XBF16=bf16_x(layer, fast), XQ_OUT=yq is not None, GO=g_out is not None, num_warps=warps, launch_pdl=True)
-    return y
+def gluon_ring_gemv(layer, xq, x, residual, rows, warps, stages, per_sm, out_q=False, g_out=None, eps=1e-5):
+    """(y, y in int8 or None): one call of the ring kernel (int4_ring.gemv, decode's int8 flow) on `layer`, x in
+    int8 `xq` (x [1, K] in bf16 gives the shape), per_sm programs an SM (at most one a tile); out_q (rows 16): y
+    also in int8, times g_out if given."""
+    return int4_ring.gemv(x, xq, layer["words"], layer["codes"], layer["units"], layer["w_unscale"],
+                          norm=layer["fused"] in ("norm", "swiglu"), eps=eps,
+                          residual=residual if layer["fused"] == "residual" else None,
+                          swiglu=layer["fused"] == "swiglu", out_q=out_q, out_norm_weight=g_out, rows=rows,
+                          stages=stages, per_sm=per_sm, warps=warps)
 
 
 def make_layer(name, R, K, dev, rows_list):
@@ -636,7 +374,8 @@ def main():
                    "(all but wo), rounded to int8 by each program (against the Triton kernel on the same forms)")
     p.add_argument("--ring", default="", help="comma-separated: boxes in flight a program of the ring kernel "
                    "(persistent programs, each box's copy issued that many boxes ahead of its products), at each "
-                   "--rows, --warps, --per-sm and --fast of 3 or 4 (3 if none)")
+                   "--rows, --warps and --per-sm (int4_ring.py's kernel: x in int8 staged in shared memory, as "
+                   "--fast 3; sessions 19-20 also timed it with bf16 x, rounded in each program: commit 1eb065c)")
     p.add_argument("--per-sm", default="1", help="comma-separated: ring kernel programs an SM")
     p.add_argument("--ring-only", action="store_true", help="time the ring kernel, not _int4_gemv_tma_kernel")
     p.add_argument("--int8-flow", action="store_true", help="also each ring form at 16 rows with x in int8 (--fast 3) "
@@ -659,9 +398,8 @@ def main():
     each_list = [bool(int(v)) for v in a.each.split(",")]
     configs = [(r, w, e, int(f), None) for r in rows_list for w in warps_list for e in each_list
                for f in a.fast.split(",") if not a.ring_only]
-    ring_fast = [int(f) for f in a.fast.split(",") if f in ("3", "4")] or [3]
-    configs += [(r, w, False, f, (int(st), int(ps))) for r in rows_list for w in warps_list
-                for st in a.ring.split(",") if st for ps in a.per_sm.split(",") for f in ring_fast]
+    configs += [(r, w, False, 3, (int(st), int(ps))) for r in rows_list for w in warps_list
+                for st in a.ring.split(",") if st for ps in a.per_sm.split(",")]
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy ceiling "
           f"{ceiling:.0f} GB/s", flush=True)
@@ -678,8 +416,7 @@ def main():
     def gluon(layer, rows, warps, each, fast, ring=None, load_only=False):
         K = layer["K"]
         if ring:
-            return gluon_ring_gemv(layer, xqs[K], res[layer["N"]], rows, warps, *ring, fast, xs[K].flatten(),
-                                   ones[:K])
+            return gluon_ring_gemv(layer, xqs[K], xs[K], res[layer["N"]], rows, warps, *ring)[0].flatten()
         return gluon_gemv(layer, xqs[K], res[layer["N"]], rows, warps, each, load_only, fast, xs[K].flatten(),
                           ones[:K])
 
@@ -716,8 +453,7 @@ def main():
         N, K = layer["N"], layer["K"]
         g_out = ones[:N] * 0.5 if name != "w13" else None  # (a norm weight: w13's output has none)
         for config in list(flow):
-            yq = kernels.int4_quantize_x(res[N], None, XG)  # (a buffer of the layout, overwritten)
-            y = gluon_ring_gemv(layer, xqs[K], res[N], *config[:2], *config[4], 3, yq=yq, g_out=g_out)
+            y, yq = gluon_ring_gemv(layer, xqs[K], xs[K], res[N], *config[:2], *config[4], out_q=True, g_out=g_out)
             ref = kernels.int4_quantize_x(y.view(1, N), g_out, XG)
             # codes within 1 of int4_quantize_x's (a tie at .5 may round either way), and each row of the
             # groups' numbers (sx, sx sum(q), sum(u), sum(v^2)) within 1e-3 of its own largest value
@@ -793,9 +529,11 @@ def main():
                         triton_gemv(layer, xs[K], bufs["w2"], res[N], ones[:K])
                     else:
                         x_in = {"wqkv": bufs["w2"], "wo": xqs[K], "w13": bufs["wo"], "w2": bufs["w13"]}[name]
-                        gluon_ring_gemv(layer, x_in, res[N], rows, warps, *ring, 3,
-                                        yq=bufs[name] if epilogues and name != "wqkv" else None,
-                                        g_out=ones[:N] if epilogues and name in ("wo", "w2") else None)
+                        _, yq = gluon_ring_gemv(layer, x_in, xs[K], res[N], rows, warps, *ring,
+                                                out_q=epilogues and name != "wqkv",
+                                                g_out=ones[:N] if epilogues and name in ("wo", "w2") else None)
+                        if yq is not None:
+                            bufs[name] = yq
             wqkv_form = "ring" if ring_wqkv else "triton"
             report(f"int8 flow{' with epilogues' if epilogues else ''}: {wqkv_form} wqkv, {label(*config)}",
                    time_calls([flow_chain]), rows=rows, warps=warps, ring=list(ring), int8_flow=True,

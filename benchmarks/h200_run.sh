@@ -665,6 +665,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # loaded with the tile's units), and wqkv also as the ring reading w2's int8 y
       t 240 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 6 --per-sm 3 --fast 3 --ring-only \
         --int8-flow --json "$OUT/gluon-z42.json" ;;
+  z43) # run 101 (session 20): int4_ring.py in decode (model.TransformerBlock.forward_int8): its GPU tests, then the 7B
+      # int4 g32 step with it and without (--int4-no-ring), cold caches, one process each
+      t 240 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
+        -k "ring or int8_flow" | tail -15
+      JSON=$OUT/h200-z43.json logged_variants 170 0 z431:"--quantize int4-g32" z432:"--quantize int4-g32 --int4-no-ring" ;;
+  z44) # then bf16 and int4 g128 (the ring is for group 32 only: g128 runs without it), and the GPU tests
+      JSON=$OUT/h200-z44.json logged_variants 170 0 z441:"" z442:"--quantize int4-g128"
+      gpu_tests 300 ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done

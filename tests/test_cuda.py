@@ -286,6 +286,55 @@ def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monke
     assert graphed[:8] == tokens_of(eager, 24)[:8]
 
 
+def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
+    """On sm_90 one-token int4 g32 decode runs TransformerBlock.forward_int8: every GEMV but the first layer's
+    wqkv by int4_ring.py's kernel, x handed from GEMV to GEMV in int8. A decode step's logits stay within bf16
+    rounding of the step with kernels.int4_gemv everywhere (gemv_ring off); prefill never takes it; graphed
+    decode of it is one replay a token and picks eager decode's tokens."""
+    import model as model_module
+    from quantize import quantize_model
+
+    try:
+        import int4_ring
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"int4_ring.py does not import here: {e}")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("int4_ring.py's kernel is for sm_90")
+    args = ModelArgs(dim=512, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=1000, intermediate_size=1536,
+                     max_seq_len=512)
+    torch.manual_seed(0)
+    qmodel = quantize_model(random_model(args, torch.device("cuda"), torch.bfloat16), "int4", 32)
+    layers = [m for m in qmodel.layers.modules() if isinstance(m, model_module.Int4Linear)]
+    assert len(layers) == 4 * args.n_layers and all(m.gemv_ring for m in layers)
+    calls = []
+    gemv = int4_ring.gemv
+    monkeypatch.setattr(int4_ring, "gemv", lambda *a, **k: calls.append(1) or gemv(*a, **k))
+    idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
+    logits = {}
+    for ring in (True, False):
+        for m in layers:
+            m.gemv_ring = ring
+        with torch.no_grad():
+            qmodel.setup_caches(1, 64)
+            qmodel(idx, pos)
+            assert not calls  # (prefill: 8 rows)
+            logits[ring] = qmodel(torch.tensor([[3]], device="cuda"), torch.tensor([8], device="cuda")).float()
+        assert len(calls) == (4 * args.n_layers - 1 if ring else 0)
+        calls.clear()
+    rel = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
+    assert rel < 0.02, rel
+    for m in layers:
+        m.gemv_ring = True
+    torch._dynamo.reset()
+    gen = make_generator(qmodel, "graphs")
+    gen.reserve(1, 128)
+    graphed = tokens_of(gen, 24)
+    check_graphs(gen, steps=4)
+    eager = make_generator(qmodel, "eager")
+    eager.reserve(1, 128)
+    assert graphed[:8] == tokens_of(eager, 24)[:8]
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_speculative_graphs_equal_plain_greedy_and_draft_loop_is_one_replay(model32, k):
     """Graphed speculative decoding (draft loop and verification, one CUDA graph each) gives the

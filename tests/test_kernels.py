@@ -555,6 +555,91 @@ def test_int4_gemv_reads_x_in_int8(G, K, group, launch, fused, codes):
     assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
 
 
+def ring_or_skip():
+    """int4_ring.py's module where its kernel can run (sm_90, Gluon), else a skip: it runs on the H200 only."""
+    try:
+        import int4_ring
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"int4_ring.py does not import here: {e}")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("int4_ring.py's kernel is for sm_90")
+    return int4_ring
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
+@pytest.mark.parametrize("N, K, per_sm", [(128, 512, 3), (1040, 2816, 1), (4096, 4096, 1)])
+def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused):
+    """int4_ring.gemv (decode's int8 flow) gives kernels.int4_gemv's product with x in int8 (groups of 16, codes)
+    to float32 rounding of the sums, and so stays within INT4_TOLERANCE of the float64 product. K = 2816 ends
+    in a partial box (2.75 boxes of 1024 columns); per_sm 1 makes programs take several tiles (4096 rows: 256
+    tiles over the SMs' programs, 1040: 65 tiles, a partial wave)."""
+    int4_ring = ring_or_skip()
+    packed, scales, zeros, W = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
+    layout = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
+    words, codes, w_unscale, _, units = layout
+    assert int4_ring.usable(words, codes, 32) and not int4_ring.usable(words, codes, 64)
+    x = torch.randn(1, K).bfloat16()
+    kwargs, reference, size = int4_case(fused, x, N, W)
+    kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    xq = kernels.int4_quantize_x(x.cuda(), kwargs.get("norm_weight"), 16)
+    expect = kernels.int4_gemv(x.cuda(), *layout, dp4a=True, xq=xq, **kwargs).double()
+    y, yq = int4_ring.gemv(x.cuda(), xq, words, codes, units, w_unscale, norm="norm_weight" in kwargs,
+                           eps=kwargs.get("eps", 0.0), residual=kwargs.get("residual"),
+                           swiglu=kwargs.get("swiglu", False), per_sm=per_sm)
+    assert yq is None and y.shape == (1, N) and y.dtype == torch.bfloat16
+    scale = size if fused == "swiglu" else expect.abs().max().item()
+    assert ((y.double() - expect).abs() <= 1e-2 * expect.abs() + 1e-3 * scale).all()  # (both rounded to bf16)
+    assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused, norm_out", [("residual", True), ("swiglu", False), ("none", True)])
+def test_int4_ring_writes_its_output_in_int8(fused, norm_out):
+    """out_q: int4_ring.gemv also writes y in int8, kernels.int4_quantize_x(y, g) of the y it returns (groups of
+    16, each a tile of 16 rows: assert_x_int8's codes and numbers), times the next norm's weight g if given; and
+    the next GEMV reading it gives what it gives reading int4_quantize_x's. Over several tiles a program."""
+    int4_ring = ring_or_skip()
+    N, K = 2048, 1024
+    packed, scales, zeros, _ = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
+    words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
+    x = torch.randn(1, K, device="cuda").bfloat16()
+    xq = kernels.int4_quantize_x(x, None, 16)
+    g = (0.5 + torch.rand(N, device="cuda")).bfloat16() if norm_out else None
+    residual = torch.randn(1, N, device="cuda").bfloat16() if fused == "residual" else None
+    y, yq = int4_ring.gemv(x, xq, words, codes, units, w_unscale, residual=residual, swiglu=fused == "swiglu",
+                           out_q=True, out_norm_weight=g, per_sm=1)
+    assert_x_int8(yq, y, g, 16)
+    packed2, scales2, zeros2, _ = int4_weights(512, N, 32, grid=True)
+    words2, codes2, unscale2, _, units2 = int4_gemv_layout(packed2.cuda(), scales2.cuda(), zeros2.cuda(), 32, True,
+                                                           True)
+    nxt = [int4_ring.gemv(y, q, words2, codes2, units2, unscale2, norm=True, eps=1e-5)[0].float()
+           for q in (yq, kernels.int4_quantize_x(y, g, 16))]
+    assert ((nxt[0] - nxt[1]).abs() <= 2e-2 * nxt[1].abs().max()).all()  # (codes may differ by 1 at ties)
+
+
+def test_int4_ring_refuses_what_it_cannot_run():
+    """int4_ring.usable is False off sm_90 and for CPU tensors, other groups or float16 scales; gemv's errors name
+    the shapes it takes."""
+    try:
+        import int4_ring
+    except (ImportError, AttributeError):
+        pytest.skip("int4_ring.py needs Triton's Gluon (3.6 or newer), which this machine lacks")
+    words, codes = torch.zeros(64, 64, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.int16)
+    assert not int4_ring.usable(words, codes, 32)  # (CPU)
+    if torch.cuda.is_available():
+        assert not int4_ring.usable(words.cuda(), None, 32) and not int4_ring.usable(words.cuda(), codes.cuda(), 64)
+        assert int4_ring.usable(words.cuda(), codes.cuda(), 32) == (torch.cuda.get_device_capability()[0] == 9)
+    units = torch.ones(64, 2)
+    with pytest.raises(ValueError, match="one row of x and its int8 form"):
+        int4_ring.gemv(torch.zeros(2, 512), torch.zeros(256, dtype=torch.int32), words, codes, units, 1.0)
+    with pytest.raises(ValueError, match="K a multiple of 256"):
+        int4_ring.gemv(torch.zeros(1, 128), torch.zeros(64, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.int32),
+                       torch.zeros(64, 4, dtype=torch.int16), units, 1.0)
+    with pytest.raises(ValueError, match="do not fit K=512"):
+        int4_ring.gemv(torch.zeros(1, 512), torch.zeros(256, dtype=torch.int32), words, codes[:, :8], units, 1.0)
+
+
 def test_int4_launch_prefetch_values():
     """A launch's prefetch 2 (two blocks before the PDL wait) gives the product of prefetch 0; a prefetch
     other than 0, 1 or 2 is an error."""
