@@ -297,12 +297,13 @@ def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
 def usable(words: torch.Tensor, codes: Optional[torch.Tensor], groupsize: int) -> bool:
     """Whether an int4 layer in kernels.int4_gemv's layout (words [R, K/8] int32, codes [R, K/32] int16, or
     None for float16 scales) can run here: ENABLED, CUDA sm_90 (the only GPU measured; TMA from sm_90 on),
-    group 32 with codes, K a multiple of 256 and at least 512 (x's staging), R a multiple of 16."""
+    group 32 with codes, K a multiple of 256 and at least 512 (x's staging), R a multiple of 32 (tiles of 16 rows
+    that never straddle SwiGLU's gate and up halves)."""
     if not (ENABLED and words.is_cuda and torch.version.hip is None and codes is not None and groupsize == G):
         return False
     K = words.shape[1] * 8
     return (torch.cuda.get_device_capability(words.device)[0] == 9 and K % 256 == 0 and K >= 512
-            and words.shape[0] % 16 == 0 and codes.dtype == torch.int16 and codes.shape == (words.shape[0], K // G))
+            and words.shape[0] % 32 == 0 and codes.dtype == torch.int16 and codes.shape == (words.shape[0], K // G))
 
 
 @functools.cache

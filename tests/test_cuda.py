@@ -42,6 +42,17 @@ def tokens_of(gen, n, prompt=PROMPT):
     return [t for chunk in gen.generate(prompt, n) for t in chunk[0]]
 
 
+def assert_graphed_is_one_replay_and_picks_eager_tokens(qmodel):
+    """Graphed decode of qmodel is one replay a token, and its first 8 greedy tokens are eager decode's."""
+    gen = make_generator(qmodel, "graphs")
+    gen.reserve(1, 128)
+    graphed = tokens_of(gen, 24)
+    check_graphs(gen, steps=4)
+    eager = make_generator(qmodel, "eager")
+    eager.reserve(1, 128)
+    assert graphed[:8] == tokens_of(eager, 24)[:8]
+
+
 def test_graphed_and_manual_decode_equal_eager(model, model32):
     eager = tokens_of(make_generator(model32, "eager"), 200)
     assert len(eager) == 200 and len(set(eager)) > 5
@@ -277,13 +288,7 @@ def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monke
     assert rel < (1e-3 if x_group == "32" else 0.02), rel
     monkeypatch.setattr(kernels, "INT4_XQ", x_group)
     torch._dynamo.reset()  # each case compiles afresh, as a run with one setting does (else: the recompile limit)
-    gen = make_generator(qmodel, "graphs")
-    gen.reserve(1, 128)
-    graphed = tokens_of(gen, 24)
-    check_graphs(gen, steps=4)
-    eager = make_generator(qmodel, "eager")
-    eager.reserve(1, 128)
-    assert graphed[:8] == tokens_of(eager, 24)[:8]
+    assert_graphed_is_one_replay_and_picks_eager_tokens(qmodel)
 
 
 def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
@@ -326,13 +331,7 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
     for m in layers:
         m.gemv_ring = True
     torch._dynamo.reset()
-    gen = make_generator(qmodel, "graphs")
-    gen.reserve(1, 128)
-    graphed = tokens_of(gen, 24)
-    check_graphs(gen, steps=4)
-    eager = make_generator(qmodel, "eager")
-    eager.reserve(1, 128)
-    assert graphed[:8] == tokens_of(eager, 24)[:8]
+    assert_graphed_is_one_replay_and_picks_eager_tokens(qmodel)
 
 
 @pytest.mark.parametrize("k", [2, 4])
