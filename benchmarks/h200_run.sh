@@ -670,9 +670,21 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 240 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow" | tail -15
       JSON=$OUT/h200-z43.json logged_variants 170 0 z431:"--quantize int4-g32" z432:"--quantize int4-g32 --int4-no-ring" ;;
-  z44) # then bf16 and int4 g128 (the ring is for group 32 only: g128 runs without it), and the GPU tests
-      JSON=$OUT/h200-z44.json logged_variants 170 0 z441:"" z442:"--quantize int4-g128"
-      gpu_tests 300 ;;
+  z44) # then bf16; the chain of GEMVs in the int8 flow with x's shared memory for a power of 2 of chunks (as measured
+      # so far; w2 at 84 KB a program, 2 an SM) and for its chunks alone (w2 75 KB, 3 an SM; int4_ring.py edited
+      # here by sed, on the device's copy only); then the GPU tests
+      JSON=$OUT/h200-z44.json logged_variants 170 0 z441:""
+      for v in pow2 exact; do
+        echo "== x staging: $v"
+        [ $v = exact ] && sed -i 's/^    CHUNKS4: gl.constexpr = 4 if CHUNKS <= 4 .*/    CHUNKS4: gl.constexpr = CHUNKS/' int4_ring.py
+        grep -n "CHUNKS4: gl" int4_ring.py
+        t 120 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 6 --per-sm 3 --ring-only --int8-flow \
+          --json "$OUT/gluon-z44-$v.json" | grep -E "us a step|differs"
+      done
+      git checkout int4_ring.py 2>/dev/null || sed -i 's/^    CHUNKS4: gl.constexpr = CHUNKS$/    CHUNKS4: gl.constexpr = 4 if CHUNKS <= 4 else 8 if CHUNKS <= 8 else 16 if CHUNKS <= 16 else 32/' int4_ring.py
+      gpu_tests 280 ;;
+  z45) # int4 g128 (the ring is for group 32 only: g128 runs without it)
+      JSON=$OUT/h200-z45.json logged_variants 170 0 z451:"--quantize int4-g128" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done

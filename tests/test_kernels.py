@@ -568,12 +568,12 @@ def ring_or_skip():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
-@pytest.mark.parametrize("N, K, per_sm", [(128, 512, 3), (1040, 2816, 1), (4096, 4096, 1)])
+@pytest.mark.parametrize("N, K, per_sm", [(128, 512, 3), (1056, 2816, 1), (4096, 4096, 1)])
 def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused):
     """int4_ring.gemv (decode's int8 flow) gives kernels.int4_gemv's product with x in int8 (groups of 16, codes)
     to float32 rounding of the sums, and so stays within INT4_TOLERANCE of the float64 product. K = 2816 ends
     in a partial box (2.75 boxes of 1024 columns); per_sm 1 makes programs take several tiles (4096 rows: 256
-    tiles over the SMs' programs, 1040: 65 tiles, a partial wave)."""
+    tiles over the H200's 132 programs; 1056: 66 tiles, fewer programs than SMs)."""
     int4_ring = ring_or_skip()
     packed, scales, zeros, W = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
     layout = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
@@ -600,7 +600,7 @@ def test_int4_ring_writes_its_output_in_int8(fused, norm_out):
     16, each a tile of 16 rows: assert_x_int8's codes and numbers), times the next norm's weight g if given; and
     the next GEMV reading it gives what it gives reading int4_quantize_x's. Over several tiles a program."""
     int4_ring = ring_or_skip()
-    N, K = 2048, 1024
+    N, K = 8192, 1024  # (512 tiles: ~4 a program at one program an SM of the H200's 132)
     packed, scales, zeros, _ = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
     words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
     x = torch.randn(1, K, device="cuda").bfloat16()
