@@ -666,14 +666,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 240 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 6 --per-sm 3 --fast 3 --ring-only \
         --int8-flow --json "$OUT/gluon-z42.json" ;;
   z43) # run 101 (session 20): int4_ring.py in decode (model.TransformerBlock.forward_int8): its GPU tests, then the 7B
-      # int4 g32 step with it and without (--int4-no-ring), cold caches, one process each
+      # int4 g32 step with it and without (--int4-no-ring), and bf16, cold caches, one process each
       t 240 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow" | tail -15
-      JSON=$OUT/h200-z43.json logged_variants 170 0 z431:"--quantize int4-g32" z432:"--quantize int4-g32 --int4-no-ring" ;;
-  z44) # then bf16; the chain of GEMVs in the int8 flow with x's shared memory for a power of 2 of chunks (as measured
+      JSON=$OUT/h200-z43.json logged_variants 170 0 z431:"--quantize int4-g32" z432:"--quantize int4-g32 --int4-no-ring" \
+        z433:"" ;;
+  z44) # then the chain of GEMVs in the int8 flow with x's shared memory for a power of 2 of chunks (as measured
       # so far; w2 at 84 KB a program, 2 an SM) and for its chunks alone (w2 75 KB, 3 an SM; int4_ring.py edited
       # here by sed, on the device's copy only); then the GPU tests
-      JSON=$OUT/h200-z44.json logged_variants 170 0 z441:""
       for v in pow2 exact; do
         echo "== x staging: $v"
         [ $v = exact ] && sed -i 's/^    CHUNKS4: gl.constexpr = 4 if CHUNKS <= 4 .*/    CHUNKS4: gl.constexpr = CHUNKS/' int4_ring.py
