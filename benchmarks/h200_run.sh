@@ -685,6 +685,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       gpu_tests 280 ;;
   z45) # int4 g128 (the ring is for group 32 only: g128 runs without it)
       JSON=$OUT/h200-z45.json logged_variants 170 0 z451:"--quantize int4-g128" ;;
+  z46) # run 101 as it ran (session 20, little device time left): z43's parts, most needed first: the int4 g32 step
+      # with the int8 flow, the ring's GPU tests and the int4 model tests, bf16, then without the ring
+      JSON=$OUT/h200-z46.json logged_variants 170 0 z461:"--quantize int4-g32"
+      t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
+        -k "ring or int8_flow or quantized or int4_wo" | tail -8
+      JSON=$OUT/h200-z46.json logged_variants 170 0 z462:"" z463:"--quantize int4-g32 --int4-no-ring" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
