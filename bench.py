@@ -334,9 +334,9 @@ def main(argv=None) -> int:
                         "kernels.int4_dp4a's rule (auto, the default: integers on every shape)")
     p.add_argument("--int4-tinygemm", action="store_true",
                    help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
-    p.add_argument("--int4-no-ring", action="store_true",
-                   help="one-token int4 decode without int4_ring.py's kernel and its int8 flow (model.TransformerBlock."
-                        "forward_int8): kernels.int4_gemv for every GEMV (A/B)")
+    p.add_argument("--int4-ring", action="store_true",
+                   help="one-token int4 g32 decode on sm_90 by int4_ring.py's kernel in its int8 flow (model."
+                        "TransformerBlock.forward_int8) instead of kernels.int4_gemv (A/B; off by default)")
     p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
                    help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
                         "float16 (0), or by model.int4_codes' rule (auto, the default: codes up to group 64)")
@@ -370,7 +370,7 @@ def main(argv=None) -> int:
     kernels.INT8_HALF = not a.int8_float32
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
     if model_module.int4_ring is not None:
-        model_module.int4_ring.ENABLED = model_module.int4_ring.ENABLED and not a.int4_no_ring
+        model_module.int4_ring.ENABLED = model_module.int4_ring.ENABLED or a.int4_ring
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ

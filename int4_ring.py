@@ -12,6 +12,7 @@ rows in turn, and copy their boxes (16 rows by 1024 columns of words and codes) 
 stages, each issued 6 boxes ahead of its products, the first 6 before the PDL wait: memory stays busy
 while the products run, and there are no waves of programs. The chain of the 7B step's 128 GEMVs took
 1142.5 us against the Triton kernel's 1242.2 (benchmarks/gluon_gemv.py --int8-flow, run 100, BENCHMARKS.md).
+In the decode step that gain did not show (675 against 673 tok/s, run 101), so it is off by default (ENABLED).
 
 Its one demand: x in int8 already (kernels.int4_quantize_x's layout, groups of 16), staged in shared memory
 once a program; rounding bf16 x in each program lost what the ring gained (run 98). The attention kernel
@@ -23,7 +24,7 @@ The arithmetic is kernels.int4_gemv's XQ form (_int4_dp4a_block): per weight wor
 per group of 32 its scale and zero from the row's codes and units, RMSNorm's scale from x's sums of
 squares, SwiGLU, the residual. The tests hold it to that kernel (tests/test_kernels.py, -m cuda).
 Needs Triton 3.6 or newer (Gluon's TMA and mbarriers) on sm_90; model.py checks `usable` and falls back to
-kernels.int4_gemv elsewhere (GRAPHDECODE_INT4_RING=0 forces that).
+kernels.int4_gemv elsewhere, and by default (ENABLED, below: in the step it did not win).
 """
 import functools
 import os
@@ -40,7 +41,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 import kernels
 
-ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "1") != "0"  # read when an int4 layer loads (model.py)
+# Off by default: in the 7B step it measured 674.9-675.1 tok/s against 672.0-673.5 without (run 101, BENCHMARKS.md,
+# session 20), within the runs' spread, though the chain of GEMVs alone ran 100 us a step faster.
+# GRAPHDECODE_INT4_RING=1 (bench.py --int4-ring) turns it on; read when an int4 layer loads (model.py).
+ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "0") == "1"
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
 ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a program, programs an SM, warps

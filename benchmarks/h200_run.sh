@@ -691,6 +691,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow or quantized or int4_wo" | tail -8
       JSON=$OUT/h200-z46.json logged_variants 170 0 z462:"" z463:"--quantize int4-g32 --int4-no-ring" ;;
+  z47) # session 20, after run 101 (int4_ring.py off by default): its GPU tests with it turned on in each
+      t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
+        -k "ring or int8_flow" | tail -8 ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done

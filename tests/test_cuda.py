@@ -292,7 +292,8 @@ def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monke
 
 
 def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
-    """On sm_90 one-token int4 g32 decode runs TransformerBlock.forward_int8: every GEMV but the first layer's
+    """Turned on (int4_ring.ENABLED), one-token int4 g32 decode on sm_90 runs TransformerBlock.forward_int8: every
+    GEMV but the first layer's
     wqkv by int4_ring.py's kernel, x handed from GEMV to GEMV in int8. A decode step's logits stay within bf16
     rounding of the step with kernels.int4_gemv everywhere (gemv_ring off); prefill never takes it; graphed
     decode of it is one replay a token and picks eager decode's tokens."""
@@ -305,6 +306,7 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
         pytest.skip(f"int4_ring.py does not import here: {e}")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("int4_ring.py's kernel is for sm_90")
+    monkeypatch.setattr(int4_ring, "ENABLED", True)  # (off by default; read as the layers load)
     args = ModelArgs(dim=512, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=1000, intermediate_size=1536,
                      max_seq_len=512)
     torch.manual_seed(0)

@@ -555,26 +555,28 @@ def test_int4_gemv_reads_x_in_int8(G, K, group, launch, fused, codes):
     assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
 
 
-def ring_or_skip():
-    """int4_ring.py's module where its kernel can run (sm_90, Gluon), else a skip: it runs on the H200 only."""
+def ring_or_skip(monkeypatch):
+    """int4_ring.py's module, turned on (ENABLED), where its kernel can run (sm_90, Gluon), else a skip: it runs
+    on the H200 only."""
     try:
         import int4_ring
     except (ImportError, AttributeError) as e:
         pytest.skip(f"int4_ring.py does not import here: {e}")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("int4_ring.py's kernel is for sm_90")
+    monkeypatch.setattr(int4_ring, "ENABLED", True)
     return int4_ring
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
 @pytest.mark.parametrize("N, K, per_sm", [(128, 512, 3), (1056, 2816, 1), (4096, 4096, 1)])
-def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused):
+def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused, monkeypatch):
     """int4_ring.gemv (decode's int8 flow) gives kernels.int4_gemv's product with x in int8 (groups of 16, codes)
     to float32 rounding of the sums, and so stays within INT4_TOLERANCE of the float64 product. K = 2816 ends
     in a partial box (2.75 boxes of 1024 columns); per_sm 1 makes programs take several tiles (4096 rows: 256
     tiles over the H200's 132 programs; 1056: 66 tiles, fewer programs than SMs)."""
-    int4_ring = ring_or_skip()
+    int4_ring = ring_or_skip(monkeypatch)
     packed, scales, zeros, W = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
     layout = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
     words, codes, w_unscale, _, units = layout
@@ -595,11 +597,11 @@ def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fused, norm_out", [("residual", True), ("swiglu", False), ("none", True)])
-def test_int4_ring_writes_its_output_in_int8(fused, norm_out):
+def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
     """out_q: int4_ring.gemv also writes y in int8, kernels.int4_quantize_x(y, g) of the y it returns (groups of
     16, each a tile of 16 rows: assert_x_int8's codes and numbers), times the next norm's weight g if given; and
     the next GEMV reading it gives what it gives reading int4_quantize_x's. Over several tiles a program."""
-    int4_ring = ring_or_skip()
+    int4_ring = ring_or_skip(monkeypatch)
     N, K = 8192, 1024  # (512 tiles: ~4 a program at one program an SM of the H200's 132)
     packed, scales, zeros, _ = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
     words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
@@ -618,14 +620,19 @@ def test_int4_ring_writes_its_output_in_int8(fused, norm_out):
     assert ((nxt[0] - nxt[1]).abs() <= 2e-2 * nxt[1].abs().max()).all()  # (codes may differ by 1 at ties)
 
 
-def test_int4_ring_refuses_what_it_cannot_run():
-    """int4_ring.usable is False off sm_90 and for CPU tensors, other groups or float16 scales; gemv's errors name
-    the shapes it takes."""
+def test_int4_ring_refuses_what_it_cannot_run(monkeypatch):
+    """int4_ring.usable is False unless turned on (ENABLED: off by default), off sm_90 and for CPU tensors, other
+    groups or float16 scales; gemv's errors name the shapes it takes."""
     try:
         import int4_ring
     except (ImportError, AttributeError):
         pytest.skip("int4_ring.py needs Triton's Gluon (3.6 or newer), which this machine lacks")
+    assert not int4_ring.ENABLED or os.environ.get("GRAPHDECODE_INT4_RING") == "1"
     words, codes = torch.zeros(64, 64, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.int16)
+    if torch.cuda.is_available():
+        monkeypatch.setattr(int4_ring, "ENABLED", False)
+        assert not int4_ring.usable(words.cuda(), codes.cuda(), 32)
+    monkeypatch.setattr(int4_ring, "ENABLED", True)
     assert not int4_ring.usable(words, codes, 32)  # (CPU)
     if torch.cuda.is_available():
         assert not int4_ring.usable(words.cuda(), None, 32) and not int4_ring.usable(words.cuda(), codes.cuda(), 64)
