@@ -222,7 +222,8 @@ class TransformerBlock(nn.Module):
         """forward for one token of int4 decode on Hopper, x handed from GEMV to GEMV in int8 as well as in
         bf16: each GEMV reads its x in int8 and writes its output in int8 too (int4_ring.py), times the next
         RMSNorm's weight (kernels.int4_quantize_x's layout, groups of 16); the attention kernel writes wo's
-        x so. 7B int4 g32: the step's GEMVs 8% faster than kernels.int4_gemv's (BENCHMARKS.md, session 20).
+        x so. Off by default (int4_ring.ENABLED): on the 7B int4 g32 shape its chain of GEMVs alone ran 8% faster
+        than kernels.int4_gemv's, but the step only 0.2-0.4% (675 against 673 tok/s; BENCHMARKS.md, session 20).
         xq: x in int8 from the layer before (times attention_norm's weight), or None (the first layer: wqkv
         reads bf16 x, kernels.int4_gemv). next_norm: the next layer's attention_norm (None: the last layer,
         whose output the head reads in bf16)."""

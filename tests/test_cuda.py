@@ -293,10 +293,9 @@ def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monke
 
 def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
     """Turned on (int4_ring.ENABLED), one-token int4 g32 decode on sm_90 runs TransformerBlock.forward_int8: every
-    GEMV but the first layer's
-    wqkv by int4_ring.py's kernel, x handed from GEMV to GEMV in int8. A decode step's logits stay within bf16
-    rounding of the step with kernels.int4_gemv everywhere (gemv_ring off); prefill never takes it; graphed
-    decode of it is one replay a token and picks eager decode's tokens."""
+    GEMV but the first layer's wqkv by int4_ring.py's kernel, x handed from GEMV to GEMV in int8. A decode step's
+    logits stay within bf16 rounding of the step with kernels.int4_gemv everywhere (gemv_ring off); prefill never
+    takes it; graphed decode of it is one replay a token and picks eager decode's tokens."""
     import model as model_module
     from quantize import quantize_model
 
