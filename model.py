@@ -214,9 +214,9 @@ class TransformerBlock(nn.Module):
         that int4_ring.py runs (gemv_ring: group 32 with codes, sm_90), no bias, and the attention kernel
         writing wo's x in int8 groups of 16 (wo_x_group), with SwiGLU fused."""
         a, f = self.attention, self.feed_forward
-        return (x.numel() == x.shape[-1] and FUSE_SWIGLU and kernels.attention_usable(x, input_pos)
-                and all(getattr(m, "gemv_ring", False) and m.bias is None for m in (a.wqkv, a.wo, f.w13, f.w2))
-                and a.wo_x_group(x) == int4_ring.XG)
+        return (all(getattr(m, "gemv_ring", False) and m.bias is None for m in (a.wqkv, a.wo, f.w13, f.w2))
+                and x.numel() == x.shape[-1] and FUSE_SWIGLU and kernels.attention_usable(x, input_pos)
+                and a.wo_x_group(x) == int4_ring.XG)  # (gemv_ring first: False unless the ring is on)
 
     def forward_int8(self, x, xq, input_pos, rope_cos, rope_sin, next_norm):
         """forward for one token of int4 decode on Hopper, x handed from GEMV to GEMV in int8 as well as in

@@ -665,12 +665,6 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # loaded with the tile's units), and wqkv also as the ring reading w2's int8 y
       t 240 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --ring 6 --per-sm 3 --fast 3 --ring-only \
         --int8-flow --json "$OUT/gluon-z42.json" ;;
-  z43) # run 101 (session 20): int4_ring.py in decode (model.TransformerBlock.forward_int8): its GPU tests, then the 7B
-      # int4 g32 step with it and without (--int4-no-ring), and bf16, cold caches, one process each
-      t 240 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
-        -k "ring or int8_flow" | tail -15
-      JSON=$OUT/h200-z43.json logged_variants 170 0 z431:"--quantize int4-g32" z432:"--quantize int4-g32 --int4-no-ring" \
-        z433:"" ;;
   z44) # then the chain of GEMVs in the int8 flow with x's shared memory for a power of 2 of chunks (as measured
       # so far; w2 at 84 KB a program, 2 an SM) and for its chunks alone (w2 75 KB, 3 an SM; int4_ring.py edited
       # here by sed, on the device's copy only); then the GPU tests
@@ -683,14 +677,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       done
       git checkout int4_ring.py 2>/dev/null || sed -i 's/^    CHUNKS4: gl.constexpr = CHUNKS$/    CHUNKS4: gl.constexpr = 4 if CHUNKS <= 4 else 8 if CHUNKS <= 8 else 16 if CHUNKS <= 16 else 32/' int4_ring.py
       gpu_tests 280 ;;
-  z45) # int4 g128 (the ring is for group 32 only: g128 runs without it)
-      JSON=$OUT/h200-z45.json logged_variants 170 0 z451:"--quantize int4-g128" ;;
-  z46) # run 101 as it ran (session 20, little device time left): z43's parts, most needed first: the int4 g32 step
-      # with the int8 flow, the ring's GPU tests and the int4 model tests, bf16, then without the ring
-      JSON=$OUT/h200-z46.json logged_variants 170 0 z461:"--quantize int4-g32"
+  z46) # run 101 (session 20, commit 673871b): int4_ring.py in decode (model.TransformerBlock.forward_int8), most
+      # needed first: the 7B int4 g32 step with the int8 flow, the ring's GPU tests and the int4 model tests, bf16,
+      # then without the ring; cold caches, one process each. (The ring was on by default then, and --int4-no-ring
+      # turned it off; it is off by default now, so the flags below are today's for the same three runs.)
+      JSON=$OUT/h200-z46.json logged_variants 170 0 z461:"--quantize int4-g32 --int4-ring"
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow or quantized or int4_wo" | tail -8
-      JSON=$OUT/h200-z46.json logged_variants 170 0 z462:"" z463:"--quantize int4-g32 --int4-no-ring" ;;
+      JSON=$OUT/h200-z46.json logged_variants 170 0 z462:"" z463:"--quantize int4-g32" ;;
   z47) # session 20, after run 101 (int4_ring.py off by default): its GPU tests with it turned on in each
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow" | tail -8 ;;
