@@ -45,6 +45,9 @@ import kernels
 # session 20), within the runs' spread, though the chain of GEMVs alone ran 100 us a step faster.
 # GRAPHDECODE_INT4_RING=1 (bench.py --int4-ring) turns it on; read when an int4 layer loads (model.py).
 ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "0") == "1"
+# An A/B of the step (session 21): wqkv by kernels.int4_gemv reading the int8 x that the ring wrote (so that the
+# attention kernel follows a Triton kernel, whose programs leave the SMs as they end), the rest by the ring.
+WQKV = os.environ.get("GRAPHDECODE_INT4_RING_WQKV", "1") == "1"
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
 ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a program, programs an SM, warps

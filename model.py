@@ -228,8 +228,8 @@ class TransformerBlock(nn.Module):
         reads bf16 x, kernels.int4_gemv). next_norm: the next layer's attention_norm (None: the last layer,
         whose output the head reads in bf16)."""
         a, f = self.attention, self.feed_forward
-        if xq is None:
-            qkv = a.wqkv(x, norm=self.attention_norm)
+        if xq is None or not int4_ring.WQKV:  # (WQKV off: kernels.int4_gemv, reading the ring's x in int8 if any)
+            qkv = a.wqkv(x, norm=self.attention_norm, xq=xq)
         else:
             qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm)
         y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG)

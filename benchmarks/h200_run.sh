@@ -688,6 +688,13 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   z47) # session 20, after run 101 (int4_ring.py off by default): its GPU tests with it turned on in each
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow" | tail -8 ;;
+  z48) # run 102 (session 21): the 7B int4 g32 step with the ring for wo, w13 and w2 only (--int4-ring-no-wqkv: wqkv
+      # by kernels.int4_gemv reading the ring's int8 x, so that the attention kernel follows a Triton kernel), the
+      # ring everywhere, and neither; cold caches, one process each; then the ring's GPU tests (z47's, and the new case)
+      JSON=$OUT/h200-z48.json logged_variants 170 0 z481:"--quantize int4-g32 --int4-ring --int4-ring-no-wqkv" \
+        z482:"--quantize int4-g32 --int4-ring" z483:"--quantize int4-g32"
+      t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
+        -k "ring or int8_flow" | tail -8 ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
