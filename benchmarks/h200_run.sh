@@ -695,6 +695,16 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         z482:"--quantize int4-g32 --int4-ring" z483:"--quantize int4-g32"
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow" | tail -8 ;;
+  z49) # run 103 (session 21): bf16, then the int4 g32 step's kernels with PDL off (--no-pdl --kernels: each
+      # kernel's own time), the ring (int8 flow) against kernels.int4_gemv; then the whole GPU suite
+      JSON=$OUT/h200-z49.json logged_variants 170 0 z491:""
+      for v in z492:"--quantize int4-g32 --int4-ring --no-pdl --kernels" z493:"--quantize int4-g32 --no-pdl --kernels"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton t 170 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z49.json" | grep -v "^ *$" | tail -22
+      done
+      gpu_tests 300 ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
