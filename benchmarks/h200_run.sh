@@ -705,6 +705,17 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z49.json" | grep -v "^ *$" | tail -22
       done
       gpu_tests 300 ;;
+  z50) # run 104 (session 21): the attention kernel at 8 warps and 64 positions a step takes 254 registers a thread
+      # (offline, Triton 3.6, sm_90): all 64K of an SM's, so no GEMV program can share its SM, and the GEMV after it
+      # cannot start its weights' copies (PDL) on SMs it holds. At 4 warps (32 positions) 128 registers, at 8
+      # warps and 32 positions 146. The 7B int4 g32 step with the ring (int8 flow) and with the Triton kernel
+      # at each, and 8 slices of the cache (256 programs) at 4 warps
+      JSON=$OUT/h200-z50.json logged_variants 170 0 z501:"--quantize int4-g32 --int4-ring --attention-warps 4" \
+        z502:"--quantize int4-g32 --int4-ring --attention-block-l 32" z503:"--quantize int4-g32 --attention-warps 4" \
+        z504:"--quantize int4-g32 --int4-ring" z505:"--quantize int4-g32" \
+        z506:"--quantize int4-g32 --attention-block-l 32" \
+        z507:"--quantize int4-g32 --int4-ring --attention-warps 4 --attention-splits 8" \
+        z508:"--quantize int4-g32 --attention-warps 4 --attention-splits 8" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
