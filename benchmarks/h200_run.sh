@@ -716,6 +716,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         z506:"--quantize int4-g32 --attention-block-l 32" \
         z507:"--quantize int4-g32 --int4-ring --attention-warps 4 --attention-splits 8" \
         z508:"--quantize int4-g32 --attention-warps 4 --attention-splits 8" ;;
+  z51) # run 105 (session 21): run 104's best (the ring with the attention kernel at 8 warps, 32 positions a step:
+      # 688.6 against 676.1 tok/s) again, its neighbours (16 positions; 8 slices), the ring at the default again
+      JSON=$OUT/h200-z51.json logged_variants 170 0 z511:"--quantize int4-g32 --int4-ring --attention-block-l 32" \
+        z512:"--quantize int4-g32 --int4-ring --attention-block-l 16" \
+        z513:"--quantize int4-g32 --int4-ring --attention-block-l 32 --attention-warps 8 --attention-splits 8" \
+        z514:"--quantize int4-g32 --int4-ring" z515:"--quantize int4-g32 --attention-block-l 16" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
