@@ -336,10 +336,9 @@ def main(argv=None) -> int:
                    help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
     p.add_argument("--int4-ring", action="store_true",
                    help="one-token int4 g32 decode on sm_90 by int4_ring.py's kernel in its int8 flow (model."
-                        "TransformerBlock.forward_int8) instead of kernels.int4_gemv (A/B; off by default)")
-    p.add_argument("--int4-ring-no-wqkv", action="store_true",
-                   help="with --int4-ring: each layer's wqkv by kernels.int4_gemv reading the ring's x in int8, "
-                        "the other GEMVs by the ring (A/B)")
+                        "TransformerBlock.forward_int8): the default since session 21 (kept for older commands)")
+    p.add_argument("--no-int4-ring", action="store_true",
+                   help="kernels.int4_gemv instead of int4_ring.py's int8 flow (A/B; GRAPHDECODE_INT4_RING=0)")
     p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
                    help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
                         "float16 (0), or by model.int4_codes' rule (auto, the default: codes up to group 64)")
@@ -375,8 +374,7 @@ def main(argv=None) -> int:
     kernels.INT8_HALF = not a.int8_float32
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
     if model_module.int4_ring is not None:
-        model_module.int4_ring.ENABLED = model_module.int4_ring.ENABLED or a.int4_ring
-        model_module.int4_ring.WQKV = model_module.int4_ring.WQKV and not a.int4_ring_no_wqkv
+        model_module.int4_ring.ENABLED = (model_module.int4_ring.ENABLED or a.int4_ring) and not a.no_int4_ring
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
@@ -451,7 +449,6 @@ def main(argv=None) -> int:
                  int4_codes=codes_used > 0 if int4 else None,
                  int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
                  int4_ring_layers=f"{ring_used} of {len(int4_layers)}" if int4 else None,
-                 int4_ring_wqkv=model_module.int4_ring.WQKV if ring_used else None,
                  pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

@@ -12,7 +12,11 @@ rows in turn, and copy their boxes (16 rows by 1024 columns of words and codes) 
 stages, each issued 6 boxes ahead of its products, the first 6 before the PDL wait: memory stays busy
 while the products run, and there are no waves of programs. The chain of the 7B step's 128 GEMVs took
 1142.5 us against the Triton kernel's 1242.2 (benchmarks/gluon_gemv.py --int8-flow, run 100, BENCHMARKS.md).
-In the decode step that gain did not show (675 against 673 tok/s, run 101), so it is off by default (ENABLED).
+In the decode step that gain did not show at first (675 against 673 tok/s, run 101): the attention kernel
+between wqkv and wo took 254 registers a thread at 8 warps, all of an SM's, so no GEMV program could share
+its SM. At 32 cache positions a loop step (ATTENTION_BLOCK_L, 146 registers) the step runs 689 tok/s against
+676-678 (runs 104-105, BENCHMARKS.md session 21); the Triton kernel's step does not gain from that (671
+against 675), so only this flow asks for it.
 
 Its one demand: x in int8 already (kernels.int4_quantize_x's layout, groups of 16), staged in shared memory
 once a program; rounding bf16 x in each program lost what the ring gained (run 98). The attention kernel
@@ -24,7 +28,7 @@ The arithmetic is kernels.int4_gemv's XQ form (_int4_dp4a_block): per weight wor
 per group of 32 its scale and zero from the row's codes and units, RMSNorm's scale from x's sums of
 squares, SwiGLU, the residual. The tests hold it to that kernel (tests/test_kernels.py, -m cuda).
 Needs Triton 3.6 or newer (Gluon's TMA and mbarriers) on sm_90; model.py checks `usable` and falls back to
-kernels.int4_gemv elsewhere, and by default (ENABLED, below: in the step it did not win).
+kernels.int4_gemv elsewhere (and where ENABLED, below, is off).
 """
 import functools
 import os
@@ -41,13 +45,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 import kernels
 
-# Off by default: in the 7B step it measured 674.9-675.1 tok/s against 672.0-673.5 without (run 101, BENCHMARKS.md,
-# session 20), within the runs' spread, though the chain of GEMVs alone ran 100 us a step faster.
-# GRAPHDECODE_INT4_RING=1 (bench.py --int4-ring) turns it on; read when an int4 layer loads (model.py).
-ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "0") == "1"
-# An A/B of the step (session 21): wqkv by kernels.int4_gemv reading the int8 x that the ring wrote (so that the
-# attention kernel follows a Triton kernel, whose programs leave the SMs as they end), the rest by the ring.
-WQKV = os.environ.get("GRAPHDECODE_INT4_RING_WQKV", "1") == "1"
+# On by default since session 21 (the 7B int4 g32 step 688.6-689.2 tok/s against 675.3-675.5 without, runs 104-105);
+# GRAPHDECODE_INT4_RING=0 (bench.py --no-int4-ring) turns it off; read when an int4 layer loads (model.py).
+ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "1") == "1"
+# cache positions a loop step of the attention kernel in this flow (kernels.decode_attention's block_l): at 8 warps
+# 146 registers a thread instead of the rule's 64 positions' 254, so the ring's programs (78-80 registers, 4 warps)
+# share its SMs (runs 104-105: 32 positions 688.6 and 689.2 tok/s, 16 678.4, 64 676.1 and 678.0)
+ATTENTION_BLOCK_L = 32
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
 ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a program, programs an SM, warps

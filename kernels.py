@@ -1273,12 +1273,15 @@ def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
     return triton is not None and qkv.is_cuda and pos.numel() == 1
 
 
-def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0):
+def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0,
+              block_l: int = 0):
     """decode_attention, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
-        y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group)
+        y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group,
+                                    block_l)
         return (y, yq) if out_group else y
-    return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group)
+    return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
+                            block_l=block_l)
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
@@ -1311,7 +1314,7 @@ def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, blo
 
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                     n_kv_heads: int, splits: int | None = None, out_group: int = 0):
+                     n_kv_heads: int, splits: int | None = None, out_group: int = 0, block_l: int = 0):
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
@@ -1319,7 +1322,9 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     -> y [B, 1, H D], the attention output over positions 0..pos, heads side by side.
     pos must be < L; the kernel reads and writes nothing outside the cache if it is not.
     out_group (one sequence, D a power of two and a multiple of it): also return y in int8 per
-    group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group))."""
+    group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group)).
+    block_l: cache positions a loop step instead of attention_launch's rule's (0; ATTENTION_BLOCK_L, an A/B
+    setting, overrides both)."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:
@@ -1335,7 +1340,10 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     if out_group and (B != 1 or block_d != D or D % out_group or out_group not in X_GROUPS):
         raise ValueError(f"decode_attention: y in int8 takes one sequence and groups of 8, 16 or 32 that divide "
                          f"a power-of-two D (got B={B}, D={D}, group {out_group})")
-    block_l, warps = attention_launch(B, Hkv, splits, block_g, block_d)
+    rule_block_l, warps = attention_launch(B, Hkv, splits, block_g, block_d)
+    block_l = ATTENTION_BLOCK_L or block_l or rule_block_l
+    if block_l < 1 or block_l & (block_l - 1):
+        raise ValueError(f"decode_attention: cache positions a loop step must be a power of two (got {block_l})")
     y = qkv.new_empty((B, 1, n_heads * D))
     use_pdl = pdl(qkv)
     if splits == 1:
@@ -1361,13 +1369,14 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
 @torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts"))
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                        n_kv_heads: int, out_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group)
+                        n_kv_heads: int, out_group: int, block_l: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
+                           block_l=block_l)
     return out if out_group else (out, qkv.new_empty(0, dtype=torch.int32))
 
 
 @decode_attention_op.register_fake
-def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group):
+def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0):
     width = n_heads * k_cache.shape[-1]
     return (qkv.new_empty((qkv.shape[0], 1, width)),
             qkv.new_empty(width // 4 + 4 * width // out_group if out_group else 0, dtype=torch.int32))

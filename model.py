@@ -222,17 +222,20 @@ class TransformerBlock(nn.Module):
         """forward for one token of int4 decode on Hopper, x handed from GEMV to GEMV in int8 as well as in
         bf16: each GEMV reads its x in int8 and writes its output in int8 too (int4_ring.py), times the next
         RMSNorm's weight (kernels.int4_quantize_x's layout, groups of 16); the attention kernel writes wo's
-        x so. Off by default (int4_ring.ENABLED): on the 7B int4 g32 shape its chain of GEMVs alone ran 8% faster
-        than kernels.int4_gemv's, but the step only 0.2-0.4% (675 against 673 tok/s; BENCHMARKS.md, session 20).
+        x so, at 32 cache positions a loop step (int4_ring.ATTENTION_BLOCK_L: 8 warps at 146 registers a thread
+        instead of 254 leave room on an SM for the ring's programs). The 7B int4 g32 step: 688.6-689.2 tok/s
+        against 676.1-678.0 at the kernel's default 64 positions and 675.3-675.5 with kernels.int4_gemv
+        throughout (BENCHMARKS.md, session 21).
         xq: x in int8 from the layer before (times attention_norm's weight), or None (the first layer: wqkv
         reads bf16 x, kernels.int4_gemv). next_norm: the next layer's attention_norm (None: the last layer,
         whose output the head reads in bf16)."""
         a, f = self.attention, self.feed_forward
-        if xq is None or not int4_ring.WQKV:  # (WQKV off: kernels.int4_gemv, reading the ring's x in int8 if any)
-            qkv = a.wqkv(x, norm=self.attention_norm, xq=xq)
+        if xq is None:
+            qkv = a.wqkv(x, norm=self.attention_norm)
         else:
             qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm)
-        y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG)
+        y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG,
+                                  block_l=int4_ring.ATTENTION_BLOCK_L)
         h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm)
         z, zq = f.w13.ring(h, hq, norm=self.ffn_norm, swiglu=True, out_q=True)
         return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm)
@@ -279,11 +282,12 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
-    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0):
-        """kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group)."""
+    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0):
+        """kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group); block_l:
+        cache positions a loop step (0: the kernel's rule)."""
         cache = self.kv_cache
         return kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
-                                 self.n_heads, self.n_kv_heads, out_group=out_group)
+                                 self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l)
 
     def wo_x_group(self, x) -> int:
         """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one

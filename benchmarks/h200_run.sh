@@ -722,6 +722,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         z512:"--quantize int4-g32 --int4-ring --attention-block-l 16" \
         z513:"--quantize int4-g32 --int4-ring --attention-block-l 32 --attention-warps 8 --attention-splits 8" \
         z514:"--quantize int4-g32 --int4-ring" z515:"--quantize int4-g32 --attention-block-l 16" ;;
+  z52) # run 106 (session 21): int4_ring.py on by default, the attention kernel at 32 positions a step in its flow
+      # (int4_ring.ATTENTION_BLOCK_L): the 7B step at int4 g32 (default, and --no-int4-ring), g128 and bf16; then
+      # the whole GPU suite
+      JSON=$OUT/h200-z52.json logged_variants 170 0 z521:"--quantize int4-g32" z522:"--quantize int4-g32 --no-int4-ring" \
+        z523:"--quantize int4-g128" z524:""
+      gpu_tests 300 ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done

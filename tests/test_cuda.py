@@ -291,13 +291,11 @@ def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monke
     assert_graphed_is_one_replay_and_picks_eager_tokens(qmodel)
 
 
-@pytest.mark.parametrize("wqkv", [True, False])
-def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch, wqkv):
+def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
     """Turned on (int4_ring.ENABLED), one-token int4 g32 decode on sm_90 runs TransformerBlock.forward_int8: every
     GEMV but the first layer's wqkv by int4_ring.py's kernel, x handed from GEMV to GEMV in int8. A decode step's
     logits stay within bf16 rounding of the step with kernels.int4_gemv everywhere (gemv_ring off); prefill never
-    takes it; graphed decode of it is one replay a token and picks eager decode's tokens. wqkv False
-    (int4_ring.WQKV): every wqkv by kernels.int4_gemv, reading the ring's x in int8 from the second layer on."""
+    takes it; graphed decode of it is one replay a token and picks eager decode's tokens."""
     import model as model_module
     from quantize import quantize_model
 
@@ -308,7 +306,6 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch, wqkv):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("int4_ring.py's kernel is for sm_90")
     monkeypatch.setattr(int4_ring, "ENABLED", True)  # (off by default; read as the layers load)
-    monkeypatch.setattr(int4_ring, "WQKV", wqkv)
     args = ModelArgs(dim=512, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=1000, intermediate_size=1536,
                      max_seq_len=512)
     torch.manual_seed(0)
@@ -328,7 +325,7 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch, wqkv):
             qmodel(idx, pos)
             assert not calls  # (prefill: 8 rows)
             logits[ring] = qmodel(torch.tensor([[3]], device="cuda"), torch.tensor([8], device="cuda")).float()
-        assert len(calls) == ((4 * args.n_layers - 1 if wqkv else 3 * args.n_layers) if ring else 0)
+        assert len(calls) == (4 * args.n_layers - 1 if ring else 0)
         calls.clear()
     rel = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
     assert rel < 0.02, rel

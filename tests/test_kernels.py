@@ -841,6 +841,29 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
     assert k_cache.equal(k_ref) and v_cache.equal(v_ref)  # v written exactly, nothing else touched
 
 
+def test_decode_attention_block_l_sets_the_loop_step_not_the_result():
+    """decode_attention(block_l=): the cache positions a loop step (the int8 flow asks for 32: int4_ring.py)
+    change the order of the sums only; a block that is not a power of two is a clear error."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    B, H, D, L, pos = 1, 4, 64, 300, 200
+    torch.manual_seed(1)
+    qkv = torch.randn(B, 1, 3 * H * D).bfloat16().to(device)
+    caches = [torch.randn(B, H, L, D).bfloat16().to(device) for _ in range(2)]
+    import model
+    args = model.ModelArgs(dim=H * D, n_layers=1, n_heads=H, n_kv_heads=H, head_dim=D, vocab_size=8,
+                           intermediate_size=8, max_seq_len=L)
+    cos, sin = (t.bfloat16() for t in model.rope_table(args, L, device))
+    p = torch.tensor([pos], device=device)
+    expected = reference_attention(qkv, p, cos[p], sin[p], *(c.clone() for c in caches), H, H).float()
+    counts = torch.zeros(B * H, dtype=torch.int32, device=device)
+    for block_l in (16, 32, 128):
+        y = kernels.decode_attention(qkv, p, cos, sin, *(c.clone() for c in caches), counts, H, H, 2,
+                                     block_l=block_l).float()
+        assert (y - expected).abs().max().item() <= 2e-2 * expected.abs().max().item(), block_l
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, H, 2, block_l=24)
+
+
 def test_attention_launch_rule():
     """kernels.attention_launch: one query head a KV head at batch 1 of Llama-2-7B (32 KV heads, 4 slices,
     D = 128) runs 8 warps at 64 positions a step; at batch 8 (1024 programs) 4 warps at 32; grouped heads
