@@ -305,7 +305,7 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
         pytest.skip(f"int4_ring.py does not import here: {e}")
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("int4_ring.py's kernel is for sm_90")
-    monkeypatch.setattr(int4_ring, "ENABLED", True)  # (off by default; read as the layers load)
+    monkeypatch.setattr(int4_ring, "ENABLED", True)  # (on by default unless GRAPHDECODE_INT4_RING=0; read as layers load)
     args = ModelArgs(dim=512, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=1000, intermediate_size=1536,
                      max_seq_len=512)
     torch.manual_seed(0)

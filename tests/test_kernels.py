@@ -621,13 +621,13 @@ def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
 
 
 def test_int4_ring_refuses_what_it_cannot_run(monkeypatch):
-    """int4_ring.usable is False unless turned on (ENABLED: off by default), off sm_90 and for CPU tensors, other
+    """int4_ring.usable is False unless turned on (ENABLED: on by default, GRAPHDECODE_INT4_RING=0 off), off sm_90 and for CPU tensors, other
     groups or float16 scales; gemv's errors name the shapes it takes."""
     try:
         import int4_ring
     except (ImportError, AttributeError):
         pytest.skip("int4_ring.py needs Triton's Gluon (3.6 or newer), which this machine lacks")
-    assert not int4_ring.ENABLED or os.environ.get("GRAPHDECODE_INT4_RING") == "1"
+    assert int4_ring.ENABLED == (os.environ.get("GRAPHDECODE_INT4_RING", "1") == "1")
     words, codes = torch.zeros(64, 64, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.int16)
     if torch.cuda.is_available():
         monkeypatch.setattr(int4_ring, "ENABLED", False)
