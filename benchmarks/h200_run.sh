@@ -680,25 +680,26 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   z46) # run 101 (session 20, commit 673871b): int4_ring.py in decode (model.TransformerBlock.forward_int8), most
       # needed first: the 7B int4 g32 step with the int8 flow, the ring's GPU tests and the int4 model tests, bf16,
       # then without the ring; cold caches, one process each. (The ring was on by default then, and --int4-no-ring
-      # turned it off; it is off by default now, so the flags below are today's for the same three runs.)
+      # turned it off; the flags below are today's for the same three runs, but since session 21 the ring's flow also
+      # runs the attention kernel at 32 positions a loop step: run 101's code is commit 673871b's.)
       JSON=$OUT/h200-z46.json logged_variants 170 0 z461:"--quantize int4-g32 --int4-ring"
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow or quantized or int4_wo" | tail -8
-      JSON=$OUT/h200-z46.json logged_variants 170 0 z462:"" z463:"--quantize int4-g32" ;;
+      JSON=$OUT/h200-z46.json logged_variants 170 0 z462:"" z463:"--quantize int4-g32 --no-int4-ring" ;;
   z47) # session 20, after run 101 (int4_ring.py off by default): its GPU tests with it turned on in each
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow" | tail -8 ;;
-  z48) # run 102 (session 21): the 7B int4 g32 step with the ring for wo, w13 and w2 only (--int4-ring-no-wqkv: wqkv
+  z48) # run 102 (session 21; --int4-ring-no-wqkv needs commit 5026ada, taken out after): the 7B int4 g32 step with the ring for wo, w13 and w2 only (--int4-ring-no-wqkv: wqkv
       # by kernels.int4_gemv reading the ring's int8 x, so that the attention kernel follows a Triton kernel), the
       # ring everywhere, and neither; cold caches, one process each; then the ring's GPU tests (z47's, and the new case)
       JSON=$OUT/h200-z48.json logged_variants 170 0 z481:"--quantize int4-g32 --int4-ring --int4-ring-no-wqkv" \
-        z482:"--quantize int4-g32 --int4-ring" z483:"--quantize int4-g32"
+        z482:"--quantize int4-g32 --int4-ring" z483:"--quantize int4-g32 --no-int4-ring"
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow" | tail -8 ;;
-  z49) # run 103 (session 21): bf16, then the int4 g32 step's kernels with PDL off (--no-pdl --kernels: each
+  z49) # run 103 (session 21; the runs without the ring now say --no-int4-ring, on by default since run 106): bf16, then the int4 g32 step's kernels with PDL off (--no-pdl --kernels: each
       # kernel's own time), the ring (int8 flow) against kernels.int4_gemv; then the whole GPU suite
       JSON=$OUT/h200-z49.json logged_variants 170 0 z491:""
-      for v in z492:"--quantize int4-g32 --int4-ring --no-pdl --kernels" z493:"--quantize int4-g32 --no-pdl --kernels"; do
+      for v in z492:"--quantize int4-g32 --int4-ring --no-pdl --kernels" z493:"--quantize int4-g32 --no-int4-ring --no-pdl --kernels"; do
         d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
         # shellcheck disable=SC2086
         TORCHINDUCTOR_CACHE_DIR=/tmp/$d/inductor TRITON_CACHE_DIR=/tmp/$d/triton t 170 python3 bench.py \
@@ -711,17 +712,17 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # warps and 32 positions 146. The 7B int4 g32 step with the ring (int8 flow) and with the Triton kernel
       # at each, and 8 slices of the cache (256 programs) at 4 warps
       JSON=$OUT/h200-z50.json logged_variants 170 0 z501:"--quantize int4-g32 --int4-ring --attention-warps 4" \
-        z502:"--quantize int4-g32 --int4-ring --attention-block-l 32" z503:"--quantize int4-g32 --attention-warps 4" \
-        z504:"--quantize int4-g32 --int4-ring" z505:"--quantize int4-g32" \
-        z506:"--quantize int4-g32 --attention-block-l 32" \
+        z502:"--quantize int4-g32 --int4-ring --attention-block-l 32" z503:"--quantize int4-g32 --no-int4-ring --attention-warps 4" \
+        z504:"--quantize int4-g32 --int4-ring" z505:"--quantize int4-g32 --no-int4-ring" \
+        z506:"--quantize int4-g32 --no-int4-ring --attention-block-l 32" \
         z507:"--quantize int4-g32 --int4-ring --attention-warps 4 --attention-splits 8" \
-        z508:"--quantize int4-g32 --attention-warps 4 --attention-splits 8" ;;
+        z508:"--quantize int4-g32 --no-int4-ring --attention-warps 4 --attention-splits 8" ;;
   z51) # run 105 (session 21): run 104's best (the ring with the attention kernel at 8 warps, 32 positions a step:
       # 688.6 against 676.1 tok/s) again, its neighbours (16 positions; 8 slices), the ring at the default again
       JSON=$OUT/h200-z51.json logged_variants 170 0 z511:"--quantize int4-g32 --int4-ring --attention-block-l 32" \
         z512:"--quantize int4-g32 --int4-ring --attention-block-l 16" \
         z513:"--quantize int4-g32 --int4-ring --attention-block-l 32 --attention-warps 8 --attention-splits 8" \
-        z514:"--quantize int4-g32 --int4-ring" z515:"--quantize int4-g32 --attention-block-l 16" ;;
+        z514:"--quantize int4-g32 --int4-ring" z515:"--quantize int4-g32 --no-int4-ring --attention-block-l 16" ;;
   z52) # run 106 (session 21): int4_ring.py on by default, the attention kernel at 32 positions a step in its flow
       # (int4_ring.ATTENTION_BLOCK_L): the 7B step at int4 g32 (default, and --no-int4-ring), g128 and bf16; then
       # the whole GPU suite
