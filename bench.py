@@ -348,6 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
     p.add_argument("--attention-warps", type=int, choices=[1, 2, 4, 8, 16],
                    help="warps of kernels.decode_attention (A/B; default: kernels.attention_launch's rule)")
+    p.add_argument("--attention-maxnreg", type=int,
+                   help="cap on kernels.decode_attention's registers a thread (Triton's maxnreg; A/B)")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
@@ -389,6 +391,7 @@ def main(argv=None) -> int:
     kernels.MAX_ROWS = a.gemv_max_rows
     kernels.ATTENTION_BLOCK_L = a.attention_block_l
     kernels.ATTENTION_WARPS = a.attention_warps
+    kernels.ATTENTION_MAXNREG = a.attention_maxnreg
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
@@ -443,7 +446,7 @@ def main(argv=None) -> int:
                  inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused,
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
-                 attention_warps=a.attention_warps,
+                 attention_warps=a.attention_warps, attention_maxnreg=a.attention_maxnreg,
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,

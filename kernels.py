@@ -1287,6 +1287,7 @@ def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_h
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
 ATTENTION_BLOCK_L = None  # cache positions per step of the loop (bench.py --attention-block-l), or the rule
 ATTENTION_WARPS = None  # warps of the attention kernel (benchmarks/attention.py), or the rule
+ATTENTION_MAXNREG = None  # a cap on the attention kernel's registers a thread (bench.py --attention-maxnreg; A/B)
 MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers
 
 
@@ -1362,7 +1363,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
-        XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}))
+        XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
+        **({"maxnreg": ATTENTION_MAXNREG} if ATTENTION_MAXNREG else {}))
     return (y, yq) if out_group else y
 
 

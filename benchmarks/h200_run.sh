@@ -729,6 +729,11 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       JSON=$OUT/h200-z52.json logged_variants 170 0 z521:"--quantize int4-g32" z522:"--quantize int4-g32 --no-int4-ring" \
         z523:"--quantize int4-g128" z524:""
       gpu_tests 300 ;;
+  z53) # run 107 (session 21): the attention kernel in the ring's flow (8 warps, 32 positions: 146 registers, 37K a
+      # program; 3 ring programs take 30K) with its registers capped (offline: 128 -> 126 and no spill, 63K with the
+      # ring's; 104 -> 8 bytes of stack, 57K), against no cap
+      JSON=$OUT/h200-z53.json logged_variants 100 0 z531:"--quantize int4-g32 --attention-maxnreg 128" \
+        z532:"--quantize int4-g32" z533:"--quantize int4-g32 --attention-maxnreg 104" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
