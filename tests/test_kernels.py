@@ -621,8 +621,8 @@ def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
 
 
 def test_int4_ring_refuses_what_it_cannot_run(monkeypatch):
-    """int4_ring.usable is False unless turned on (ENABLED: on by default, GRAPHDECODE_INT4_RING=0 off), off sm_90 and for CPU tensors, other
-    groups or float16 scales; gemv's errors name the shapes it takes."""
+    """int4_ring.usable is False unless turned on (ENABLED: on by default, GRAPHDECODE_INT4_RING=0 off), off
+    sm_90 and for CPU tensors, other groups or float16 scales; gemv's errors name the shapes it takes."""
     try:
         import int4_ring
     except (ImportError, AttributeError):
@@ -841,9 +841,10 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
     assert k_cache.equal(k_ref) and v_cache.equal(v_ref)  # v written exactly, nothing else touched
 
 
-def test_decode_attention_block_l_sets_the_loop_step_not_the_result():
+def test_decode_attention_block_l_keeps_the_result():
     """decode_attention(block_l=): the cache positions a loop step (the int8 flow asks for 32: int4_ring.py)
-    change the order of the sums only; a block that is not a power of two is a clear error."""
+    change the order of the sums only, from 16 to 128 (slices of 150 positions: partial last steps); a block
+    that is not a power of two is a clear error."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     B, H, D, L, pos = 1, 4, 64, 300, 200
     torch.manual_seed(1)
