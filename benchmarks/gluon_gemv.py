@@ -29,9 +29,9 @@ against the Triton kernel's 68.4%, and only with x in int8 for every GEMV. With 
 a step of GEMVs against the Triton kernel's 1242.7-1243.4 (75% of the ceiling), again only with x in int8; with
 x in bf16 rounded in each program, for w13 and w2 only (--mix), 1217.4. Session 20 (--int8-flow, run 100): each
 GEMV also writing its y in int8 for the next (as decode can hand x on), 1142.5 against 1242.2. The ring kernel
-then moved to int4_ring.py, which decode can run (model.TransformerBlock.forward_int8; on by default since session 21,
-with the attention kernel at 32 positions a loop step: 686.5-689.2 tok/s against 673-675, runs 104-106); this file times it from there, and keeps the one-program-a-tile kernel
-(_int4_gemv_tma_kernel) as the probe it was.
+then moved to int4_ring.py, which decode runs (model.TransformerBlock.forward_int8; on by default since session
+21, with the attention kernel at 32 positions a loop step: 686.5-689.2 tok/s against 673-675, runs 104-106); this
+file times it from there, and keeps the one-program-a-tile kernel (_int4_gemv_tma_kernel) as the probe it was.
 
     python benchmarks/gluon_gemv.py [--layers 32] [--rows 8,16] [--warps 4] [--each 0,1] [--fast 0,1,2,3,4]
         [--ring 6 --per-sm 3 [--ring-only] [--int8-flow]] [--by-shape] [--load-only] [--json PATH]
