@@ -355,6 +355,8 @@ def main(argv=None) -> int:
                    help="warps of kernels.decode_attention (A/B; default: kernels.attention_launch's rule)")
     p.add_argument("--attention-maxnreg", type=int,
                    help="cap on kernels.decode_attention's registers a thread (Triton's maxnreg; A/B)")
+    p.add_argument("--attention-prefetch-mb", type=float, default=0,
+                   help="MB of w13's first weights the attention kernel asks L2 for in int4_ring's flow (A/B)")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
@@ -398,6 +400,7 @@ def main(argv=None) -> int:
         return 1
     kernels.MAX_ROWS = a.gemv_max_rows
     kernels.ATTENTION_BLOCK_L = a.attention_block_l
+    kernels.ATTENTION_PREFETCH_BYTES = int(a.attention_prefetch_mb * 2**20)
     kernels.ATTENTION_WARPS = a.attention_warps
     kernels.ATTENTION_MAXNREG = a.attention_maxnreg
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
@@ -455,6 +458,7 @@ def main(argv=None) -> int:
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  attention_warps=a.attention_warps, attention_maxnreg=a.attention_maxnreg,
+                 attention_prefetch_bytes=kernels.ATTENTION_PREFETCH_BYTES,
                  int4_ring_prefetch_bytes=getattr(model_module.int4_ring, "PREFETCH_BYTES", None),
                  int4_ring_prefetch_early=getattr(model_module.int4_ring, "PREFETCH_EARLY", None),
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,

@@ -184,7 +184,7 @@ def _prefetch_part(base, n, piece, g):
 def _prefetch_next(pf_w, pf_c, pf, pid, zero, PF_HALVES: gl.constexpr):
     """PREFETCH: the next GEMV's first rows (of each half: SwiGLU's gate and up) into L2, words then codes,
     shared over every thread of every program; pf: (bytes a half, bytes between halves, bytes a thread) of the
-    words, then of the codes (_prefetch_ranges). (zero: 0 from the caller's loop, so that nothing here is
+    words, then of the codes (kernels.l2_prefetch_ranges). (zero: 0 from the caller's loop, so that nothing here is
     computed before the loop and held in registers through it.)"""
     T: gl.constexpr = 32 * gl.num_warps()
     g = (pid * T + zero + gl.arange(0, T, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))).to(gl.int64)
@@ -387,7 +387,7 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     yq = torch.empty(N // 2, device=x.device, dtype=torch.int32) if out_q else None
     programs = min(triton.cdiv(N, rows), per_sm * _sms(x.device.index or 0))
-    pf = _prefetch_ranges(next_words, next_codes, next_halves, PREFETCH_BYTES, programs * 32 * warps)
+    pf = kernels.l2_prefetch_ranges(next_words, next_codes, next_halves, PREFETCH_BYTES, programs * 32 * warps)
     _int4_gemv_ring_kernel[(programs,)](
         *descriptors(words, codes, rows), xq[:K // 4], xq[K // 4:].view(torch.float32), units,
         residual.reshape(N) if residual is not None else y, y, N, K, eps, w_unscale,
@@ -397,26 +397,6 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None, PF_HALVES=pf[0], PF_EARLY=PREFETCH_EARLY,
         num_warps=warps, **({"launch_pdl": True} if kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
-
-
-def _prefetch_ranges(words: Optional[torch.Tensor], codes: Optional[torch.Tensor], halves: int, budget: int,
-                     threads: int):
-    """The kernel's PF_HALVES, then the words' address, (bytes a half, bytes between halves, bytes a thread),
-    the codes' address and the same three, for the first rows of the next GEMV's words [R, K/8] int32 and codes
-    [R, K/32] int16 that fit in `budget` bytes, split evenly over its halves (each half's first rows: what its
-    programs' first tiles read) and over `threads` threads (at least 512 bytes each)."""
-    rows = 0
-    if words is not None and codes is not None and budget > 0:
-        R, word_row, code_row = words.shape[0], words.stride(0) * 4, codes.stride(0) * 2
-        rows = min(R // halves, budget // (halves * (word_row + code_row)))  # rows a half
-    if rows <= 0:
-        return (0,) + (0,) * 8
-
-    def piece(n):
-        return max(512, -(-n // (16 * threads)) * 16)
-
-    return (halves, words.data_ptr(), codes.data_ptr(), rows * word_row, (R // halves) * word_row,
-            piece(rows * word_row), rows * code_row, (R // halves) * code_row, piece(rows * code_row))
 
 
 def matmul(x, xq, words, codes, units, w_unscale, norm=False, eps=0.0, residual=None, swiglu=False, out_q=False,

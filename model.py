@@ -238,7 +238,8 @@ class TransformerBlock(nn.Module):
         else:
             qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm, then=a.wo)
         y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG,
-                                  block_l=int4_ring.ATTENTION_BLOCK_L)
+                                  block_l=int4_ring.ATTENTION_BLOCK_L,
+                                  then=f.w13 if kernels.ATTENTION_PREFETCH_BYTES else None)
         h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm, then=f.w13, then_halves=2)
         z, zq = f.w13.ring(h, hq, norm=self.ffn_norm, swiglu=True, out_q=True, then=f.w2)
         return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm, then=next_wqkv)
@@ -285,12 +286,14 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
-    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0):
+    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0, then=None):
         """kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group); block_l:
-        cache positions a loop step (0: the kernel's rule)."""
+        cache positions a loop step (0: the kernel's rule); then: an Int4Linear of int4_ring's flow with two
+        halves (w13) whose first weights the kernel asks L2 for (kernels.ATTENTION_PREFETCH_BYTES)."""
         cache = self.kv_cache
+        more = {} if then is None else dict(then_words=then.gemv_weight, then_codes=then.gemv_sz, then_halves=2)
         return kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
-                                 self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l)
+                                 self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l, **more)
 
     def wo_x_group(self, x) -> int:
         """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one

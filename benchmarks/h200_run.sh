@@ -736,8 +736,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         z532:"--quantize int4-g32" z533:"--quantize int4-g32 --attention-maxnreg 104" ;;
   z54) # run 108 (session 22): the step without its attention kernel (benchmarks/attention_bound.py: y a view of qkv,
       # no kernel; timing only), against the default step in the same run; then each ring GEMV asking L2 for the
-      # next GEMV's first 8, 16, 32 MB as it ends (--int4-ring-prefetch-mb; 8 also as it issues its last box); then
-      # the ring's GPU tests
+      # next GEMV's first 8, 16, 32 MB as it ends (--int4-ring-prefetch-mb; 8 also as it issues its last box); the
+      # attention kernel asking for w13's first 16 MB, alone and with the ring's 16; then the ring's and the
+      # attention kernel's GPU tests
       echo "== z541 [attention_bound.py --quantize int4-g32]"
       TORCHINDUCTOR_CACHE_DIR=/tmp/z541/inductor TRITON_CACHE_DIR=/tmp/z541/triton timeout -k 5 170 python3 \
         benchmarks/attention_bound.py --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 \
@@ -745,8 +746,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       JSON=$OUT/h200-z54.json logged_variants 170 0 z542:"--quantize int4-g32" \
         z543:"--quantize int4-g32 --int4-ring-prefetch-mb 8" z544:"--quantize int4-g32 --int4-ring-prefetch-mb 16" \
         z545:"--quantize int4-g32 --int4-ring-prefetch-mb 8 --int4-ring-prefetch-early" \
-        z546:"--quantize int4-g32 --int4-ring-prefetch-mb 32"
-      t 200 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k ring | tail -15 ;;
+        z546:"--quantize int4-g32 --int4-ring-prefetch-mb 32" z547:"--quantize int4-g32 --attention-prefetch-mb 16" \
+        z548:"--quantize int4-g32 --int4-ring-prefetch-mb 16 --attention-prefetch-mb 16"
+      t 200 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "ring or attention" | tail -15 ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
