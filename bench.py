@@ -339,11 +339,6 @@ def main(argv=None) -> int:
                         "TransformerBlock.forward_int8): the default since session 21 (kept for older commands)")
     p.add_argument("--no-int4-ring", action="store_true",
                    help="kernels.int4_gemv instead of int4_ring.py's int8 flow (A/B; GRAPHDECODE_INT4_RING=0)")
-    p.add_argument("--int4-ring-prefetch-mb", type=float, default=None,
-                   help="MB of the next GEMV's first weights each of int4_ring.py's GEMVs asks L2 for as it ends "
-                        "(int4_ring.PREFETCH_BYTES; 0: none)")
-    p.add_argument("--int4-ring-prefetch-early", action="store_true",
-                   help="... as soon as each program has issued its last box, not after its last products (A/B)")
     p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
                    help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
                         "float16 (0), or by model.int4_codes' rule (auto, the default: codes up to group 64)")
@@ -355,8 +350,6 @@ def main(argv=None) -> int:
                    help="warps of kernels.decode_attention (A/B; default: kernels.attention_launch's rule)")
     p.add_argument("--attention-maxnreg", type=int,
                    help="cap on kernels.decode_attention's registers a thread (Triton's maxnreg; A/B)")
-    p.add_argument("--attention-prefetch-mb", type=float, default=0,
-                   help="MB of w13's first weights the attention kernel asks L2 for in int4_ring's flow (A/B)")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
@@ -384,9 +377,6 @@ def main(argv=None) -> int:
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
     if model_module.int4_ring is not None:
         model_module.int4_ring.ENABLED = (model_module.int4_ring.ENABLED or a.int4_ring) and not a.no_int4_ring
-        if a.int4_ring_prefetch_mb is not None:
-            model_module.int4_ring.PREFETCH_BYTES = int(a.int4_ring_prefetch_mb * 2**20)
-        model_module.int4_ring.PREFETCH_EARLY = model_module.int4_ring.PREFETCH_EARLY or a.int4_ring_prefetch_early
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
@@ -400,7 +390,6 @@ def main(argv=None) -> int:
         return 1
     kernels.MAX_ROWS = a.gemv_max_rows
     kernels.ATTENTION_BLOCK_L = a.attention_block_l
-    kernels.ATTENTION_PREFETCH_BYTES = int(a.attention_prefetch_mb * 2**20)
     kernels.ATTENTION_WARPS = a.attention_warps
     kernels.ATTENTION_MAXNREG = a.attention_maxnreg
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
@@ -458,9 +447,6 @@ def main(argv=None) -> int:
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  attention_warps=a.attention_warps, attention_maxnreg=a.attention_maxnreg,
-                 attention_prefetch_bytes=kernels.ATTENTION_PREFETCH_BYTES,
-                 int4_ring_prefetch_bytes=getattr(model_module.int4_ring, "PREFETCH_BYTES", None),
-                 int4_ring_prefetch_early=getattr(model_module.int4_ring, "PREFETCH_EARLY", None),
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,

@@ -54,10 +54,6 @@ ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "1") == "1"
 ATTENTION_BLOCK_L = 32
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
-# bytes of the next GEMV's first rows that each GEMV asks L2 for after its last box (_prefetch_next; 0: none)
-PREFETCH_BYTES = int(os.environ.get("GRAPHDECODE_INT4_RING_PREFETCH", "0"))
-# ... as soon as it has issued its last box (True: 8-18 more registers a thread) or after its last products
-PREFETCH_EARLY = False
 ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a program, programs an SM, warps
 # (run 98: 6 boxes and 3 an SM were the best of 5-7 boxes, 1-4 an SM; 16 rows: XQ_OUT's tile is one group)
 
@@ -170,37 +166,11 @@ def _ring_tile_go(go_ptr, t, pid, P, N, LA: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_part(base, n, piece, g):
-    """Thread g asks the L2 cache for its piece of the n bytes at address base (a bulk prefetch: a hint, nothing
-    is written; piece a multiple of 16 bytes)."""
-    off = g * piece
-    size = gl.minimum(gl.maximum(n - off, 0), piece).to(gl.int32)
-    gl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        constraints="=r,l,r", args=[base + off, size], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_next(pf_w, pf_c, pf, pid, zero, PF_HALVES: gl.constexpr):
-    """PREFETCH: the next GEMV's first rows (of each half: SwiGLU's gate and up) into L2, words then codes,
-    shared over every thread of every program; pf: (bytes a half, bytes between halves, bytes a thread) of the
-    words, then of the codes (kernels.l2_prefetch_ranges). (zero: 0 from the caller's loop, so that nothing here is
-    computed before the loop and held in registers through it.)"""
-    T: gl.constexpr = 32 * gl.num_warps()
-    g = (pid * T + zero + gl.arange(0, T, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))).to(gl.int64)
-    for h in gl.static_range(PF_HALVES):
-        _prefetch_part(pf_w + h * pf[1], pf[0], pf[2], g)
-        _prefetch_part(pf_c + h * pf[4], pf[3], pf[5], g)
-
-
-@gluon.jit
 def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale,
-                           yw_ptr, ys_ptr, go_ptr, pf_w, pf_c, pf_w_len, pf_w_stride, pf_w_piece,
-                           pf_c_len, pf_c_stride, pf_c_piece,
+                           yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
-                           XQ_OUT: gl.constexpr, GO: gl.constexpr, PF_HALVES: gl.constexpr,
-                           PF_EARLY: gl.constexpr):
+                           XQ_OUT: gl.constexpr, GO: gl.constexpr):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout
@@ -210,9 +180,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     STAGES boxes ahead of its products, the first STAGES before the PDL wait. Memory stays busy while the
     products run, and an SM's boxes stream without waves of programs. XQ_OUT (BN 16): y also in int8 for the
     next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
-    go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x. PF_HALVES (PREFETCH): once a
-    program has used its last box (PF_EARLY: issued it), it asks L2 for its share of the next GEMV's first rows
-    (_prefetch_next), so that memory stays busy while the programs finish and the next kernel starts."""
+    go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x."""
     GC: gl.constexpr = 32
     HALVES: gl.constexpr = 2 if SWIGLU else 1
     gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
@@ -269,7 +237,6 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     acc_z = gl.zeros([BN, GC], gl.float32, LG)
     up_s = gl.zeros([BN, GC], gl.float32, LG)
     up_z = gl.zeros([BN, GC], gl.float32, LG)
-    pf_step = gl.maximum(total - STAGES - 1, 0) // HALVES  # (PF_EARLY) the chunk step that issues the last box
     for k in range(my_tiles * CHUNKS):  # chunk steps
         c = k % CHUNKS
         x_lo, x_hi, sx, q8, x_sum = _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3, L4, LX, GC)
@@ -289,10 +256,6 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             if box + STAGES < total:
                 _ring_issue(box + STAGES, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES, CHUNKS, STAGES, BN,
                             GC)
-        if PF_HALVES > 0 and PF_EARLY:
-            if k == pf_step:  # this program's last box issued (or all were, before the loop)
-                _prefetch_next(pf_w, pf_c, (pf_w_len, pf_w_stride, pf_w_piece, pf_c_len, pf_c_stride, pf_c_piece),
-                               pid, k - pf_step, PF_HALVES)
         if c == CHUNKS - 1:  # the tile's last chunk: its rows out, then the next tile's inputs asked for
             t = k // CHUNKS
             out = gl.convert_layout(gl.convert_layout(units[0], RG) * gl.sum(acc_s, axis=1)
@@ -329,9 +292,6 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             acc_z = gl.zeros([BN, GC], gl.float32, LG)
             up_s = gl.zeros([BN, GC], gl.float32, LG)
             up_z = gl.zeros([BN, GC], gl.float32, LG)
-    if PF_HALVES > 0 and not PF_EARLY:  # this program's boxes all used
-        _prefetch_next(pf_w, pf_c, (pf_w_len, pf_w_stride, pf_w_piece, pf_c_len, pf_c_stride, pf_c_piece), pid, 0,
-                       PF_HALVES)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -365,13 +325,11 @@ def _sms(device: int) -> int:
 def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Tensor, units: torch.Tensor,
          w_unscale: float, norm: bool = False, eps: float = 0.0, residual: Optional[torch.Tensor] = None,
          swiglu: bool = False, out_q: bool = False, out_norm_weight: Optional[torch.Tensor] = None,
-         next_words: Optional[torch.Tensor] = None, next_codes: Optional[torch.Tensor] = None, next_halves: int = 1,
          rows: int = ROWS, stages: int = STAGES, per_sm: int = PER_SM, warps: int = WARPS):
     """(y [..., N] in x's dtype, y in int8 or None): residual + [SwiGLU of] RMSNorm @ W.T of one row, x in int8
     `xq` (int4_quantize_x(x, norm's weight), groups of 16; norm: apply RMSNorm's scale, eps), x giving only
     the shape and dtype. out_q: y also in int8 (int4_quantize_x(y, out_norm_weight), groups of 16, as this
-    kernel rounds it: codes within 1 of that function's). next_words, next_codes: the GEMV after this one (its
-    halves: 2 for SwiGLU's gate and up), whose first PREFETCH_BYTES this kernel asks L2 for as it ends."""
+    kernel rounds it: codes within 1 of that function's)."""
     K = x.shape[-1]
     R = words.shape[0]
     N = R // 2 if swiglu else R
@@ -387,42 +345,36 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     yq = torch.empty(N // 2, device=x.device, dtype=torch.int32) if out_q else None
     programs = min(triton.cdiv(N, rows), per_sm * _sms(x.device.index or 0))
-    pf = kernels.l2_prefetch_ranges(next_words, next_codes, next_halves, PREFETCH_BYTES, programs * 32 * warps)
     _int4_gemv_ring_kernel[(programs,)](
         *descriptors(words, codes, rows), xq[:K // 4], xq[K // 4:].view(torch.float32), units,
         residual.reshape(N) if residual is not None else y, y, N, K, eps, w_unscale,
         yq[:N // 4] if out_q else xq, yq[N // 4:].view(torch.float32) if out_q else xq,
-        out_norm_weight if out_norm_weight is not None else y, *pf[1:],
+        out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
-        NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None, PF_HALVES=pf[0], PF_EARLY=PREFETCH_EARLY,
+        NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
         num_warps=warps, **({"launch_pdl": True} if kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
 
 def matmul(x, xq, words, codes, units, w_unscale, norm=False, eps=0.0, residual=None, swiglu=False, out_q=False,
-           out_norm_weight=None, next_words=None, next_codes=None, next_halves=1):
+           out_norm_weight=None):
     """gemv, through the custom op (kernels.OPAQUE, as kernels.int4_matmul; always inside torch.compile, which
     cannot trace a Gluon launch) or directly."""
     if kernels.OPAQUE or torch.compiler.is_compiling():
-        y, yq = gemv_op(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight,
-                        next_words, next_codes, next_halves)
+        y, yq = gemv_op(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight)
         return y, yq if out_q else None
-    return gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight,
-                next_words, next_codes, next_halves)
+    return gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight)
 
 
 @torch.library.custom_op("graphdecode::int4_ring_gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Tensor, units: torch.Tensor,
             w_unscale: float, norm: bool, eps: float, residual: Optional[torch.Tensor], swiglu: bool, out_q: bool,
-            out_norm_weight: Optional[torch.Tensor], next_words: Optional[torch.Tensor] = None,
-            next_codes: Optional[torch.Tensor] = None, next_halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    y, yq = gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight,
-                 next_words, next_codes, next_halves)
+            out_norm_weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    y, yq = gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight)
     return y, yq if out_q else xq.new_empty(0)  # (an op's outputs are tensors, never its inputs)
 
 
 @gemv_op.register_fake
-def _(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight, next_words=None,
-      next_codes=None, next_halves=1):
+def _(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight):
     N = words.shape[0] // (2 if swiglu else 1)
     return x.new_empty((*x.shape[:-1], N)), xq.new_empty(N // 2 if out_q else 0)

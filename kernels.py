@@ -1137,27 +1137,6 @@ def _(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, sw
 
 # -- decode attention ------------------------------------------------------------------------------
 #
-def l2_prefetch_ranges(words: Optional[torch.Tensor], codes: Optional[torch.Tensor], halves: int, budget: int,
-                     threads: int):
-    """For a kernel that asks L2 for the next GEMV's first weights as it ends (int4_ring.PREFETCH_BYTES; the
-    attention kernel's prefetch): its PF_HALVES, then the words' address, (bytes a half, bytes between halves, bytes a thread),
-    the codes' address and the same three, for the first rows of the next GEMV's words [R, K/8] int32 and codes
-    [R, K/32] int16 that fit in `budget` bytes, split evenly over its halves (each half's first rows: what its
-    programs' first tiles read) and over `threads` threads (at least 512 bytes each)."""
-    rows = 0
-    if words is not None and codes is not None and budget > 0:
-        R, word_row, code_row = words.shape[0], words.stride(0) * 4, codes.stride(0) * 2
-        rows = min(R // halves, budget // (halves * (word_row + code_row)))  # rows a half
-    if rows <= 0:
-        return (0,) + (0,) * 8
-
-    def piece(n):
-        return max(512, -(-n // (16 * threads)) * 16)
-
-    return (halves, words.data_ptr(), codes.data_ptr(), rows * word_row, (R // halves) * word_row,
-            piece(rows * word_row), rows * code_row, (R // halves) * code_row, piece(rows * code_row))
-
-
 # One new token per sequence attends to its cache. Done with PyTorch ops this is ~7 small kernels a
 # layer (RoPE of q and k, the two cache writes, the scores, the softmax, the weighted sum of V), each
 # 1-4 µs of mostly launch latency on the H200 (BENCHMARKS.md). Here it is one kernel: each program
@@ -1178,16 +1157,6 @@ LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
-    def _l2_prefetch(base, n, piece, g):
-        """Thread g asks the L2 cache for its piece of the n bytes at address base (a bulk prefetch, sm_90: a hint,
-        nothing written; piece a multiple of 16 bytes)."""
-        off = g * piece
-        size = tl.minimum(tl.maximum(n - off, 0), piece).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _attend(q, k, v, ok, m, l, acc):
         """Online softmax over one block of positions: scores of q [G, D] against k [L, D] (base 2),
         where ok; (m, l, acc) the running max, sum of weights and weighted sum of v."""
@@ -1204,9 +1173,7 @@ if triton is not None:
                           count_ptr, yw_ptr, ys_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr,
-                          pf_w=0, pf_c=0, pf_w_len=0, pf_w_stride=0, pf_w_piece=0, pf_c_len=0, pf_c_stride=0,
-                          pf_c_piece=0, PF_HALVES: tl.constexpr = 0):
+                          BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr):
         b, hkv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # as in _gemv_kernel: the next kernel may start once all programs here have
             tl.extra.cuda.gdc_launch_dependents()
@@ -1227,11 +1194,6 @@ if triton is not None:
         kv_at = cache + rl[:, None] * D + rd[None, :]
         k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
         v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
-        if PF_HALVES > 0:  # the GEMV after wo: its first weights into L2 while this kernel waits on memory
-            g = ((b * HKV + hkv) * SPLITS + s) * 256 + tl.arange(0, 256).to(tl.int64)  # (256 a program)
-            for h in tl.static_range(PF_HALVES):
-                _l2_prefetch(pf_w + h * pf_w_stride, pf_w_len, pf_w_piece, g)
-                _l2_prefetch(pf_c + h * pf_c_stride, pf_c_len, pf_c_piece, g)
         if PDL:  # pos, the cache and the tables are from earlier steps; qkv is the previous kernel's
             tl.extra.cuda.gdc_wait()
         # RoPE (rotate-half) of the query heads and the new key, rounded to the cache dtype
@@ -1312,21 +1274,20 @@ def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
 
 
 def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0,
-              block_l: int = 0, then_words=None, then_codes=None, then_halves: int = 1):
+              block_l: int = 0):
     """decode_attention, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
         y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group,
-                                    block_l, then_words, then_codes, then_halves)
+                                    block_l)
         return (y, yq) if out_group else y
     return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                            block_l=block_l, then_words=then_words, then_codes=then_codes, then_halves=then_halves)
+                            block_l=block_l)
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
 ATTENTION_BLOCK_L = None  # cache positions per step of the loop (bench.py --attention-block-l), or the rule
 ATTENTION_WARPS = None  # warps of the attention kernel (benchmarks/attention.py), or the rule
 ATTENTION_MAXNREG = None  # a cap on the attention kernel's registers a thread (bench.py --attention-maxnreg; A/B)
-ATTENTION_PREFETCH_BYTES = 0  # bytes of the GEMV after wo the attention kernel asks L2 for (--attention-prefetch-mb)
 MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers
 
 
@@ -1354,9 +1315,7 @@ def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, blo
 
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                     n_kv_heads: int, splits: int | None = None, out_group: int = 0, block_l: int = 0,
-                     then_words: Optional[torch.Tensor] = None, then_codes: Optional[torch.Tensor] = None,
-                     then_halves: int = 1):
+                     n_kv_heads: int, splits: int | None = None, out_group: int = 0, block_l: int = 0):
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
@@ -1366,8 +1325,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     out_group (one sequence, D a power of two and a multiple of it): also return y in int8 per
     group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group)).
     block_l: cache positions a loop step instead of attention_launch's rule's (0; ATTENTION_BLOCK_L, an A/B
-    setting, overrides both). then_words, then_codes (then_halves): an int4 GEMV that runs soon after (int4_ring's
-    layout), whose first ATTENTION_PREFETCH_BYTES the kernel asks L2 for while it waits (A/B)."""
+    setting, overrides both)."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:
@@ -1406,35 +1364,21 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
         XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
-        **_attention_prefetch(then_words, then_codes, then_halves, B * Hkv * splits * 256),
         **({"maxnreg": ATTENTION_MAXNREG} if ATTENTION_MAXNREG else {}))
     return (y, yq) if out_group else y
-
-
-def _attention_prefetch(words, codes, halves, threads) -> dict:
-    """The attention kernel's prefetch arguments (none unless ATTENTION_PREFETCH_BYTES and a GEMV are given)."""
-    pf = l2_prefetch_ranges(words, codes, halves, ATTENTION_PREFETCH_BYTES, threads)
-    if not pf[0]:
-        return {}
-    names = ("PF_HALVES", "pf_w", "pf_c", "pf_w_len", "pf_w_stride", "pf_w_piece", "pf_c_len", "pf_c_stride",
-             "pf_c_piece")
-    return dict(zip(names, pf))
 
 
 @torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts"))
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                        n_kv_heads: int, out_group: int, block_l: int = 0, then_words: Optional[torch.Tensor] = None,
-                        then_codes: Optional[torch.Tensor] = None,
-                        then_halves: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                        n_kv_heads: int, out_group: int, block_l: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                           block_l=block_l, then_words=then_words, then_codes=then_codes, then_halves=then_halves)
+                           block_l=block_l)
     return out if out_group else (out, qkv.new_empty(0, dtype=torch.int32))
 
 
 @decode_attention_op.register_fake
-def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0, then_words=None,
-      then_codes=None, then_halves=1):
+def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0):
     width = n_heads * k_cache.shape[-1]
     return (qkv.new_empty((qkv.shape[0], 1, width)),
             qkv.new_empty(width // 4 + 4 * width // out_group if out_group else 0, dtype=torch.int32))

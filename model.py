@@ -123,10 +123,8 @@ class Transformer(nn.Module):
         mask = self.kv_pos <= input_pos.unsqueeze(-1)  # [S, L]: True where a query may look
         xq = None  # int4 decode on Hopper: x in int8 too, from each layer to the next (TransformerBlock.forward_int8)
         for i, layer in enumerate(self.layers):
-            following = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            next_norm = following.attention_norm if following is not None else None
-            next_wqkv = following.attention.wqkv if following is not None and following.int8_flow(x, input_pos) else None
-            x, xq = layer(x, input_pos, self.rope_cos, self.rope_sin, mask, xq, next_norm, next_wqkv)
+            next_norm = self.layers[i + 1].attention_norm if i + 1 < len(self.layers) else None
+            x, xq = layer(x, input_pos, self.rope_cos, self.rope_sin, mask, xq, next_norm)
         return self.output(x, norm=self.norm)  # = output(norm(x)): see Linear
 
     # -- loading ---------------------------------------------------------------------------
@@ -201,13 +199,13 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, input_pos, rope_cos, rope_sin, mask, xq=None, next_norm=None, next_wqkv=None):
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask, xq=None, next_norm=None):
         """-> (out, out in int8 for the next layer or None). h = x + attention(attention_norm(x)); out = h +
         feed_forward(ffn_norm(h)). The norm and the residual are handed to the first and the last matmul
         of each sublayer, so that decode on CUDA (up to 16 rows) does them inside its GEMVs (Linear).
-        xq, next_norm, next_wqkv: forward_int8's."""
+        xq, next_norm: forward_int8's."""
         if self.int8_flow(x, input_pos):
-            return self.forward_int8(x, xq, input_pos, rope_cos, rope_sin, next_norm, next_wqkv)
+            return self.forward_int8(x, xq, input_pos, rope_cos, rope_sin, next_norm)
         h = self.attention(x, input_pos, rope_cos, rope_sin, mask, norm=self.attention_norm, residual=x)
         return self.feed_forward(h, norm=self.ffn_norm, residual=h), None
 
@@ -220,7 +218,7 @@ class TransformerBlock(nn.Module):
                 and x.numel() == x.shape[-1] and FUSE_SWIGLU and kernels.attention_usable(x, input_pos)
                 and a.wo_x_group(x) == int4_ring.XG)  # (gemv_ring first: False unless the ring is on)
 
-    def forward_int8(self, x, xq, input_pos, rope_cos, rope_sin, next_norm, next_wqkv=None):
+    def forward_int8(self, x, xq, input_pos, rope_cos, rope_sin, next_norm):
         """forward for one token of int4 decode on Hopper, x handed from GEMV to GEMV in int8 as well as in
         bf16: each GEMV reads its x in int8 and writes its output in int8 too (int4_ring.py), times the next
         RMSNorm's weight (kernels.int4_quantize_x's layout, groups of 16); the attention kernel writes wo's
@@ -230,19 +228,17 @@ class TransformerBlock(nn.Module):
         throughout (BENCHMARKS.md, session 21).
         xq: x in int8 from the layer before (times attention_norm's weight), or None (the first layer: wqkv
         reads bf16 x, kernels.int4_gemv). next_norm: the next layer's attention_norm (None: the last layer,
-        whose output the head reads in bf16). next_wqkv: the next layer's wqkv, for w2 to ask L2 for its first
-        weights (int4_ring.PREFETCH_BYTES; None: nothing)."""
+        whose output the head reads in bf16)."""
         a, f = self.attention, self.feed_forward
         if xq is None:
             qkv = a.wqkv(x, norm=self.attention_norm)
         else:
-            qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm, then=a.wo)
+            qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm)
         y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG,
-                                  block_l=int4_ring.ATTENTION_BLOCK_L,
-                                  then=f.w13 if kernels.ATTENTION_PREFETCH_BYTES else None)
-        h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm, then=f.w13, then_halves=2)
-        z, zq = f.w13.ring(h, hq, norm=self.ffn_norm, swiglu=True, out_q=True, then=f.w2)
-        return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm, then=next_wqkv)
+                                  block_l=int4_ring.ATTENTION_BLOCK_L)
+        h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm)
+        z, zq = f.w13.ring(h, hq, norm=self.ffn_norm, swiglu=True, out_q=True)
+        return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm)
 
 
 class Attention(nn.Module):
@@ -286,14 +282,12 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
-    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0, then=None):
+    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0):
         """kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group); block_l:
-        cache positions a loop step (0: the kernel's rule); then: an Int4Linear of int4_ring's flow with two
-        halves (w13) whose first weights the kernel asks L2 for (kernels.ATTENTION_PREFETCH_BYTES)."""
+        cache positions a loop step (0: the kernel's rule)."""
         cache = self.kv_cache
-        more = {} if then is None else dict(then_words=then.gemv_weight, then_codes=then.gemv_sz, then_halves=2)
         return kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
-                                 self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l, **more)
+                                 self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l)
 
     def wo_x_group(self, x) -> int:
         """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one
@@ -708,17 +702,13 @@ class Int4Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         return unfused(self.linear, x, norm, residual, swiglu)
 
-    def ring(self, x, xq, norm=None, residual=None, swiglu=False, out_q=False, out_norm=None, then=None,
-             then_halves=1):
+    def ring(self, x, xq, norm=None, residual=None, swiglu=False, out_q=False, out_norm=None):
         """forward in decode's int8 flow (TransformerBlock.forward_int8; gemv_ring): (y, y in int8 or None) by
         int4_ring.py's kernel, which reads x in int8 only (xq: kernels.int4_quantize_x(x, norm's weight), groups
-        of 16; x gives the shape); out_q: y also in int8, times out_norm's weight if given. then: the Int4Linear
-        that runs next (then_halves 2: SwiGLU's), whose first weights the kernel asks L2 for as it ends
-        (int4_ring.PREFETCH_BYTES)."""
+        of 16; x gives the shape); out_q: y also in int8, times out_norm's weight if given."""
         return int4_ring.matmul(x, xq, self.gemv_weight, self.gemv_sz, self.gemv_units, self.gemv_unscale,
                                 norm is not None, 0.0 if norm is None else norm.eps, residual, swiglu, out_q,
-                                None if out_norm is None else out_norm.weight,
-                                *((then.gemv_weight, then.gemv_sz, then_halves) if then is not None else ()))
+                                None if out_norm is None else out_norm.weight)
 
     def x_group(self, x) -> int:
         """The group of x in int8 that the one-row kernel can read for this x (kernels.int4_x_group), or

@@ -749,6 +749,19 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         z546:"--quantize int4-g32 --int4-ring-prefetch-mb 32" z547:"--quantize int4-g32 --attention-prefetch-mb 16" \
         z548:"--quantize int4-g32 --int4-ring-prefetch-mb 16 --attention-prefetch-mb 16"
       t 200 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "ring or attention" | tail -15 ;;
+  z54b) # run 109 (session 22): z54's attention_bound.py again (its stand-in now taking `then`, run 108's keyword), then
+      # the default step, in one call
+      echo "== z541b"; TORCHINDUCTOR_CACHE_DIR=/tmp/z541/inductor TRITON_CACHE_DIR=/tmp/z541/triton timeout -k 5 170 \
+        python3 benchmarks/attention_bound.py --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 \
+        --json "$OUT/h200-z54b.json" 2>&1 | grep -E "graphs  |Error"
+      echo "== z542b default"; TORCHINDUCTOR_CACHE_DIR=/tmp/z542/inductor TRITON_CACHE_DIR=/tmp/z542/triton timeout -k 5 \
+        170 python3 bench.py --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 \
+        --json "$OUT/h200-z54b.json" 2>&1 | grep -E "graphs  |Error" ;;
+  z55) # run 110 (session 22): the attention kernel's cache slices in the ring's flow (the rule: 4 at bench.py's 224
+      # positions; 32 positions a loop step): 1 slice (no merge, 32 programs), 2 slices, 2 slices at 64 positions
+      JSON=$OUT/h200-z55.json logged_variants 170 0 z551:"--quantize int4-g32 --attention-splits 1" \
+        z552:"--quantize int4-g32 --attention-splits 2" z553:"--quantize int4-g32 --attention-splits 2 --attention-block-l 64" \
+        z554:"--quantize int4-g32" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
