@@ -351,6 +351,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention-maxnreg", type=int,
                    help="cap on kernels.decode_attention's registers a thread (Triton's maxnreg; A/B)")
     p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
+    p.add_argument("--attention-one", choices=["0", "1"], default=None,
+                   help="where a KV head has one query head, kernels._attention_one_kernel (1) or the grouped kernel (0) "
+                        "(kernels.ATTENTION_ONE)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
     p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
@@ -391,6 +394,8 @@ def main(argv=None) -> int:
     kernels.MAX_ROWS = a.gemv_max_rows
     kernels.ATTENTION_BLOCK_L = a.attention_block_l
     kernels.ATTENTION_WARPS = a.attention_warps
+    if a.attention_one is not None:
+        kernels.ATTENTION_ONE = a.attention_one == "1"
     kernels.ATTENTION_MAXNREG = a.attention_maxnreg
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
@@ -447,6 +452,7 @@ def main(argv=None) -> int:
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  attention_warps=a.attention_warps, attention_maxnreg=a.attention_maxnreg,
+                 attention_one=kernels.ATTENTION_ONE,
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,

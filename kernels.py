@@ -1268,6 +1268,99 @@ if triton is not None:
                 tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
 
 
+    @triton.jit
+    def _attend_one(q, k, v, ok, m, l, acc):
+        """_attend for one query head: q [D] against k, v [L, D]; m, l scalars, acc [D]."""
+        scores = tl.where(ok, tl.sum(k * q[None, :], axis=1), -float("inf"))  # [L]
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe)
+        return m_new, l * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
+
+    @triton.jit
+    def _attention_one_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
+                              count_ptr, yw_ptr, ys_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
+                              H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr,
+                              BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr):
+        """_attention_kernel for one query head a KV head (H = HKV, D a power of two), on [positions, D]
+        tiles: no heads axis, and the RoPE tables read before the PDL wait."""
+        b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        HALF: tl.constexpr = D // 2
+        rd = tl.arange(0, D)
+        cache = b * cache_stride_b + h * cache_stride_h
+        pos = tl.load(pos_ptr).to(tl.int32)
+        inside = (rd * 0 + pos) < L
+        chunk = tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_L) * BLOCK_L
+        start = s * chunk
+        end = tl.minimum(tl.minimum(start + chunk, pos), L)
+        rl = start + tl.arange(0, BLOCK_L)
+        l_ok = rl < end
+        kv_at = cache + rl[:, None] * D + rd[None, :]
+        k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None], other=0)
+        v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None], other=0)
+        rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)
+        cos = tl.load(cos_ptr + pos * D + rd, mask=inside, other=0).to(tl.float32)  # (tables: earlier steps')
+        sin = tl.load(sin_ptr + pos * D + rd, mask=inside, other=0).to(tl.float32) * tl.where(rd < HALF, -1.0, 1.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        row = qkv_ptr + b * qkv_stride
+        q = tl.load(row + h * D + rd).to(tl.float32) * cos + tl.load(row + h * D + rd_rot).to(tl.float32) * sin
+        q = q.to(kc_ptr.dtype.element_ty).to(tl.float32) * qk_scale
+        k_at = row + H * D + h * D
+        k_new = (tl.load(k_at + rd).to(tl.float32) * cos + tl.load(k_at + rd_rot).to(tl.float32) * sin
+                 ).to(kc_ptr.dtype.element_ty)
+        v_new = tl.load(row + 2 * H * D + h * D + rd)
+        # The new token first (slice 0 only), then the slice's cached positions
+        first = s == 0
+        m = tl.where(first, tl.sum(q * k_new.to(tl.float32), axis=0), -float("inf"))
+        l = tl.where(first, 1.0, 0.0)
+        acc = tl.where(first, v_new.to(tl.float32), 0.0)
+        m, l, acc = _attend_one(q, k0.to(tl.float32), v0.to(tl.float32), l_ok, m, l, acc)
+        for off in range(start + BLOCK_L, end, BLOCK_L):
+            rl = off + tl.arange(0, BLOCK_L)
+            l_ok = rl < end
+            kv_at = cache + rl[:, None] * D + rd[None, :]
+            k = tl.load(kc_ptr + kv_at, mask=l_ok[:, None], other=0).to(tl.float32)
+            v = tl.load(vc_ptr + kv_at, mask=l_ok[:, None], other=0).to(tl.float32)
+            m, l, acc = _attend_one(q, k, v, l_ok, m, l, acc)
+        write = inside & (rd * 0 + s == 0)
+        tl.store(kc_ptr + cache + pos * D + rd, k_new, mask=write)
+        tl.store(vc_ptr + cache + pos * D + rd, v_new, mask=write)
+        y_at = y_ptr + (b * H + h) * D + rd
+        if SPLITS == 1:
+            y = (acc / l).to(y_ptr.dtype.element_ty)
+            tl.store(y_at, y)
+            if XQ_OUT:
+                v = tl.reshape(y.to(tl.float32), (D // XG, XG // 4, 4))
+                _int4_quantize_store(v, v, h * D, D, yw_ptr, ys_ptr, H * D, XG)
+        else:
+            part = (b * H + h) * SPLITS + s
+            tl.store(m_ptr + part, m)
+            tl.store(l_ptr + part, l)
+            tl.store(acc_ptr + part * D + rd, acc)
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + b * H + h, 1)
+            if done == SPLITS - 1:
+                tl.debug_barrier()
+                rs = tl.arange(0, BLOCK_S)
+                s_ok = rs < SPLITS
+                parts = (b * H + h) * SPLITS + rs
+                ms = tl.load(m_ptr + parts, mask=s_ok, other=-float("inf"), cache_modifier=".cg")
+                ls = tl.load(l_ptr + parts, mask=s_ok, other=0, cache_modifier=".cg")
+                accs = tl.load(acc_ptr + parts[:, None] * D + rd[None, :], mask=s_ok[:, None], other=0,
+                               cache_modifier=".cg")
+                w = tl.exp2(ms - tl.max(ms, axis=0))  # (the max is finite: slice 0 has the new token)
+                y = (tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)).to(y_ptr.dtype.element_ty)
+                tl.store(y_at, y)
+                if XQ_OUT:
+                    v = tl.reshape(y.to(tl.float32), (D // XG, XG // 4, 4))
+                    _int4_quantize_store(v, v, h * D, D, yw_ptr, ys_ptr, H * D, XG)
+                tl.atomic_xchg(count_ptr + b * H + h, 0)
+
+
 def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
     """Whether decode_attention runs this step: on CUDA with Triton, one position shared by the batch."""
     return triton is not None and qkv.is_cuda and pos.numel() == 1
@@ -1288,6 +1381,8 @@ ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-
 ATTENTION_BLOCK_L = None  # cache positions per step of the loop (bench.py --attention-block-l), or the rule
 ATTENTION_WARPS = None  # warps of the attention kernel (benchmarks/attention.py), or the rule
 ATTENTION_MAXNREG = None  # a cap on the attention kernel's registers a thread (bench.py --attention-maxnreg; A/B)
+ATTENTION_ONE = os.environ.get("GRAPHDECODE_ATTENTION_ONE", "0") == "1"  # _attention_one_kernel where a KV head has one query head
+ATTENTION_ONE_LAUNCH = (32, 4)  # its (cache positions a loop step, warps), the caller's block_l first
 MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers
 
 
@@ -1359,6 +1454,15 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         y_words, y_stats = yq[:width // 4], yq[width // 4:].view(torch.float32)
     else:
         y_words = y_stats = y  # (placeholders: XQ_OUT off)
+    if ATTENTION_ONE and G == 1 and block_d == D:
+        rule_block_l, warps = ATTENTION_ONE_LAUNCH
+        _attention_one_kernel[(B, Hkv, splits)](
+            qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
+            k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, D=D, SPLITS=splits,
+            BLOCK_L=ATTENTION_BLOCK_L or block_l or rule_block_l, BLOCK_S=triton.next_power_of_2(splits),
+            PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=ATTENTION_WARPS or warps,
+            **({"launch_pdl": True} if use_pdl else {}))
+        return (y, yq) if out_group else y
     _attention_kernel[(B, Hkv, splits)](
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,

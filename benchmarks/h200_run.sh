@@ -762,6 +762,20 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       JSON=$OUT/h200-z55.json logged_variants 170 0 z551:"--quantize int4-g32 --attention-splits 1" \
         z552:"--quantize int4-g32 --attention-splits 2" z553:"--quantize int4-g32 --attention-splits 2 --attention-block-l 64" \
         z554:"--quantize int4-g32" ;;
+  z56) # run 111 (session 23): kernels._attention_one_kernel (one query head a KV head, [positions, D] tiles, 64
+      # registers at 4 warps offline) against the grouped kernel in the ring's flow; its floor (attention_bound.py
+      # --floor: the kernel at position 0, no cached positions); one warm inductor cache for all (same graph)
+      for v in z561:"" z562:"--attention-one 1" floor:"" \
+               z565:"--attention-one 1 --attention-splits 1 --attention-block-l 256 --attention-warps 8" \
+               z563:"--attention-one 1 --attention-warps 8" z564:"--attention-one 1 --attention-block-l 64" \
+               z566:""; do
+        d=${v%%:*}; f=${v#*:}; prog=bench.py; [ "$d" = floor ] && prog="benchmarks/attention_bound.py --floor"
+        echo "== $d [$f] $(date +%T)"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/z56/inductor TRITON_CACHE_DIR=/tmp/z56/triton timeout -k 5 150 python3 $prog \
+          --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 $f --json "$OUT/h200-z56.json" \
+          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+      done ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done

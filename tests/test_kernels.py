@@ -807,9 +807,28 @@ ATTENTION_CASES = [
 
 
 @pytest.mark.parametrize("B, rows, H, Hkv, D, L, pos, splits", ATTENTION_CASES)
-def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
+def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits, monkeypatch):
     """kernels.decode_attention against the PyTorch ops it replaces: the output within bf16
     rounding, the new k (RoPE'd) and v written at pos, every other cache entry untouched."""
+    monkeypatch.setattr(kernels, "ATTENTION_ONE", False)
+    check_decode_attention(B, rows, H, Hkv, D, L, pos, splits)
+
+
+@pytest.mark.parametrize("B, rows, H, Hkv, D, L, pos, splits",
+                         [c for c in ATTENTION_CASES if c[2] == c[3]] + [(1, 1, 2, 2, 128, 224, 150, 4)])
+def test_one_head_attention_kernel_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits, monkeypatch):
+    """kernels._attention_one_kernel (kernels.ATTENTION_ONE: one query head a KV head) as above; and
+    Llama-2-7B's head dim and bench.py's cache (224 positions, 4 slices)."""
+    monkeypatch.setattr(kernels, "ATTENTION_ONE", True)
+    calls = []
+    one = kernels._attention_one_kernel
+    monkeypatch.setattr(kernels, "_attention_one_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: calls.append(grid) or one[grid]})())
+    check_decode_attention(B, rows, H, Hkv, D, L, pos, splits)
+    assert calls  # (it ran)
+
+
+def check_decode_attention(B, rows, H, Hkv, D, L, pos, splits):
     import model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
