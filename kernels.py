@@ -1279,6 +1279,16 @@ if triton is not None:
         return m_new, l * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
 
     @triton.jit
+    def _attention_one_store(y, y_at, yw_ptr, ys_ptr, h, H: tl.constexpr, D: tl.constexpr, XQ_OUT: tl.constexpr,
+                             XG: tl.constexpr):
+        """Head h's output y [D] (float32) at y_at, and (XQ_OUT) in int8 for the int4 GEMV wo."""
+        y = y.to(y_at.dtype.element_ty)
+        tl.store(y_at, y)
+        if XQ_OUT:
+            v = tl.reshape(y.to(tl.float32), (D // XG, XG // 4, 4))
+            _int4_quantize_store(v, v, h * D, D, yw_ptr, ys_ptr, H * D, XG)
+
+    @triton.jit
     def _attention_one_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
                               count_ptr, yw_ptr, ys_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
                               H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -1329,35 +1339,31 @@ if triton is not None:
         write = inside & (rd * 0 + s == 0)
         tl.store(kc_ptr + cache + pos * D + rd, k_new, mask=write)
         tl.store(vc_ptr + cache + pos * D + rd, v_new, mask=write)
+        # Slices with cached positions (slice 0 always: the new token). One: slice 0 writes y, no merge.
+        active = tl.maximum(tl.cdiv(tl.minimum(pos, L), chunk), 1)
         y_at = y_ptr + (b * H + h) * D + rd
-        if SPLITS == 1:
-            y = (acc / l).to(y_ptr.dtype.element_ty)
-            tl.store(y_at, y)
-            if XQ_OUT:
-                v = tl.reshape(y.to(tl.float32), (D // XG, XG // 4, 4))
-                _int4_quantize_store(v, v, h * D, D, yw_ptr, ys_ptr, H * D, XG)
-        else:
+        if active == 1:
+            if s == 0:
+                _attention_one_store(acc / l, y_at, yw_ptr, ys_ptr, h, H, D, XQ_OUT, XG)
+        elif s < active:
             part = (b * H + h) * SPLITS + s
             tl.store(m_ptr + part, m)
             tl.store(l_ptr + part, l)
             tl.store(acc_ptr + part * D + rd, acc)
             tl.debug_barrier()
             done = tl.atomic_add(count_ptr + b * H + h, 1)
-            if done == SPLITS - 1:
+            if done == active - 1:
                 tl.debug_barrier()
                 rs = tl.arange(0, BLOCK_S)
-                s_ok = rs < SPLITS
+                s_ok = rs < active
                 parts = (b * H + h) * SPLITS + rs
                 ms = tl.load(m_ptr + parts, mask=s_ok, other=-float("inf"), cache_modifier=".cg")
                 ls = tl.load(l_ptr + parts, mask=s_ok, other=0, cache_modifier=".cg")
                 accs = tl.load(acc_ptr + parts[:, None] * D + rd[None, :], mask=s_ok[:, None], other=0,
                                cache_modifier=".cg")
                 w = tl.exp2(ms - tl.max(ms, axis=0))  # (the max is finite: slice 0 has the new token)
-                y = (tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0)).to(y_ptr.dtype.element_ty)
-                tl.store(y_at, y)
-                if XQ_OUT:
-                    v = tl.reshape(y.to(tl.float32), (D // XG, XG // 4, 4))
-                    _int4_quantize_store(v, v, h * D, D, yw_ptr, ys_ptr, H * D, XG)
+                _attention_one_store(tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0), y_at, yw_ptr,
+                                     ys_ptr, h, H, D, XQ_OUT, XG)
                 tl.atomic_xchg(count_ptr + b * H + h, 0)
 
 

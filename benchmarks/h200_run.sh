@@ -776,6 +776,18 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 $f --json "$OUT/h200-z56.json" \
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done ;;
+  z57) # run 112 (session 23): _attention_one_kernel with slices active only where they have cached positions (one:
+      # no merge), its block of positions and warps; the grouped kernel (z571, z577) on either side
+      for v in z571:"" z572:"--attention-one 1 --attention-block-l 64" z573:"--attention-one 1 --attention-block-l 32" \
+               z574:"--attention-one 1 --attention-block-l 64 --attention-warps 8" \
+               z575:"--attention-one 1 --attention-block-l 128 --attention-warps 8" \
+               z576:"--attention-one 1 --attention-block-l 32 --attention-splits 8" z577:""; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/z56/inductor TRITON_CACHE_DIR=/tmp/z56/triton timeout -k 5 150 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 $f --json "$OUT/h200-z57.json" \
+          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+      done ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done

@@ -815,10 +815,12 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits, mo
 
 
 @pytest.mark.parametrize("B, rows, H, Hkv, D, L, pos, splits",
-                         [c for c in ATTENTION_CASES if c[2] == c[3]] + [(1, 1, 2, 2, 128, 224, 150, 4)])
+                         [c for c in ATTENTION_CASES if c[2] == c[3]]
+                         + [(1, 1, 2, 2, 128, 224, 150, 4), (2, 2, 2, 2, 64, 300, 20, 5), (1, 1, 2, 2, 64, 300, 299, 5)])
 def test_one_head_attention_kernel_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits, monkeypatch):
     """kernels._attention_one_kernel (kernels.ATTENTION_ONE: one query head a KV head) as above; and
-    Llama-2-7B's head dim and bench.py's cache (224 positions, 4 slices)."""
+    Llama-2-7B's head dim and bench.py's cache (224 positions, 4 slices); a position that leaves one slice of
+    five with cached positions (no merge) and one that needs all five."""
     monkeypatch.setattr(kernels, "ATTENTION_ONE", True)
     calls = []
     one = kernels._attention_one_kernel
