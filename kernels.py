@@ -1387,8 +1387,10 @@ ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-
 ATTENTION_BLOCK_L = None  # cache positions per step of the loop (bench.py --attention-block-l), or the rule
 ATTENTION_WARPS = None  # warps of the attention kernel (benchmarks/attention.py), or the rule
 ATTENTION_MAXNREG = None  # a cap on the attention kernel's registers a thread (bench.py --attention-maxnreg; A/B)
-ATTENTION_ONE = os.environ.get("GRAPHDECODE_ATTENTION_ONE", "0") == "1"  # _attention_one_kernel where a KV head has one query head
-ATTENTION_ONE_LAUNCH = (32, 4)  # its (cache positions a loop step, warps), the caller's block_l first
+# _attention_one_kernel where a KV head has one query head and head_dim is a power of two (GRAPHDECODE_ATTENTION_ONE=0
+# or bench.py --attention-one 0: the grouped kernel there too); its (cache positions a loop step, warps)
+ATTENTION_ONE = os.environ.get("GRAPHDECODE_ATTENTION_ONE", "1") == "1"
+ATTENTION_ONE_LAUNCH = (64, 4)
 MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers
 
 
@@ -1460,12 +1462,12 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         y_words, y_stats = yq[:width // 4], yq[width // 4:].view(torch.float32)
     else:
         y_words = y_stats = y  # (placeholders: XQ_OUT off)
-    if ATTENTION_ONE and G == 1 and block_d == D:
-        rule_block_l, warps = ATTENTION_ONE_LAUNCH
+    if ATTENTION_ONE and G == 1 and block_d == D:  # (block_l is the grouped kernel's)
+        one_block_l, warps = ATTENTION_ONE_LAUNCH
         _attention_one_kernel[(B, Hkv, splits)](
             qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
             k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, D=D, SPLITS=splits,
-            BLOCK_L=ATTENTION_BLOCK_L or block_l or rule_block_l, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_L=ATTENTION_BLOCK_L or one_block_l, BLOCK_S=triton.next_power_of_2(splits),
             PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=ATTENTION_WARPS or warps,
             **({"launch_pdl": True} if use_pdl else {}))
         return (y, yq) if out_group else y

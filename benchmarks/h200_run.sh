@@ -788,6 +788,17 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 $f --json "$OUT/h200-z57.json" \
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done ;;
+  z58) # run 113 (session 23): _attention_one_kernel on by default (64 positions a step, 4 warps) against the grouped
+      # kernel (--attention-one 0): int4 g32 at batch 1, bf16 at batches 1 and 8, int4 g32 at batch 8
+      for v in z581:"--quantize int4-g32" z582:"--quantize int4-g32 --attention-one 0" z583:"--batch-sizes 1,8" \
+               z584:"--batch-sizes 1,8 --attention-one 0" z585:"--quantize int4-g32 --batch-sizes 8" \
+               z586:"--quantize int4-g32 --batch-sizes 8 --attention-one 0"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/z58/inductor TRITON_CACHE_DIR=/tmp/z58/triton timeout -k 5 170 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z58.json" \
+          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+      done ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done

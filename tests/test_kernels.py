@@ -826,11 +826,12 @@ def test_one_head_attention_kernel_matches_pytorch(B, rows, H, Hkv, D, L, pos, s
     one = kernels._attention_one_kernel
     monkeypatch.setattr(kernels, "_attention_one_kernel", type("Spy", (), {
         "__getitem__": lambda self, grid: calls.append(grid) or one[grid]})())
-    check_decode_attention(B, rows, H, Hkv, D, L, pos, splits)
+    check_decode_attention(B, rows, H, Hkv, D, L, pos, splits, monkeypatch, launches=[(16, 4), (32, 8), (128, 8)])
     assert calls  # (it ran)
 
 
-def check_decode_attention(B, rows, H, Hkv, D, L, pos, splits):
+def check_decode_attention(B, rows, H, Hkv, D, L, pos, splits, monkeypatch=None, launches=()):
+    """(launches: also each of these kernels.ATTENTION_ONE_LAUNCH, the sums' order only)"""
     import model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -859,6 +860,11 @@ def check_decode_attention(B, rows, H, Hkv, D, L, pos, splits):
         y_l = kernels.decode_attention(qkv, p, cos, sin, *(t.clone() for t in before), counts, H, Hkv, splits,
                                        block_l=block_l)
         assert (y_l.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item(), block_l
+    for launch in launches:
+        monkeypatch.setattr(kernels, "ATTENTION_ONE_LAUNCH", launch)
+        y_l = kernels.decode_attention(qkv, p, cos, sin, *(t.clone() for t in before), counts, H, Hkv, splits)
+        assert (y_l.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item(), launch
+        assert not counts.any()
     rounding = 2**-8 if device == "cuda" else 2**-7  # the interpreter truncates to bf16
     new_k, ref_k = k_cache[:B, :, pos].float(), k_ref[:B, :, pos].float()
     assert ((new_k - ref_k).abs() <= rounding * ref_k.abs() + 1e-6).all()  # RoPE'd k within one rounding
