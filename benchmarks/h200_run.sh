@@ -799,6 +799,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z58.json" \
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done ;;
+  z59) # run 114 (session 23): the speed table again with _attention_one_kernel on (int8, int4 g128, int4 g32, batch 1)
+      for v in z591:"--quantize int8" z592:"--quantize int4-g128" z593:"--quantize int4-g32"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/z59/inductor TRITON_CACHE_DIR=/tmp/z59/triton timeout -k 5 170 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/h200-z59.json" \
+          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+      done ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
