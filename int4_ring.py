@@ -50,7 +50,8 @@ import kernels
 ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "1") == "1"
 # cache positions a loop step of the attention kernel in this flow (kernels.decode_attention's block_l): at 8 warps
 # 146 registers a thread instead of the rule's 64 positions' 254, so the ring's programs (78-80 registers, 4 warps)
-# share its SMs (runs 104-105: 32 positions 688.6 and 689.2 tok/s, 16 678.4, 64 676.1 and 678.0)
+# share its SMs (runs 104-105: 32 positions 688.6 and 689.2 tok/s, 16 678.4, 64 676.1 and 678.0). The grouped kernel's
+# only: where a KV head has one query head, kernels._attention_one_kernel runs at its own launch (session 23)
 ATTENTION_BLOCK_L = 32
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take

@@ -1151,6 +1151,10 @@ def _(x, weight, sz, w_unscale, groupsize, units, norm_weight, eps, residual, sw
 #     cache at pos (after the reads: no program reads a row written in this launch);
 #   - one slice: writes the normalised output. Several: writes its max, sum and unnormalised output;
 #     the last slice of a sequence and KV head to finish (an atomic count) merges them.
+# Two kernels do this: _attention_kernel for any group of query heads a KV head, and _attention_one_kernel
+# for one query head a KV head ([positions, D] tiles with no heads axis; only the slices that hold cached
+# positions take part, and with one of them it writes y without a merge), which decode_attention picks
+# where it applies (ATTENTION_ONE).
 
 LOG2E = 1.4426950408889634
 
@@ -1388,7 +1392,9 @@ ATTENTION_BLOCK_L = None  # cache positions per step of the loop (bench.py --att
 ATTENTION_WARPS = None  # warps of the attention kernel (benchmarks/attention.py), or the rule
 ATTENTION_MAXNREG = None  # a cap on the attention kernel's registers a thread (bench.py --attention-maxnreg; A/B)
 # _attention_one_kernel where a KV head has one query head and head_dim is a power of two (GRAPHDECODE_ATTENTION_ONE=0
-# or bench.py --attention-one 0: the grouped kernel there too); its (cache positions a loop step, warps)
+# or bench.py --attention-one 0: the grouped kernel there too); its (cache positions a loop step, warps). The 7B int4
+# g32 step 710.0-710.1 tok/s against the grouped kernel's 685.7-687.6; at 32 positions 690.3, at 64 and 8 warps 701.8,
+# 128 and 8 699.9 (runs 112-113); bf16 279.5 against 281.1, batch 8 2000.6 against 1978.3 (run 113; BENCHMARKS.md)
 ATTENTION_ONE = os.environ.get("GRAPHDECODE_ATTENTION_ONE", "1") == "1"
 ATTENTION_ONE_LAUNCH = (64, 4)
 MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers

@@ -225,7 +225,9 @@ class TransformerBlock(nn.Module):
         x so, at 32 cache positions a loop step (int4_ring.ATTENTION_BLOCK_L: 8 warps at 146 registers a thread
         instead of 254 leave room on an SM for the ring's programs). The 7B int4 g32 step: 688.6-689.2 tok/s
         against 676.1-678.0 at the kernel's default 64 positions and 675.3-675.5 with kernels.int4_gemv
-        throughout (BENCHMARKS.md, session 21).
+        throughout (BENCHMARKS.md, session 21). With one query head a KV head (Llama-2-7B) the attention is
+        kernels._attention_one_kernel, which has its own launch (block_l is the grouped kernel's): 709.3-710.1
+        tok/s (session 23).
         xq: x in int8 from the layer before (times attention_norm's weight), or None (the first layer: wqkv
         reads bf16 x, kernels.int4_gemv). next_norm: the next layer's attention_norm (None: the last layer,
         whose output the head reads in bf16)."""
