@@ -1174,10 +1174,11 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
-                          count_ptr, yw_ptr, ys_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
-                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                          count_ptr, yw_ptr, ys_ptr, ready_ptr, qkv_stride, cache_stride_b, cache_stride_h, L,
+                          qk_scale, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr):
+                          BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr,
+                          SIGNAL: tl.constexpr):
         b, hkv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # as in _gemv_kernel: the next kernel may start once all programs here have
             tl.extra.cuda.gdc_launch_dependents()
@@ -1244,6 +1245,7 @@ if triton is not None:
             if XQ_OUT:  # (one sequence, BLOCK_D = D): also in int8 for the int4 GEMV wo, as it rounded
                 v = tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D // XG, XG // 4, 4))
                 _int4_quantize_store(v, v, hkv * G * D, G * D, yw_ptr, ys_ptr, H * D, XG)
+            _signal(ready_ptr, SIGNAL)
         else:
             # Each slice leaves its (max, sum, weighted sum); the last slice of this sequence and
             # KV head to finish (an atomic count) merges them and resets the count for the next call.
@@ -1269,8 +1271,17 @@ if triton is not None:
                 if XQ_OUT:
                     v = tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D // XG, XG // 4, 4))
                     _int4_quantize_store(v, v, hkv * G * D, G * D, yw_ptr, ys_ptr, H * D, XG)
+                _signal(ready_ptr, SIGNAL)
                 tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
 
+
+    @triton.jit
+    def _signal(ready_ptr, SIGNAL: tl.constexpr):
+        """SIGNAL: one more KV head's output is written (every thread's stores before the count: a release),
+        for a GEMV that waits on the count instead of on this kernel's end (int4_ring's WAIT)."""
+        if SIGNAL:
+            tl.debug_barrier()
+            tl.atomic_add(ready_ptr, 1, sem="release")
 
     @triton.jit
     def _attend_one(q, k, v, ok, m, l, acc):
@@ -1294,9 +1305,10 @@ if triton is not None:
 
     @triton.jit
     def _attention_one_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
-                              count_ptr, yw_ptr, ys_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
-                              H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr,
-                              BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr):
+                              count_ptr, yw_ptr, ys_ptr, ready_ptr, qkv_stride, cache_stride_b, cache_stride_h, L,
+                              qk_scale, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr,
+                              BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr,
+                              SIGNAL: tl.constexpr):
         """_attention_kernel for one query head a KV head (H = HKV, D a power of two), on [positions, D]
         tiles: no heads axis, and the RoPE tables read before the PDL wait."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -1321,12 +1333,23 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
         row = qkv_ptr + b * qkv_stride
-        q = tl.load(row + h * D + rd).to(tl.float32) * cos + tl.load(row + h * D + rd_rot).to(tl.float32) * sin
-        q = q.to(kc_ptr.dtype.element_ty).to(tl.float32) * qk_scale
-        k_at = row + H * D + h * D
-        k_new = (tl.load(k_at + rd).to(tl.float32) * cos + tl.load(k_at + rd_rot).to(tl.float32) * sin
-                 ).to(kc_ptr.dtype.element_ty)
-        v_new = tl.load(row + 2 * H * D + h * D + rd)
+        if SIGNAL:  # the slices without cached positions do not read qkv: a GEMV after may write over its memory
+            # once all heads have signalled
+            live = (rd * 0 + s) < tl.maximum(tl.cdiv(tl.minimum(pos, L), chunk), 1)
+            q = tl.load(row + h * D + rd, mask=live, other=0).to(tl.float32) * cos \
+                + tl.load(row + h * D + rd_rot, mask=live, other=0).to(tl.float32) * sin
+            q = q.to(kc_ptr.dtype.element_ty).to(tl.float32) * qk_scale
+            k_at = row + H * D + h * D
+            k_new = (tl.load(k_at + rd, mask=live, other=0).to(tl.float32) * cos
+                     + tl.load(k_at + rd_rot, mask=live, other=0).to(tl.float32) * sin).to(kc_ptr.dtype.element_ty)
+            v_new = tl.load(row + 2 * H * D + h * D + rd, mask=live, other=0)
+        else:
+            q = tl.load(row + h * D + rd).to(tl.float32) * cos + tl.load(row + h * D + rd_rot).to(tl.float32) * sin
+            q = q.to(kc_ptr.dtype.element_ty).to(tl.float32) * qk_scale
+            k_at = row + H * D + h * D
+            k_new = (tl.load(k_at + rd).to(tl.float32) * cos + tl.load(k_at + rd_rot).to(tl.float32) * sin
+                     ).to(kc_ptr.dtype.element_ty)
+            v_new = tl.load(row + 2 * H * D + h * D + rd)
         # The new token first (slice 0 only), then the slice's cached positions
         first = s == 0
         m = tl.where(first, tl.sum(q * k_new.to(tl.float32), axis=0), -float("inf"))
@@ -1349,6 +1372,7 @@ if triton is not None:
         if active == 1:
             if s == 0:
                 _attention_one_store(acc / l, y_at, yw_ptr, ys_ptr, h, H, D, XQ_OUT, XG)
+                _signal(ready_ptr, SIGNAL)
         elif s < active:
             part = (b * H + h) * SPLITS + s
             tl.store(m_ptr + part, m)
@@ -1368,6 +1392,7 @@ if triton is not None:
                 w = tl.exp2(ms - tl.max(ms, axis=0))  # (the max is finite: slice 0 has the new token)
                 _attention_one_store(tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0), y_at, yw_ptr,
                                      ys_ptr, h, H, D, XQ_OUT, XG)
+                _signal(ready_ptr, SIGNAL)
                 tl.atomic_xchg(count_ptr + b * H + h, 0)
 
 
@@ -1377,14 +1402,14 @@ def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
 
 
 def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0,
-              block_l: int = 0):
+              block_l: int = 0, ready=None):
     """decode_attention, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
         y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group,
-                                    block_l)
+                                    block_l, ready)
         return (y, yq) if out_group else y
     return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                            block_l=block_l)
+                            block_l=block_l, ready=ready)
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
@@ -1424,7 +1449,8 @@ def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, blo
 
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                     n_kv_heads: int, splits: int | None = None, out_group: int = 0, block_l: int = 0):
+                     n_kv_heads: int, splits: int | None = None, out_group: int = 0, block_l: int = 0,
+                     ready: torch.Tensor | None = None):
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
@@ -1434,7 +1460,9 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     out_group (one sequence, D a power of two and a multiple of it): also return y in int8 per
     group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group)).
     block_l: cache positions a loop step instead of attention_launch's rule's (0; ATTENTION_BLOCK_L, an A/B
-    setting, overrides both)."""
+    setting, overrides both).
+    ready: an int32 count, raised by one (a release) as each sequence and KV head's output is written, B Hkv in
+    all: a kernel after this one may wait on it instead of on this kernel's end (int4_ring's WAIT)."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:
@@ -1443,6 +1471,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         raise ValueError("decode_attention: the caches and RoPE tables must be contiguous, D wide")
     if counts.dtype != torch.int32 or counts.numel() < B * Hkv:
         raise ValueError(f"decode_attention: counts must be int32 with at least {B * Hkv} entries")
+    if ready is not None and (ready.dtype != torch.int32 or ready.numel() != 1):
+        raise ValueError("decode_attention: ready must be one int32")
     splits = splits or attention_splits(B, Hkv, L)
     G = n_heads // n_kv_heads
     block_g = triton.next_power_of_2(G)
@@ -1471,32 +1501,37 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     if ATTENTION_ONE and G == 1 and block_d == D:  # (block_l is the grouped kernel's)
         one_block_l, warps = ATTENTION_ONE_LAUNCH
         _attention_one_kernel[(B, Hkv, splits)](
-            qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
+            qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats,
+            ready, qkv.stride(0),
             k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, D=D, SPLITS=splits,
             BLOCK_L=ATTENTION_BLOCK_L or one_block_l, BLOCK_S=triton.next_power_of_2(splits),
-            PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=ATTENTION_WARPS or warps,
+            PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None,
+            num_warps=ATTENTION_WARPS or warps,
             **({"launch_pdl": True} if use_pdl else {}))
         return (y, yq) if out_group else y
     _attention_kernel[(B, Hkv, splits)](
-        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
+        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats,
+        ready, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
-        XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
+        XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None, num_warps=warps,
+        **({"launch_pdl": True} if use_pdl else {}),
         **({"maxnreg": ATTENTION_MAXNREG} if ATTENTION_MAXNREG else {}))
     return (y, yq) if out_group else y
 
 
-@torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts"))
+@torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts", "ready"))
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                        n_kv_heads: int, out_group: int, block_l: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        n_kv_heads: int, out_group: int, block_l: int = 0,
+                        ready: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                           block_l=block_l)
+                           block_l=block_l, ready=ready)
     return out if out_group else (out, qkv.new_empty(0, dtype=torch.int32))
 
 
 @decode_attention_op.register_fake
-def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0):
+def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0, ready=None):
     width = n_heads * k_cache.shape[-1]
     return (qkv.new_empty((qkv.shape[0], 1, width)),
             qkv.new_empty(width // 4 + 4 * width // out_group if out_group else 0, dtype=torch.int32))

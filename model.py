@@ -236,11 +236,15 @@ class TransformerBlock(nn.Module):
             qkv = a.wqkv(x, norm=self.attention_norm)
         else:
             qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm)
+        # (int4_ring.WAIT, an A/B setting: wo waits on the attention kernel's count of heads written, not on its end;
+        # w2 resets the count for the next step)
+        ready = a.kv_cache.ready if int4_ring.WAIT else None
         y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG,
-                                  block_l=int4_ring.ATTENTION_BLOCK_L)
-        h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm)
+                                  block_l=int4_ring.ATTENTION_BLOCK_L, ready=ready)
+        h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm, flag=ready, flag_mode=1,
+                          flag_target=a.n_kv_heads)
         z, zq = f.w13.ring(h, hq, norm=self.ffn_norm, swiglu=True, out_q=True)
-        return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm)
+        return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm, flag=ready, flag_mode=2)
 
 
 class Attention(nn.Module):
@@ -284,12 +288,12 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
-    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0):
+    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0, ready=None):
         """kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group); block_l:
-        cache positions a loop step (0: the kernel's rule)."""
+        cache positions a loop step (0: the kernel's rule); ready: the count of heads written (kernels')."""
         cache = self.kv_cache
         return kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
-                                 self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l)
+                                 self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l, ready=ready)
 
     def wo_x_group(self, x) -> int:
         """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one
@@ -332,6 +336,8 @@ class KVCache(nn.Module):
         # kernels.decode_attention's count of finished cache slices per sequence and KV head
         self.register_buffer("counts", torch.zeros(max_batch_size * n_kv_heads, dtype=torch.int32, device=device),
                              persistent=False)
+        # its count of heads written, for a GEMV that waits on it (int4_ring.WAIT, off by default)
+        self.register_buffer("ready", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
 
     def update(self, input_pos, k, v):
         # input_pos [S] (or [B, S] per sequence), k and v [B, Hkv, S, D]: rows B.. of a larger
@@ -704,13 +710,14 @@ class Int4Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         return unfused(self.linear, x, norm, residual, swiglu)
 
-    def ring(self, x, xq, norm=None, residual=None, swiglu=False, out_q=False, out_norm=None):
+    def ring(self, x, xq, norm=None, residual=None, swiglu=False, out_q=False, out_norm=None, flag=None, flag_mode=0,
+             flag_target=0):
         """forward in decode's int8 flow (TransformerBlock.forward_int8; gemv_ring): (y, y in int8 or None) by
         int4_ring.py's kernel, which reads x in int8 only (xq: kernels.int4_quantize_x(x, norm's weight), groups
-        of 16; x gives the shape); out_q: y also in int8, times out_norm's weight if given."""
+        of 16; x gives the shape); out_q: y also in int8, times out_norm's weight if given; flag...: int4_ring's."""
         return int4_ring.matmul(x, xq, self.gemv_weight, self.gemv_sz, self.gemv_units, self.gemv_unscale,
                                 norm is not None, 0.0 if norm is None else norm.eps, residual, swiglu, out_q,
-                                None if out_norm is None else out_norm.weight)
+                                None if out_norm is None else out_norm.weight, flag, flag_mode, flag_target)
 
     def x_group(self, x) -> int:
         """The group of x in int8 that the one-row kernel can read for this x (kernels.int4_x_group), or

@@ -353,7 +353,7 @@ def test_decode_weight_bytes_counts_the_draft_and_the_target_of_each_round(tiny)
     draft = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, intermediate_size=64,
                                   max_seq_len=512)).eval().requires_grad_(False)
     gen = SpeculativeGenerator(tiny, draft, Sampling(temperature=0), 3)
-    n = sum(len(chunk) for chunk in gen.generate([1, 2, 3], 20))
+    assert sum(len(chunk) for chunk in gen.generate([1, 2, 3], 20)) == 20
     target_bytes, draft_bytes = weight_bytes_per_step(tiny), weight_bytes_per_step(draft)
     assert gen.rounds >= 5 and draft_bytes < target_bytes / 4
     assert decode_weight_bytes(gen) == target_bytes + draft_bytes + gen.rounds * (target_bytes + 3 * draft_bytes)

@@ -596,6 +596,28 @@ def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused, monk
 
 
 @pytest.mark.cuda
+def test_int4_ring_flag_wait_and_reset(monkeypatch):
+    """The kernel's FLAG: waiting on a count already at its target (1) gives the plain launch's y bit for bit and
+    leaves the count; resetting (2) gives the same y and sets the count to 0."""
+    int4_ring = ring_or_skip(monkeypatch)
+    N, K = 4096, 4096
+    packed, scales, zeros, _ = int4_weights(N, K, 32, grid=True)
+    words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
+    x = torch.randn(1, K, device="cuda").bfloat16()
+    xq = kernels.int4_quantize_x(x, None, 16)
+    residual = torch.randn(1, N, device="cuda").bfloat16()
+    plain = int4_ring.gemv(x, xq, words, codes, units, w_unscale, residual=residual, out_q=True)
+    flag = torch.full((1,), 32, dtype=torch.int32, device="cuda")
+    waited = int4_ring.gemv(x, xq, words, codes, units, w_unscale, residual=residual, out_q=True, flag=flag,
+                            flag_mode=1, flag_target=32)
+    torch.cuda.synchronize()
+    assert flag.item() == 32 and torch.equal(waited[0], plain[0]) and torch.equal(waited[1], plain[1])
+    reset = int4_ring.gemv(x, xq, words, codes, units, w_unscale, residual=residual, out_q=True, flag=flag,
+                           flag_mode=2)
+    assert flag.item() == 0 and torch.equal(reset[0], plain[0])
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("fused, norm_out", [("residual", True), ("swiglu", False), ("none", True)])
 def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
     """out_q: int4_ring.gemv also writes y in int8, kernels.int4_quantize_x(y, g) of the y it returns (groups of
@@ -828,6 +850,30 @@ def test_one_head_attention_kernel_matches_pytorch(B, rows, H, Hkv, D, L, pos, s
         "__getitem__": lambda self, grid: calls.append(grid) or one[grid]})())
     check_decode_attention(B, rows, H, Hkv, D, L, pos, splits, monkeypatch, launches=[(16, 4), (32, 8), (128, 8)])
     assert calls  # (it ran)
+
+
+@pytest.mark.parametrize("one", [False, True])
+@pytest.mark.parametrize("pos, splits", [(20, 1), (20, 4), (150, 4)])
+def test_decode_attention_signals_each_kv_head(pos, splits, one, monkeypatch):
+    """With `ready`, each sequence and KV head raises the count by one once its output is written (with one slice,
+    with several of which only one holds cached positions, and with a merge), and the output is unchanged."""
+    monkeypatch.setattr(kernels, "ATTENTION_ONE", one)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(pos)
+    B, H, D, L = 1, 4, 64, 224
+    qkv = torch.randn(B, 1, 3 * H * D).bfloat16().to(device)
+    caches = [torch.randn(B, H, L, D).bfloat16().to(device) for _ in range(2)]
+    cos, sin = (torch.randn(L, D).bfloat16().to(device) for _ in range(2))
+    p = torch.tensor([pos], device=device)
+    counts = torch.zeros(B * H, dtype=torch.int32, device=device)
+    ready = torch.full((1,), 5, dtype=torch.int32, device=device)
+    y, yq = kernels.decode_attention(qkv, p, cos, sin, *[c.clone() for c in caches], counts, H, H, splits,
+                                     out_group=16, ready=ready)
+    assert ready.item() == 5 + B * H and not counts.any()
+    y_plain, yq_plain = kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, H, splits, out_group=16)
+    assert torch.equal(y, y_plain) and torch.equal(yq, yq_plain)
+    with pytest.raises(ValueError, match="one int32"):
+        kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, H, splits, ready=ready.float())
 
 
 def check_decode_attention(B, rows, H, Hkv, D, L, pos, splits, monkeypatch=None, launches=()):
