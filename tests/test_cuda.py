@@ -299,13 +299,9 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
     import model as model_module
     from quantize import quantize_model
 
-    try:
-        import int4_ring
-    except (ImportError, AttributeError) as e:
-        pytest.skip(f"int4_ring.py does not import here: {e}")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("int4_ring.py's kernel is for sm_90")
-    monkeypatch.setattr(int4_ring, "ENABLED", True)  # (on by default unless GRAPHDECODE_INT4_RING=0; read as layers load)
+    from test_kernels import ring_or_skip
+
+    int4_ring = ring_or_skip(monkeypatch)  # (turned on: read as layers load)
     args = ModelArgs(dim=512, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=1000, intermediate_size=1536,
                      max_seq_len=512)
     torch.manual_seed(0)
@@ -343,13 +339,9 @@ def test_int4_ring_wait_gives_the_same_tokens_and_leaves_the_count_at_zero(n_kv_
     import model as model_module
     from quantize import quantize_model
 
-    try:
-        import int4_ring
-    except (ImportError, AttributeError) as e:
-        pytest.skip(f"int4_ring.py does not import here: {e}")
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("int4_ring.py's kernel is for sm_90")
-    monkeypatch.setattr(int4_ring, "ENABLED", True)
+    from test_kernels import ring_or_skip
+
+    int4_ring = ring_or_skip(monkeypatch)  # (turned on: read as layers load)
     args = ModelArgs(dim=512, n_layers=3, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=1000,
                      intermediate_size=1536, max_seq_len=512)
     torch.manual_seed(0)
