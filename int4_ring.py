@@ -53,9 +53,11 @@ ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "1") == "1"
 # share its SMs (runs 104-105: 32 positions 688.6 and 689.2 tok/s, 16 678.4, 64 676.1 and 678.0). The grouped kernel's
 # only: where a KV head has one query head, kernels._attention_one_kernel runs at its own launch (session 23)
 ATTENTION_BLOCK_L = 32
-# A/B, off: wo waits on the attention kernel's count of heads written (kernels.decode_attention's `ready`) instead of
-# on that kernel's end, and w2 resets the count (the kernel's FLAG); GRAPHDECODE_INT4_RING_WAIT=1, bench.py
-# --int4-ring-wait. Not measured yet.
+# A/B, off: wo waits on the attention kernel's count of its programs done (kernels.decode_attention's `ready`)
+# instead of on that kernel's end, and w2 resets the count (the kernel's FLAG); GRAPHDECODE_INT4_RING_WAIT=1,
+# bench.py --int4-ring-wait. Not measured yet. A step stopped between its attention kernel and w2 (an exception
+# between eager launches) would leave the count up, and that layer's next wo would not wait: a new setup_caches
+# starts the counts at 0.
 WAIT = os.environ.get("GRAPHDECODE_INT4_RING_WAIT", "0") == "1"
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
@@ -187,7 +189,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
     go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x.
     FLAG (A/B, off by default): 1 (WAIT), instead of the PDL wait, wait until the int32 at flag_ptr reaches
-    flag_target (the attention kernel's count of heads written, kernels.decode_attention's `ready`); 2 (RESET),
+    flag_target (the attention kernel's count of its programs done, kernels.decode_attention's `ready`); 2 (RESET),
     after the PDL wait, set it back to 0 for the next step (the kernel that waited on it has ended by then)."""
     GC: gl.constexpr = 32
     HALVES: gl.constexpr = 2 if SWIGLU else 1
@@ -214,7 +216,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     for i in gl.static_range(STAGES):  # the first STAGES boxes, before the wait
         if i < total:
             _ring_issue(i, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES, CHUNKS, STAGES, BN, GC)
-    if FLAG == 1:  # x written by the kernel before, which counts its heads as it writes them (a release each);
+    if FLAG == 1:  # x written by the kernel before, whose programs each count themselves done (a release each);
         # the residual was written before that kernel's own PDL wait ended
         seen = gl.atomic_add(flag_ptr, 0, sem="acquire")
         while seen < flag_target:

@@ -1245,7 +1245,6 @@ if triton is not None:
             if XQ_OUT:  # (one sequence, BLOCK_D = D): also in int8 for the int4 GEMV wo, as it rounded
                 v = tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D // XG, XG // 4, 4))
                 _int4_quantize_store(v, v, hkv * G * D, G * D, yw_ptr, ys_ptr, H * D, XG)
-            _signal(ready_ptr, SIGNAL)
         else:
             # Each slice leaves its (max, sum, weighted sum); the last slice of this sequence and
             # KV head to finish (an atomic count) merges them and resets the count for the next call.
@@ -1271,14 +1270,15 @@ if triton is not None:
                 if XQ_OUT:
                     v = tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D // XG, XG // 4, 4))
                     _int4_quantize_store(v, v, hkv * G * D, G * D, yw_ptr, ys_ptr, H * D, XG)
-                _signal(ready_ptr, SIGNAL)
                 tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
+        _signal(ready_ptr, SIGNAL)  # (every program, after all its memory accesses)
 
 
     @triton.jit
     def _signal(ready_ptr, SIGNAL: tl.constexpr):
-        """SIGNAL: one more KV head's output is written (every thread's stores before the count: a release),
-        for a GEMV that waits on the count instead of on this kernel's end (int4_ring's WAIT)."""
+        """SIGNAL: one more program of the kernel is done with memory (every thread's accesses before the count: a
+        release), for a GEMV that waits on the count reaching the launch's programs instead of on its end
+        (int4_ring's WAIT)."""
         if SIGNAL:
             tl.debug_barrier()
             tl.atomic_add(ready_ptr, 1, sem="release")
@@ -1333,23 +1333,12 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
         row = qkv_ptr + b * qkv_stride
-        if SIGNAL:  # the slices without cached positions do not read qkv: a GEMV after may write over its memory
-            # once all heads have signalled
-            live = (rd * 0 + s) < tl.maximum(tl.cdiv(tl.minimum(pos, L), chunk), 1)
-            q = tl.load(row + h * D + rd, mask=live, other=0).to(tl.float32) * cos \
-                + tl.load(row + h * D + rd_rot, mask=live, other=0).to(tl.float32) * sin
-            q = q.to(kc_ptr.dtype.element_ty).to(tl.float32) * qk_scale
-            k_at = row + H * D + h * D
-            k_new = (tl.load(k_at + rd, mask=live, other=0).to(tl.float32) * cos
-                     + tl.load(k_at + rd_rot, mask=live, other=0).to(tl.float32) * sin).to(kc_ptr.dtype.element_ty)
-            v_new = tl.load(row + 2 * H * D + h * D + rd, mask=live, other=0)
-        else:
-            q = tl.load(row + h * D + rd).to(tl.float32) * cos + tl.load(row + h * D + rd_rot).to(tl.float32) * sin
-            q = q.to(kc_ptr.dtype.element_ty).to(tl.float32) * qk_scale
-            k_at = row + H * D + h * D
-            k_new = (tl.load(k_at + rd).to(tl.float32) * cos + tl.load(k_at + rd_rot).to(tl.float32) * sin
-                     ).to(kc_ptr.dtype.element_ty)
-            v_new = tl.load(row + 2 * H * D + h * D + rd)
+        q = tl.load(row + h * D + rd).to(tl.float32) * cos + tl.load(row + h * D + rd_rot).to(tl.float32) * sin
+        q = q.to(kc_ptr.dtype.element_ty).to(tl.float32) * qk_scale
+        k_at = row + H * D + h * D
+        k_new = (tl.load(k_at + rd).to(tl.float32) * cos + tl.load(k_at + rd_rot).to(tl.float32) * sin
+                 ).to(kc_ptr.dtype.element_ty)
+        v_new = tl.load(row + 2 * H * D + h * D + rd)
         # The new token first (slice 0 only), then the slice's cached positions
         first = s == 0
         m = tl.where(first, tl.sum(q * k_new.to(tl.float32), axis=0), -float("inf"))
@@ -1372,7 +1361,6 @@ if triton is not None:
         if active == 1:
             if s == 0:
                 _attention_one_store(acc / l, y_at, yw_ptr, ys_ptr, h, H, D, XQ_OUT, XG)
-                _signal(ready_ptr, SIGNAL)
         elif s < active:
             part = (b * H + h) * SPLITS + s
             tl.store(m_ptr + part, m)
@@ -1392,8 +1380,8 @@ if triton is not None:
                 w = tl.exp2(ms - tl.max(ms, axis=0))  # (the max is finite: slice 0 has the new token)
                 _attention_one_store(tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0), y_at, yw_ptr,
                                      ys_ptr, h, H, D, XQ_OUT, XG)
-                _signal(ready_ptr, SIGNAL)
                 tl.atomic_xchg(count_ptr + b * H + h, 0)
+        _signal(ready_ptr, SIGNAL)  # (every program, after all its memory accesses)
 
 
 def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
@@ -1433,6 +1421,11 @@ def attention_splits(batch: int, n_kv_heads: int, length: int) -> int:
     return max(1, min(triton.cdiv(length, 64), TARGET_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
 
 
+def attention_programs(batch: int, n_kv_heads: int, length: int) -> int:
+    """Programs of decode_attention's launch (at the rule's or ATTENTION_SPLITS's slices): the count `ready` reaches."""
+    return batch * n_kv_heads * attention_splits(batch, n_kv_heads, length)
+
+
 def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, block_d: int) -> tuple[int, int]:
     """(cache positions a loop step, warps) of the attention kernel (ATTENTION_BLOCK_L and _WARPS, or
     the rule), for query heads a KV head and head_dim padded to block_g and block_d. Products
@@ -1461,8 +1454,9 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group)).
     block_l: cache positions a loop step instead of attention_launch's rule's (0; ATTENTION_BLOCK_L, an A/B
     setting, overrides both).
-    ready: an int32 count, raised by one (a release) as each sequence and KV head's output is written, B Hkv in
-    all: a kernel after this one may wait on it instead of on this kernel's end (int4_ring's WAIT)."""
+    ready: an int32 count, raised by one (a release) by each program once it is done with memory,
+    attention_programs(B, Hkv, L) in all (splits given: B Hkv splits): a kernel after this one may wait on it
+    instead of on this kernel's end (int4_ring's WAIT)."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:

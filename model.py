@@ -236,13 +236,13 @@ class TransformerBlock(nn.Module):
             qkv = a.wqkv(x, norm=self.attention_norm)
         else:
             qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm)
-        # (int4_ring.WAIT, an A/B setting: wo waits on the attention kernel's count of heads written, not on its end;
-        # w2 resets the count for the next step)
+        # (int4_ring.WAIT, an A/B setting: wo waits on the attention kernel's programs each counting themselves done,
+        # not on its end; w2 resets the count for the next step. One sequence: int8_flow)
         ready = a.kv_cache.ready if int4_ring.WAIT else None
         y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG,
                                   block_l=int4_ring.ATTENTION_BLOCK_L, ready=ready)
         h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm, flag=ready, flag_mode=1,
-                          flag_target=a.n_kv_heads)
+                          flag_target=kernels.attention_programs(1, a.n_kv_heads, a.kv_cache.k_cache.shape[2]))
         z, zq = f.w13.ring(h, hq, norm=self.ffn_norm, swiglu=True, out_q=True)
         return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm, flag=ready, flag_mode=2)
 

@@ -333,7 +333,7 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2])  # one query head a KV head (_attention_one_kernel), two
 def test_int4_ring_wait_gives_the_same_tokens_and_leaves_the_count_at_zero(n_kv_heads, monkeypatch):
-    """int4_ring.WAIT (wo waits on the attention kernel's count of heads written instead of on its end; w2 resets
+    """int4_ring.WAIT (wo waits on the attention kernel's count of programs done instead of on its end; w2 resets
     the count): the same logits, bit for bit, as without over several decode steps; every layer's count back at 0
     after each step; graphed decode one replay a token, picking eager decode's tokens."""
     import model as model_module

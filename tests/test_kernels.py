@@ -855,8 +855,9 @@ def test_one_head_attention_kernel_matches_pytorch(B, rows, H, Hkv, D, L, pos, s
 @pytest.mark.parametrize("one", [False, True])
 @pytest.mark.parametrize("pos, splits", [(20, 1), (20, 4), (150, 4)])
 def test_decode_attention_signals_each_kv_head(pos, splits, one, monkeypatch):
-    """With `ready`, each sequence and KV head raises the count by one once its output is written (with one slice,
-    with several of which only one holds cached positions, and with a merge), and the output is unchanged."""
+    """With `ready`, each program raises the count by one as it ends (one slice; several of which only one holds
+    cached positions; a merge): B Hkv slices in all, attention_programs at the rule's slices; the output is
+    unchanged."""
     monkeypatch.setattr(kernels, "ATTENTION_ONE", one)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(pos)
@@ -869,7 +870,8 @@ def test_decode_attention_signals_each_kv_head(pos, splits, one, monkeypatch):
     ready = torch.full((1,), 5, dtype=torch.int32, device=device)
     y, yq = kernels.decode_attention(qkv, p, cos, sin, *[c.clone() for c in caches], counts, H, H, splits,
                                      out_group=16, ready=ready)
-    assert ready.item() == 5 + B * H and not counts.any()
+    assert ready.item() == 5 + B * H * splits and not counts.any()
+    assert kernels.attention_programs(B, H, L) == B * H * kernels.attention_splits(B, H, L) == B * H * 4
     y_plain, yq_plain = kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, H, splits, out_group=16)
     assert torch.equal(y, y_plain) and torch.equal(yq, yq_plain)
     with pytest.raises(ValueError, match="one int32"):
