@@ -53,6 +53,10 @@ ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "1") == "1"
 # share its SMs (runs 104-105: 32 positions 688.6 and 689.2 tok/s, 16 678.4, 64 676.1 and 678.0). The grouped kernel's
 # only: where a KV head has one query head, kernels._attention_one_kernel runs at its own launch (session 23)
 ATTENTION_BLOCK_L = 32
+# A/B, off: the attention kernel waits on wqkv's count of its programs done instead of on wqkv's end (FLAG 3 and
+# kernels.decode_attention's wait_qkv; every layer but the first, whose wqkv is kernels.int4_gemv);
+# GRAPHDECODE_INT4_RING_WAIT_QKV=1, bench.py --int4-ring-wait-qkv. Not measured yet.
+WAIT_QKV = os.environ.get("GRAPHDECODE_INT4_RING_WAIT_QKV", "0") == "1"
 # A/B, off: wo waits on the attention kernel's count of its programs done (kernels.decode_attention's `ready`)
 # instead of on that kernel's end, and w2 resets the count (the kernel's FLAG); GRAPHDECODE_INT4_RING_WAIT=1,
 # bench.py --int4-ring-wait. Not measured yet. A step stopped between its attention kernel and w2 (an exception
@@ -188,9 +192,11 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     products run, and an SM's boxes stream without waves of programs. XQ_OUT (BN 16): y also in int8 for the
     next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
     go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x.
-    FLAG (A/B, off by default): 1 (WAIT), instead of the PDL wait, wait until the int32 at flag_ptr reaches
-    flag_target (the attention kernel's count of its programs done, kernels.decode_attention's `ready`); 2 (RESET),
-    after the PDL wait, set it back to 0 for the next step (the kernel that waited on it has ended by then)."""
+    FLAG (A/B, off by default), on int32 counts flag_ptr[0:2] (kernels.decode_attention's `ready`): 1 (WAIT),
+    instead of the PDL wait, wait until flag_ptr[0] reaches flag_target (the attention kernel's count of its
+    programs done); 2 (RESET), after the PDL wait, set both back to 0 for the next step (the kernels that waited on
+    them have ended by then); 3 (SIGNAL), each program adds one to flag_ptr[1] as its last memory operation, for
+    the attention kernel after to wait on (WAIT_QKV)."""
     GC: gl.constexpr = 32
     HALVES: gl.constexpr = 2 if SWIGLU else 1
     gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
@@ -226,6 +232,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
         if FLAG == 2:
             if pid == 0:
                 gl.atomic_xchg(flag_ptr, 0)
+                gl.atomic_xchg(flag_ptr + 1, 0)
     X3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     # (x's buffers for a power of 2 of chunks, at least 4, as measured: benchmarks/gluon_gemv.py's rounding of bf16 x
     # needed it; w2's K = 11008 then takes 84 KB a program, 2 an SM)
@@ -313,6 +320,9 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             up_z = gl.zeros([BN, GC], gl.float32, LG)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+    if FLAG == 3:  # every thread's stores before the count (a release)
+        gl.thread_barrier()
+        gl.atomic_add(flag_ptr + 1, 1, sem="release")
 
 
 def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
@@ -341,6 +351,11 @@ def _sms(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def launch_programs(N: int, device: torch.device, rows: int = ROWS, per_sm: int = PER_SM) -> int:
+    """Programs of gemv's launch for N output rows: what FLAG 3's count reaches."""
+    return min(triton.cdiv(N, rows), per_sm * _sms(device.index or 0))
+
+
 def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Tensor, units: torch.Tensor,
          w_unscale: float, norm: bool = False, eps: float = 0.0, residual: Optional[torch.Tensor] = None,
          swiglu: bool = False, out_q: bool = False, out_norm_weight: Optional[torch.Tensor] = None,
@@ -350,7 +365,8 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     `xq` (int4_quantize_x(x, norm's weight), groups of 16; norm: apply RMSNorm's scale, eps), x giving only
     the shape and dtype. out_q: y also in int8 (int4_quantize_x(y, out_norm_weight), groups of 16, as this
     kernel rounds it: codes within 1 of that function's). flag, flag_mode 1 (wait until it reaches flag_target
-    instead of on the kernel before's end) or 2 (reset it after that wait): the kernel's FLAG."""
+    instead of on the kernel before's end), 2 (reset it after that wait) or 3 (count the programs done): the
+    kernel's FLAG."""
     K = x.shape[-1]
     R = words.shape[0]
     N = R // 2 if swiglu else R
@@ -365,7 +381,7 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
                          f"16 rows a tile and N a multiple of 16 (got {rows}, {N})")
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     yq = torch.empty(N // 2, device=x.device, dtype=torch.int32) if out_q else None
-    programs = min(triton.cdiv(N, rows), per_sm * _sms(x.device.index or 0))
+    programs = launch_programs(N, x.device, rows, per_sm)
     _int4_gemv_ring_kernel[(programs,)](
         *descriptors(words, codes, rows), xq[:K // 4], xq[K // 4:].view(torch.float32), units,
         residual.reshape(N) if residual is not None else y, y, N, K, eps, w_unscale,

@@ -1175,10 +1175,10 @@ if triton is not None:
     @triton.jit
     def _attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
                           count_ptr, yw_ptr, ys_ptr, ready_ptr, qkv_stride, cache_stride_b, cache_stride_h, L,
-                          qk_scale, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                          qk_scale, wait_target, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                          SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                           BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr,
-                          SIGNAL: tl.constexpr):
+                          SIGNAL: tl.constexpr, WAIT_QKV: tl.constexpr):
         b, hkv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # as in _gemv_kernel: the next kernel may start once all programs here have
             tl.extra.cuda.gdc_launch_dependents()
@@ -1199,7 +1199,9 @@ if triton is not None:
         kv_at = cache + rl[:, None] * D + rd[None, :]
         k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
         v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
-        if PDL:  # pos, the cache and the tables are from earlier steps; qkv is the previous kernel's
+        if WAIT_QKV:  # (instead of the PDL wait) until the previous kernel's programs have counted themselves done
+            _wait_count(ready_ptr + 1, wait_target)
+        elif PDL:  # pos, the cache and the tables are from earlier steps; qkv is the previous kernel's
             tl.extra.cuda.gdc_wait()
         # RoPE (rotate-half) of the query heads and the new key, rounded to the cache dtype
         rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)
@@ -1275,6 +1277,13 @@ if triton is not None:
 
 
     @triton.jit
+    def _wait_count(count_ptr, target):
+        """Until the int32 at count_ptr reaches target (one thread's acquire loads; int4_ring's FLAG 3 counts)."""
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+
+    @triton.jit
     def _signal(ready_ptr, SIGNAL: tl.constexpr):
         """SIGNAL: one more program of the kernel is done with memory (every thread's accesses before the count: a
         release), for a GEMV that waits on the count reaching the launch's programs instead of on its end
@@ -1306,9 +1315,9 @@ if triton is not None:
     @triton.jit
     def _attention_one_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
                               count_ptr, yw_ptr, ys_ptr, ready_ptr, qkv_stride, cache_stride_b, cache_stride_h, L,
-                              qk_scale, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr,
-                              BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr,
-                              SIGNAL: tl.constexpr):
+                              qk_scale, wait_target, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                              BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr,
+                              XG: tl.constexpr, SIGNAL: tl.constexpr, WAIT_QKV: tl.constexpr):
         """_attention_kernel for one query head a KV head (H = HKV, D a power of two), on [positions, D]
         tiles: no heads axis, and the RoPE tables read before the PDL wait."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -1330,7 +1339,9 @@ if triton is not None:
         rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)
         cos = tl.load(cos_ptr + pos * D + rd, mask=inside, other=0).to(tl.float32)  # (tables: earlier steps')
         sin = tl.load(sin_ptr + pos * D + rd, mask=inside, other=0).to(tl.float32) * tl.where(rd < HALF, -1.0, 1.0)
-        if PDL:
+        if WAIT_QKV:
+            _wait_count(ready_ptr + 1, wait_target)
+        elif PDL:
             tl.extra.cuda.gdc_wait()
         row = qkv_ptr + b * qkv_stride
         q = tl.load(row + h * D + rd).to(tl.float32) * cos + tl.load(row + h * D + rd_rot).to(tl.float32) * sin
@@ -1390,14 +1401,14 @@ def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
 
 
 def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0,
-              block_l: int = 0, ready=None):
+              block_l: int = 0, ready=None, wait_qkv: int = 0):
     """decode_attention, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
         y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group,
-                                    block_l, ready)
+                                    block_l, ready, wait_qkv)
         return (y, yq) if out_group else y
     return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                            block_l=block_l, ready=ready)
+                            block_l=block_l, ready=ready, wait_qkv=wait_qkv)
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
@@ -1443,7 +1454,7 @@ def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, blo
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
                      n_kv_heads: int, splits: int | None = None, out_group: int = 0, block_l: int = 0,
-                     ready: torch.Tensor | None = None):
+                     ready: torch.Tensor | None = None, wait_qkv: int = 0):
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
@@ -1454,9 +1465,10 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group)).
     block_l: cache positions a loop step instead of attention_launch's rule's (0; ATTENTION_BLOCK_L, an A/B
     setting, overrides both).
-    ready: an int32 count, raised by one (a release) by each program once it is done with memory,
-    attention_programs(B, Hkv, L) in all (splits given: B Hkv splits): a kernel after this one may wait on it
-    instead of on this kernel's end (int4_ring's WAIT)."""
+    ready: int32 counts [2]: ready[0] raised by one (a release) by each program once it is done with memory,
+    attention_programs(B, Hkv, L) in all (splits given: B Hkv splits), so that a kernel after this one may wait on
+    it instead of on this kernel's end (int4_ring's WAIT). wait_qkv > 0: wait until ready[1] reaches it instead
+    of on the previous kernel's end (int4_ring's WAIT_QKV: the qkv GEMV's programs count themselves done there)."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:
@@ -1465,8 +1477,10 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         raise ValueError("decode_attention: the caches and RoPE tables must be contiguous, D wide")
     if counts.dtype != torch.int32 or counts.numel() < B * Hkv:
         raise ValueError(f"decode_attention: counts must be int32 with at least {B * Hkv} entries")
-    if ready is not None and (ready.dtype != torch.int32 or ready.numel() != 1):
-        raise ValueError("decode_attention: ready must be one int32")
+    if ready is not None and (ready.dtype != torch.int32 or ready.numel() != 2):
+        raise ValueError("decode_attention: ready must be two int32")
+    if wait_qkv and ready is None:
+        raise ValueError("decode_attention: wait_qkv waits on ready[1]: give ready")
     splits = splits or attention_splits(B, Hkv, L)
     G = n_heads // n_kv_heads
     block_g = triton.next_power_of_2(G)
@@ -1497,18 +1511,21 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         _attention_one_kernel[(B, Hkv, splits)](
             qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats,
             ready, qkv.stride(0),
-            k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, D=D, SPLITS=splits,
+            k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), wait_qkv or None, H=n_heads, D=D,
+            SPLITS=splits,
             BLOCK_L=ATTENTION_BLOCK_L or one_block_l, BLOCK_S=triton.next_power_of_2(splits),
             PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None,
-            num_warps=ATTENTION_WARPS or warps,
+            WAIT_QKV=wait_qkv > 0, num_warps=ATTENTION_WARPS or warps,
             **({"launch_pdl": True} if use_pdl else {}))
         return (y, yq) if out_group else y
     _attention_kernel[(B, Hkv, splits)](
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats,
         ready, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
+        k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), wait_qkv or None, H=n_heads, HKV=Hkv, D=D,
+        SPLITS=splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
-        XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None, num_warps=warps,
+        XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None, WAIT_QKV=wait_qkv > 0,
+        num_warps=warps,
         **({"launch_pdl": True} if use_pdl else {}),
         **({"maxnreg": ATTENTION_MAXNREG} if ATTENTION_MAXNREG else {}))
     return (y, yq) if out_group else y
@@ -1518,14 +1535,15 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
                         n_kv_heads: int, out_group: int, block_l: int = 0,
-                        ready: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        ready: Optional[torch.Tensor] = None, wait_qkv: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                           block_l=block_l, ready=ready)
+                           block_l=block_l, ready=ready, wait_qkv=wait_qkv)
     return out if out_group else (out, qkv.new_empty(0, dtype=torch.int32))
 
 
 @decode_attention_op.register_fake
-def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0, ready=None):
+def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0, ready=None,
+      wait_qkv=0):
     width = n_heads * k_cache.shape[-1]
     return (qkv.new_empty((qkv.shape[0], 1, width)),
             qkv.new_empty(width // 4 + 4 * width // out_group if out_group else 0, dtype=torch.int32))

@@ -808,19 +808,21 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done ;;
   z60) # prepared in session 23, not run: int4_ring.WAIT (wo waits on the attention kernel's count of programs done
-      # instead of on its end; w2 resets the count). GPU tests first (a deadlock ends in the timeout), then the step
-      # with and without, twice each
-      timeout -k 5 240 python3 -m pytest -q -x tests/test_kernels.py tests/test_cuda.py -k "flag or signals or ring_wait" \
-        2>&1 | tail -3
-      # (z605: the kernels of a few steps with it, to see that no copy of the count crept into the step)
-      for v in z601:"" z602:"--int4-ring-wait" z603:"" z604:"--int4-ring-wait" z605:"--int4-ring-wait --kernels"; do
+      # instead of on its end) and WAIT_QKV (the attention kernel so on wqkv's); w2 resets the counts. GPU tests first
+      # (a deadlock ends in the timeout), then the step without, with each, with both, twice for the plain and both;
+      # z606: the kernels of a few steps with both, to see that no copy of the counts crept into the step
+      timeout -k 5 240 python3 -m pytest -q -x tests/test_kernels.py tests/test_cuda.py \
+        -k "ring_flags or counts_its_programs or ring_waits" 2>&1 | tail -3
+      for v in z601:"" z602:"--int4-ring-wait" z603:"--int4-ring-wait-qkv" z604:"--int4-ring-wait --int4-ring-wait-qkv" \
+               z605:"" z607:"--int4-ring-wait --int4-ring-wait-qkv" \
+               z606:"--int4-ring-wait --int4-ring-wait-qkv --kernels"; do
         d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
         # shellcheck disable=SC2086
         TORCHINDUCTOR_CACHE_DIR=/tmp/z60/inductor TRITON_CACHE_DIR=/tmp/z60/triton timeout -k 5 150 python3 bench.py \
           --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 $f --json "$OUT/h200-z60.json" \
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
-      grep -A40 "kernels of 4 decode steps" /tmp/z605.log | head -45 ;;
+      grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done

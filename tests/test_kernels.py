@@ -596,9 +596,10 @@ def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused, monk
 
 
 @pytest.mark.cuda
-def test_int4_ring_flag_wait_and_reset(monkeypatch):
-    """The kernel's FLAG: waiting on a count already at its target (1) gives the plain launch's y bit for bit and
-    leaves the count; resetting (2) gives the same y and sets the count to 0."""
+def test_int4_ring_flags(monkeypatch):
+    """The kernel's FLAG on counts [2]: waiting on flag[0] already at its target (1) gives the plain launch's y bit
+    for bit and leaves the counts; counting (3) adds the launch's programs to flag[1]; resetting (2) sets both to 0;
+    y the same each time."""
     int4_ring = ring_or_skip(monkeypatch)
     N, K = 4096, 4096
     packed, scales, zeros, _ = int4_weights(N, K, 32, grid=True)
@@ -607,14 +608,13 @@ def test_int4_ring_flag_wait_and_reset(monkeypatch):
     xq = kernels.int4_quantize_x(x, None, 16)
     residual = torch.randn(1, N, device="cuda").bfloat16()
     plain = int4_ring.gemv(x, xq, words, codes, units, w_unscale, residual=residual, out_q=True)
-    flag = torch.full((1,), 32, dtype=torch.int32, device="cuda")
-    waited = int4_ring.gemv(x, xq, words, codes, units, w_unscale, residual=residual, out_q=True, flag=flag,
-                            flag_mode=1, flag_target=32)
-    torch.cuda.synchronize()
-    assert flag.item() == 32 and torch.equal(waited[0], plain[0]) and torch.equal(waited[1], plain[1])
-    reset = int4_ring.gemv(x, xq, words, codes, units, w_unscale, residual=residual, out_q=True, flag=flag,
-                           flag_mode=2)
-    assert flag.item() == 0 and torch.equal(reset[0], plain[0])
+    flag = torch.tensor([32, 3], dtype=torch.int32, device="cuda")
+    expect = {1: [32, 3], 3: [32, 3 + int4_ring.launch_programs(N, x.device)], 2: [0, 0]}
+    for mode in (1, 3, 2):
+        y, yq = int4_ring.gemv(x, xq, words, codes, units, w_unscale, residual=residual, out_q=True, flag=flag,
+                               flag_mode=mode, flag_target=32)
+        assert flag.tolist() == expect[mode], mode
+        assert torch.equal(y, plain[0]) and torch.equal(yq, plain[1])
 
 
 @pytest.mark.cuda
@@ -854,10 +854,10 @@ def test_one_head_attention_kernel_matches_pytorch(B, rows, H, Hkv, D, L, pos, s
 
 @pytest.mark.parametrize("one", [False, True])
 @pytest.mark.parametrize("pos, splits", [(20, 1), (20, 4), (150, 4)])
-def test_decode_attention_signals_each_kv_head(pos, splits, one, monkeypatch):
-    """With `ready`, each program raises the count by one as it ends (one slice; several of which only one holds
-    cached positions; a merge): B Hkv slices in all, attention_programs at the rule's slices; the output is
-    unchanged."""
+def test_decode_attention_counts_its_programs_and_waits_on_a_count(pos, splits, one, monkeypatch):
+    """With `ready`, each program raises ready[0] by one as it ends (one slice; several of which only one holds
+    cached positions; a merge): B Hkv slices in all, attention_programs at the rule's slices. With wait_qkv it
+    first waits for ready[1] to reach that (here it already has). The output is the same either way."""
     monkeypatch.setattr(kernels, "ATTENTION_ONE", one)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(pos)
@@ -867,15 +867,19 @@ def test_decode_attention_signals_each_kv_head(pos, splits, one, monkeypatch):
     cos, sin = (torch.randn(L, D).bfloat16().to(device) for _ in range(2))
     p = torch.tensor([pos], device=device)
     counts = torch.zeros(B * H, dtype=torch.int32, device=device)
-    ready = torch.full((1,), 5, dtype=torch.int32, device=device)
-    y, yq = kernels.decode_attention(qkv, p, cos, sin, *[c.clone() for c in caches], counts, H, H, splits,
-                                     out_group=16, ready=ready)
-    assert ready.item() == 5 + B * H * splits and not counts.any()
+    y_plain, yq_plain = kernels.decode_attention(qkv, p, cos, sin, *[c.clone() for c in caches], counts, H, H, splits,
+                                                 out_group=16)
+    for wait_qkv in (0, 7):
+        ready = torch.tensor([5, 7], dtype=torch.int32, device=device)
+        y, yq = kernels.decode_attention(qkv, p, cos, sin, *[c.clone() for c in caches], counts, H, H, splits,
+                                         out_group=16, ready=ready, wait_qkv=wait_qkv)
+        assert ready.tolist() == [5 + B * H * splits, 7] and not counts.any()
+        assert torch.equal(y, y_plain) and torch.equal(yq, yq_plain)
     assert kernels.attention_programs(B, H, L) == B * H * kernels.attention_splits(B, H, L) == B * H * 4
-    y_plain, yq_plain = kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, H, splits, out_group=16)
-    assert torch.equal(y, y_plain) and torch.equal(yq, yq_plain)
-    with pytest.raises(ValueError, match="one int32"):
-        kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, H, splits, ready=ready.float())
+    with pytest.raises(ValueError, match="two int32"):
+        kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, H, splits, ready=ready[:1])
+    with pytest.raises(ValueError, match="give ready"):
+        kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, H, splits, wait_qkv=7)
 
 
 def check_decode_attention(B, rows, H, Hkv, D, L, pos, splits, monkeypatch=None, launches=()):
