@@ -59,9 +59,9 @@ ATTENTION_BLOCK_L = 32
 WAIT_QKV = os.environ.get("GRAPHDECODE_INT4_RING_WAIT_QKV", "0") == "1"
 # A/B, off: wo waits on the attention kernel's count of its programs done (kernels.decode_attention's `ready`)
 # instead of on that kernel's end, and w2 resets the count (the kernel's FLAG); GRAPHDECODE_INT4_RING_WAIT=1,
-# bench.py --int4-ring-wait. Not measured yet. A step stopped between its attention kernel and w2 (an exception
-# between eager launches) would leave the count up, and that layer's next wo would not wait: a new setup_caches
-# starts the counts at 0.
+# bench.py --int4-ring-wait. Not measured yet. A step stopped between its attention kernel (or, with WAIT_QKV, its
+# wqkv) and w2 (an exception between eager launches) would leave a count up, and that layer's next wo (attention
+# kernel) would not wait: wrong outputs, silently. A new setup_caches starts the counts at 0.
 WAIT = os.environ.get("GRAPHDECODE_INT4_RING_WAIT", "0") == "1"
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
@@ -223,7 +223,8 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
         if i < total:
             _ring_issue(i, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES, CHUNKS, STAGES, BN, GC)
     if FLAG == 1:  # x written by the kernel before, whose programs each count themselves done (a release each);
-        # the residual was written before that kernel's own PDL wait ended
+        # the residual was written before that kernel's PDL wait ended, or (WAIT_QKV) before wqkv's, whose
+        # programs counted themselves done before the attention kernel read qkv
         seen = gl.atomic_add(flag_ptr, 0, sem="acquire")
         while seen < flag_target:
             seen = gl.atomic_add(flag_ptr, 0, sem="acquire")

@@ -1401,14 +1401,14 @@ def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
 
 
 def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0,
-              block_l: int = 0, ready=None, wait_qkv: int = 0):
+              block_l: int = 0, ready=None, signal: bool = True, wait_qkv: int = 0):
     """decode_attention, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
         y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group,
-                                    block_l, ready, wait_qkv)
+                                    block_l, ready, signal, wait_qkv)
         return (y, yq) if out_group else y
     return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                            block_l=block_l, ready=ready, wait_qkv=wait_qkv)
+                            block_l=block_l, ready=ready, signal=signal, wait_qkv=wait_qkv)
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
@@ -1454,7 +1454,7 @@ def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, blo
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
                      n_kv_heads: int, splits: int | None = None, out_group: int = 0, block_l: int = 0,
-                     ready: torch.Tensor | None = None, wait_qkv: int = 0):
+                     ready: torch.Tensor | None = None, signal: bool = True, wait_qkv: int = 0):
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
@@ -1465,7 +1465,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group)).
     block_l: cache positions a loop step instead of attention_launch's rule's (0; ATTENTION_BLOCK_L, an A/B
     setting, overrides both).
-    ready: int32 counts [2]: ready[0] raised by one (a release) by each program once it is done with memory,
+    ready: int32 counts [2]: (signal) ready[0] raised by one (a release) by each program once it is done with memory,
     attention_programs(B, Hkv, L) in all (splits given: B Hkv splits), so that a kernel after this one may wait on
     it instead of on this kernel's end (int4_ring's WAIT). wait_qkv > 0: wait until ready[1] reaches it instead
     of on the previous kernel's end (int4_ring's WAIT_QKV: the qkv GEMV's programs count themselves done there)."""
@@ -1514,7 +1514,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
             k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), wait_qkv or None, H=n_heads, D=D,
             SPLITS=splits,
             BLOCK_L=ATTENTION_BLOCK_L or one_block_l, BLOCK_S=triton.next_power_of_2(splits),
-            PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None,
+            PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None and signal,
             WAIT_QKV=wait_qkv > 0, num_warps=ATTENTION_WARPS or warps,
             **({"launch_pdl": True} if use_pdl else {}))
         return (y, yq) if out_group else y
@@ -1524,7 +1524,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), wait_qkv or None, H=n_heads, HKV=Hkv, D=D,
         SPLITS=splits,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
-        XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None, WAIT_QKV=wait_qkv > 0,
+        XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None and signal, WAIT_QKV=wait_qkv > 0,
         num_warps=warps,
         **({"launch_pdl": True} if use_pdl else {}),
         **({"maxnreg": ATTENTION_MAXNREG} if ATTENTION_MAXNREG else {}))
@@ -1535,15 +1535,16 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
                         n_kv_heads: int, out_group: int, block_l: int = 0,
-                        ready: Optional[torch.Tensor] = None, wait_qkv: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        ready: Optional[torch.Tensor] = None, signal: bool = True,
+                        wait_qkv: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                           block_l=block_l, ready=ready, wait_qkv=wait_qkv)
+                           block_l=block_l, ready=ready, signal=signal, wait_qkv=wait_qkv)
     return out if out_group else (out, qkv.new_empty(0, dtype=torch.int32))
 
 
 @decode_attention_op.register_fake
 def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0, ready=None,
-      wait_qkv=0):
+      signal=True, wait_qkv=0):
     width = n_heads * k_cache.shape[-1]
     return (qkv.new_empty((qkv.shape[0], 1, width)),
             qkv.new_empty(width // 4 + 4 * width // out_group if out_group else 0, dtype=torch.int32))

@@ -242,7 +242,7 @@ class TransformerBlock(nn.Module):
         else:
             qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm, flag=ready if wait_qkv else None, flag_mode=3)
         y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG,
-                                  block_l=int4_ring.ATTENTION_BLOCK_L, ready=ready,
+                                  block_l=int4_ring.ATTENTION_BLOCK_L, ready=ready, signal=int4_ring.WAIT,
                                   wait_qkv=a.wqkv.ring_programs if wait_qkv else 0)
         h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm,
                           flag=ready if int4_ring.WAIT else None, flag_mode=1,
@@ -292,13 +292,14 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
-    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0, ready=None, wait_qkv=0):
+    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0, ready=None, signal=True,
+                        wait_qkv=0):
         """kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group); block_l:
-        cache positions a loop step (0: the kernel's rule); ready, wait_qkv: counts (kernels.decode_attention's)."""
+        cache positions a loop step (0: the kernel's rule); ready, signal, wait_qkv: kernels.decode_attention's."""
         cache = self.kv_cache
         return kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
                                  self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l, ready=ready,
-                                 wait_qkv=wait_qkv)
+                                 signal=signal, wait_qkv=wait_qkv)
 
     def wo_x_group(self, x) -> int:
         """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one

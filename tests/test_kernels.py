@@ -856,8 +856,8 @@ def test_one_head_attention_kernel_matches_pytorch(B, rows, H, Hkv, D, L, pos, s
 @pytest.mark.parametrize("pos, splits", [(20, 1), (20, 4), (150, 4)])
 def test_decode_attention_counts_its_programs_and_waits_on_a_count(pos, splits, one, monkeypatch):
     """With `ready`, each program raises ready[0] by one as it ends (one slice; several of which only one holds
-    cached positions; a merge): B Hkv slices in all, attention_programs at the rule's slices. With wait_qkv it
-    first waits for ready[1] to reach that (here it already has). The output is the same either way."""
+    cached positions; a merge): B Hkv slices in all, attention_programs at the rule's slices (signal off: not).
+    With wait_qkv it first waits for ready[1] to reach that (here it already has). The output is the same."""
     monkeypatch.setattr(kernels, "ATTENTION_ONE", one)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(pos)
@@ -869,11 +869,11 @@ def test_decode_attention_counts_its_programs_and_waits_on_a_count(pos, splits, 
     counts = torch.zeros(B * H, dtype=torch.int32, device=device)
     y_plain, yq_plain = kernels.decode_attention(qkv, p, cos, sin, *[c.clone() for c in caches], counts, H, H, splits,
                                                  out_group=16)
-    for wait_qkv in (0, 7):
+    for signal, wait_qkv in ((True, 0), (True, 7), (False, 7)):
         ready = torch.tensor([5, 7], dtype=torch.int32, device=device)
         y, yq = kernels.decode_attention(qkv, p, cos, sin, *[c.clone() for c in caches], counts, H, H, splits,
-                                         out_group=16, ready=ready, wait_qkv=wait_qkv)
-        assert ready.tolist() == [5 + B * H * splits, 7] and not counts.any()
+                                         out_group=16, ready=ready, signal=signal, wait_qkv=wait_qkv)
+        assert ready.tolist() == [5 + B * H * splits * signal, 7] and not counts.any()
         assert torch.equal(y, y_plain) and torch.equal(yq, yq_plain)
     assert kernels.attention_programs(B, H, L) == B * H * kernels.attention_splits(B, H, L) == B * H * 4
     with pytest.raises(ValueError, match="two int32"):
