@@ -385,7 +385,6 @@ def main(argv=None) -> int:
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
     if model_module.int4_ring is not None:
         model_module.int4_ring.ENABLED = (model_module.int4_ring.ENABLED or a.int4_ring) and not a.no_int4_ring
-    if model_module.int4_ring is not None:
         model_module.int4_ring.WAIT = model_module.int4_ring.WAIT or a.int4_ring_wait
         model_module.int4_ring.WAIT_QKV = model_module.int4_ring.WAIT_QKV or a.int4_ring_wait_qkv
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES

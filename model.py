@@ -245,8 +245,8 @@ class TransformerBlock(nn.Module):
                                   block_l=int4_ring.ATTENTION_BLOCK_L, ready=ready, signal=int4_ring.WAIT,
                                   wait_qkv=a.wqkv.ring_programs if wait_qkv else 0)
         h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm,
-                          flag=ready if int4_ring.WAIT else None, flag_mode=1,
-                          flag_target=kernels.attention_programs(1, a.n_kv_heads, a.kv_cache.k_cache.shape[2]))
+                          flag=ready if int4_ring.WAIT else None, flag_mode=1, flag_target=kernels.attention_programs(
+                              1, a.n_kv_heads, a.kv_cache.k_cache.shape[2]) if int4_ring.WAIT else 0)
         z, zq = f.w13.ring(h, hq, norm=self.ffn_norm, swiglu=True, out_q=True)
         return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm, flag=ready, flag_mode=2)
 

@@ -50,4 +50,3 @@ if __name__ == "__main__":
     else:
         model.Attention.fused_attention = no_attention
     sys.exit(bench.main(argv))
-    sys.exit(bench.main(sys.argv[1:]))
