@@ -410,15 +410,16 @@ def matmul(x, xq, words, codes, units, w_unscale, norm=False, eps=0.0, residual=
 @torch.library.custom_op("graphdecode::int4_ring_gemv", mutates_args=("flag",))
 def gemv_op(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Tensor, units: torch.Tensor,
             w_unscale: float, norm: bool, eps: float, residual: Optional[torch.Tensor], swiglu: bool, out_q: bool,
-            out_norm_weight: Optional[torch.Tensor], flag: Optional[torch.Tensor] = None, flag_mode: int = 0,
+            out_norm_weight: Optional[torch.Tensor], flag: Optional[torch.Tensor], flag_mode: int = 0,
             flag_target: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    # (flag, a mutated argument, has no default: kernels.decode_attention_op says why)
     y, yq = gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight, flag,
                  flag_mode, flag_target)
     return y, yq if out_q else xq.new_empty(0)  # (an op's outputs are tensors, never its inputs)
 
 
 @gemv_op.register_fake
-def _(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight, flag=None,
-      flag_mode=0, flag_target=0):
+def _(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight, flag, flag_mode=0,
+      flag_target=0):
     N = words.shape[0] // (2 if swiglu else 1)
     return x.new_empty((*x.shape[:-1], N)), xq.new_empty(N // 2 if out_q else 0)

@@ -1525,17 +1525,18 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
 @torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts", "ready"))
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                        n_kv_heads: int, out_group: int, block_l: int = 0,
-                        ready: Optional[torch.Tensor] = None, signal: bool = True,
-                        wait_qkv: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        n_kv_heads: int, out_group: int, block_l: int, ready: Optional[torch.Tensor],
+                        signal: bool = True, wait_qkv: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    # (ready, a mutated argument, has no default: torch 2.11 drops trailing arguments equal to their defaults
+    # before it bumps the mutated ones' versions by position, and then fails with an IndexError)
     out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
                            block_l=block_l, ready=ready, signal=signal, wait_qkv=wait_qkv)
     return out if out_group else (out, qkv.new_empty(0, dtype=torch.int32))
 
 
 @decode_attention_op.register_fake
-def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0, ready=None,
-      signal=True, wait_qkv=0):
+def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l, ready, signal=True,
+      wait_qkv=0):
     width = n_heads * k_cache.shape[-1]
     return (qkv.new_empty((qkv.shape[0], 1, width)),
             qkv.new_empty(width // 4 + 4 * width // out_group if out_group else 0, dtype=torch.int32))

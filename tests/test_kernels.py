@@ -979,7 +979,8 @@ def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     cos, sin = torch.ones(L, D).bfloat16().to(device), torch.zeros(L, D).bfloat16().to(device)
     pos = torch.tensor([0], device=device)
     counts = torch.zeros(H, dtype=torch.int32, device=device)
-    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H, 0)[0] * 1,
+    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H, 0, 0, None)[0]
+                      * 1,
                       fullgraph=True)
     seen = []
     attention = kernels.decode_attention
@@ -994,6 +995,30 @@ def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     assert y.view(H, D).equal(qkv[0, 0, 2 * H * D:].view(H, D))  # one position: its v
     assert k_cache[0, :, 1:].eq(0).all()
     assert "copy_" not in "".join(code)  # no copy of the caches back after a functional op
+
+
+def test_the_custom_ops_take_their_mutated_arguments_as_none_on_fake_tensors():
+    """The custom ops that declare an optional argument mutated run on fake tensors (as torch.compile traces
+    them) with that argument None and the arguments after it at their defaults. torch 2.11 drops trailing
+    arguments equal to their defaults before it bumps the mutated ones' versions by position, so a mutated
+    argument with a default of None failed there with an IndexError (the H200's torch, session 24)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import int4_ring
+
+    H, D, L, K, R = 4, 32, 16, 512, 64
+    with FakeTensorMode():
+        qkv = torch.empty(1, 1, 3 * H * D, dtype=torch.bfloat16)
+        k_cache, v_cache = (torch.empty(1, H, L, D, dtype=torch.bfloat16) for _ in range(2))
+        table = torch.empty(L, D, dtype=torch.bfloat16)
+        counts = torch.empty(H, dtype=torch.int32)
+        y, yq = kernels.decode_attention_op(qkv, torch.empty(1, dtype=torch.long), table, table, k_cache, v_cache,
+                                            counts, H, H, 16, 0, None)
+        assert y.shape == (1, 1, H * D) and yq.shape == (H * D // 4 + 4 * H * D // 16,)
+        x, xq = torch.empty(1, 1, K, dtype=torch.bfloat16), torch.empty(K // 2, dtype=torch.int32)
+        words, codes = torch.empty(R, K // 8, dtype=torch.int32), torch.empty(R, K // 32, dtype=torch.int16)
+        y, yq = int4_ring.gemv_op(x, xq, words, codes, torch.empty(R, 2), 1.0, True, 1e-5, None, True, True, None,
+                                  None)
+        assert y.shape == (1, 1, R // 2) and yq.shape == (R // 4,)
 
 
 @pytest.mark.parametrize("mode", ["eager", "compile"])
