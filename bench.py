@@ -337,11 +337,6 @@ def main(argv=None) -> int:
     p.add_argument("--int4-ring", action="store_true",
                    help="one-token int4 g32 decode on sm_90 by int4_ring.py's kernel in its int8 flow (model."
                         "TransformerBlock.forward_int8): the default since session 21 (kept for older commands)")
-    p.add_argument("--int4-ring-wait", action="store_true",
-                   help="wo waits on the attention kernel's count of programs done, not on its end (int4_ring.WAIT; A/B)")
-    p.add_argument("--int4-ring-wait-qkv", action="store_true",
-                   help="the attention kernel waits on wqkv's count of programs done, not on its end "
-                        "(int4_ring.WAIT_QKV; A/B)")
     p.add_argument("--no-int4-ring", action="store_true",
                    help="kernels.int4_gemv instead of int4_ring.py's int8 flow (A/B; GRAPHDECODE_INT4_RING=0)")
     p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
@@ -385,8 +380,6 @@ def main(argv=None) -> int:
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
     if model_module.int4_ring is not None:
         model_module.int4_ring.ENABLED = (model_module.int4_ring.ENABLED or a.int4_ring) and not a.no_int4_ring
-        model_module.int4_ring.WAIT = model_module.int4_ring.WAIT or a.int4_ring_wait
-        model_module.int4_ring.WAIT_QKV = model_module.int4_ring.WAIT_QKV or a.int4_ring_wait_qkv
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
     kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
     kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
@@ -460,8 +453,6 @@ def main(argv=None) -> int:
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  attention_warps=a.attention_warps, attention_maxnreg=a.attention_maxnreg,
                  attention_one=kernels.ATTENTION_ONE,
-                 int4_ring_wait=model_module.int4_ring is not None and model_module.int4_ring.WAIT,
-                 int4_ring_wait_qkv=model_module.int4_ring is not None and model_module.int4_ring.WAIT_QKV,
                  gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
                  int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,

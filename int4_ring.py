@@ -53,16 +53,6 @@ ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "1") == "1"
 # share its SMs (runs 104-105: 32 positions 688.6 and 689.2 tok/s, 16 678.4, 64 676.1 and 678.0). The grouped kernel's
 # only: where a KV head has one query head, kernels._attention_one_kernel runs at its own launch (session 23)
 ATTENTION_BLOCK_L = 32
-# A/B, off: the attention kernel waits on wqkv's count of its programs done instead of on wqkv's end (FLAG 3 and
-# kernels.decode_attention's wait_qkv; every layer but the first, whose wqkv is kernels.int4_gemv);
-# GRAPHDECODE_INT4_RING_WAIT_QKV=1, bench.py --int4-ring-wait-qkv. Not measured yet.
-WAIT_QKV = os.environ.get("GRAPHDECODE_INT4_RING_WAIT_QKV", "0") == "1"
-# A/B, off: wo waits on the attention kernel's count of its programs done (kernels.decode_attention's `ready`)
-# instead of on that kernel's end, and w2 resets the count (the kernel's FLAG); GRAPHDECODE_INT4_RING_WAIT=1,
-# bench.py --int4-ring-wait. Not measured yet. A step stopped between its attention kernel (or, with WAIT_QKV, its
-# wqkv) and w2 (an exception between eager launches) would leave a count up, and that layer's next wo (attention
-# kernel) would not wait: wrong outputs, silently. A new setup_caches starts the counts at 0.
-WAIT = os.environ.get("GRAPHDECODE_INT4_RING_WAIT", "0") == "1"
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
 ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a program, programs an SM, warps
@@ -178,10 +168,10 @@ def _ring_tile_go(go_ptr, t, pid, P, N, LA: gl.constexpr):
 
 @gluon.jit
 def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N, K, eps, w_unscale,
-                           yw_ptr, ys_ptr, go_ptr, flag_ptr, flag_target,
+                           yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
-                           XQ_OUT: gl.constexpr, GO: gl.constexpr, FLAG: gl.constexpr):
+                           XQ_OUT: gl.constexpr, GO: gl.constexpr):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout
@@ -191,12 +181,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     STAGES boxes ahead of its products, the first STAGES before the PDL wait. Memory stays busy while the
     products run, and an SM's boxes stream without waves of programs. XQ_OUT (BN 16): y also in int8 for the
     next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
-    go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x.
-    FLAG (A/B, off by default), on int32 counts flag_ptr[0:2] (kernels.decode_attention's `ready`): 1 (WAIT),
-    instead of the PDL wait, wait until flag_ptr[0] reaches flag_target (the attention kernel's count of its
-    programs done); 2 (RESET), after the PDL wait, set both back to 0 for the next step (the kernels that waited on
-    them have ended by then); 3 (SIGNAL), each program adds one to flag_ptr[1] as its last memory operation, for
-    the attention kernel after to wait on (WAIT_QKV)."""
+    go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x."""
     GC: gl.constexpr = 32
     HALVES: gl.constexpr = 2 if SWIGLU else 1
     gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
@@ -222,18 +207,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     for i in gl.static_range(STAGES):  # the first STAGES boxes, before the wait
         if i < total:
             _ring_issue(i, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES, CHUNKS, STAGES, BN, GC)
-    if FLAG == 1:  # x written by the kernel before, whose programs each count themselves done (a release each);
-        # the residual was written before that kernel's PDL wait ended, or (WAIT_QKV) before wqkv's, whose
-        # programs counted themselves done before the attention kernel read qkv
-        seen = gl.atomic_add(flag_ptr, 0, sem="acquire")
-        while seen < flag_target:
-            seen = gl.atomic_add(flag_ptr, 0, sem="acquire")
-    else:
-        gdc_wait()  # x and the residual were written by the kernel before
-        if FLAG == 2:
-            if pid == 0:
-                gl.atomic_xchg(flag_ptr, 0)
-                gl.atomic_xchg(flag_ptr + 1, 0)
+    gdc_wait()  # x and the residual were written by the kernel before
     X3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     # (x's buffers for a power of 2 of chunks, at least 4, as measured: benchmarks/gluon_gemv.py's rounding of bf16 x
     # needed it; w2's K = 11008 then takes 84 KB a program, 2 an SM)
@@ -321,9 +295,6 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             up_z = gl.zeros([BN, GC], gl.float32, LG)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    if FLAG == 3:  # every thread's stores before the count (a release)
-        gl.thread_barrier()
-        gl.atomic_add(flag_ptr + 1, 1, sem="release")
 
 
 def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
@@ -352,22 +323,14 @@ def _sms(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_programs(N: int, device: torch.device, rows: int = ROWS, per_sm: int = PER_SM) -> int:
-    """Programs of gemv's launch for N output rows: what FLAG 3's count reaches."""
-    return min(triton.cdiv(N, rows), per_sm * _sms(device.index or 0))
-
-
 def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Tensor, units: torch.Tensor,
          w_unscale: float, norm: bool = False, eps: float = 0.0, residual: Optional[torch.Tensor] = None,
          swiglu: bool = False, out_q: bool = False, out_norm_weight: Optional[torch.Tensor] = None,
-         flag: Optional[torch.Tensor] = None, flag_mode: int = 0, flag_target: int = 0,
          rows: int = ROWS, stages: int = STAGES, per_sm: int = PER_SM, warps: int = WARPS):
     """(y [..., N] in x's dtype, y in int8 or None): residual + [SwiGLU of] RMSNorm @ W.T of one row, x in int8
     `xq` (int4_quantize_x(x, norm's weight), groups of 16; norm: apply RMSNorm's scale, eps), x giving only
     the shape and dtype. out_q: y also in int8 (int4_quantize_x(y, out_norm_weight), groups of 16, as this
-    kernel rounds it: codes within 1 of that function's). flag, flag_mode 1 (wait until it reaches flag_target
-    instead of on the kernel before's end), 2 (reset it after that wait) or 3 (count the programs done): the
-    kernel's FLAG."""
+    kernel rounds it: codes within 1 of that function's)."""
     K = x.shape[-1]
     R = words.shape[0]
     N = R // 2 if swiglu else R
@@ -382,44 +345,37 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
                          f"16 rows a tile and N a multiple of 16 (got {rows}, {N})")
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     yq = torch.empty(N // 2, device=x.device, dtype=torch.int32) if out_q else None
-    programs = launch_programs(N, x.device, rows, per_sm)
+    programs = min(triton.cdiv(N, rows), per_sm * _sms(x.device.index or 0))
     _int4_gemv_ring_kernel[(programs,)](
         *descriptors(words, codes, rows), xq[:K // 4], xq[K // 4:].view(torch.float32), units,
         residual.reshape(N) if residual is not None else y, y, N, K, eps, w_unscale,
         yq[:N // 4] if out_q else xq, yq[N // 4:].view(torch.float32) if out_q else xq,
-        out_norm_weight if out_norm_weight is not None else y, flag, flag_target,
+        out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
-        FLAG=flag_mode if flag is not None else 0,
         num_warps=warps, **({"launch_pdl": True} if kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
 
 def matmul(x, xq, words, codes, units, w_unscale, norm=False, eps=0.0, residual=None, swiglu=False, out_q=False,
-           out_norm_weight=None, flag=None, flag_mode=0, flag_target=0):
+           out_norm_weight=None):
     """gemv, through the custom op (kernels.OPAQUE, as kernels.int4_matmul; always inside torch.compile, which
     cannot trace a Gluon launch) or directly."""
     if kernels.OPAQUE or torch.compiler.is_compiling():
-        y, yq = gemv_op(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight,
-                        flag, flag_mode, flag_target)
+        y, yq = gemv_op(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight)
         return y, yq if out_q else None
-    return gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight, flag,
-                flag_mode, flag_target)
+    return gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight)
 
 
-@torch.library.custom_op("graphdecode::int4_ring_gemv", mutates_args=("flag",))
+@torch.library.custom_op("graphdecode::int4_ring_gemv", mutates_args=())
 def gemv_op(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Tensor, units: torch.Tensor,
             w_unscale: float, norm: bool, eps: float, residual: Optional[torch.Tensor], swiglu: bool, out_q: bool,
-            out_norm_weight: Optional[torch.Tensor], flag: Optional[torch.Tensor], flag_mode: int = 0,
-            flag_target: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    # (flag, a mutated argument, has no default: kernels.decode_attention_op says why)
-    y, yq = gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight, flag,
-                 flag_mode, flag_target)
+            out_norm_weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    y, yq = gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight)
     return y, yq if out_q else xq.new_empty(0)  # (an op's outputs are tensors, never its inputs)
 
 
 @gemv_op.register_fake
-def _(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight, flag, flag_mode=0,
-      flag_target=0):
+def _(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight):
     N = words.shape[0] // (2 if swiglu else 1)
     return x.new_empty((*x.shape[:-1], N)), xq.new_empty(N // 2 if out_q else 0)

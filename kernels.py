@@ -1174,11 +1174,10 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
-                          count_ptr, yw_ptr, ys_ptr, ready_ptr, qkv_stride, cache_stride_b, cache_stride_h, L,
-                          qk_scale, wait_target, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                          SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr,
-                          SIGNAL: tl.constexpr, WAIT_QKV: tl.constexpr):
+                          count_ptr, yw_ptr, ys_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
+                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                          BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr):
         b, hkv, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         if PDL:  # as in _gemv_kernel: the next kernel may start once all programs here have
             tl.extra.cuda.gdc_launch_dependents()
@@ -1199,9 +1198,7 @@ if triton is not None:
         kv_at = cache + rl[:, None] * D + rd[None, :]
         k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
         v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
-        if WAIT_QKV:  # (instead of the PDL wait) until the previous kernel's programs have counted themselves done
-            _wait_count(ready_ptr + 1, wait_target)
-        elif PDL:  # pos, the cache and the tables are from earlier steps; qkv is the previous kernel's
+        if PDL:  # pos, the cache and the tables are from earlier steps; qkv is the previous kernel's
             tl.extra.cuda.gdc_wait()
         # RoPE (rotate-half) of the query heads and the new key, rounded to the cache dtype
         rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)
@@ -1273,24 +1270,7 @@ if triton is not None:
                     v = tl.reshape(y.to(tl.float32), (BLOCK_G * BLOCK_D // XG, XG // 4, 4))
                     _int4_quantize_store(v, v, hkv * G * D, G * D, yw_ptr, ys_ptr, H * D, XG)
                 tl.atomic_xchg(count_ptr + b * HKV + hkv, 0)
-        _signal(ready_ptr, SIGNAL)  # (every program, after all its memory accesses)
 
-
-    @triton.jit
-    def _wait_count(count_ptr, target):
-        """Until the int32 at count_ptr reaches target (one thread's acquire loads; int4_ring's FLAG 3 counts)."""
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-        while seen < target:
-            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-
-    @triton.jit
-    def _signal(ready_ptr, SIGNAL: tl.constexpr):
-        """SIGNAL: one more program of the kernel is done with memory (every thread's accesses before the count: a
-        release), for a GEMV that waits on the count reaching the launch's programs instead of on its end
-        (int4_ring's WAIT)."""
-        if SIGNAL:
-            tl.debug_barrier()
-            tl.atomic_add(ready_ptr, 1, sem="release")
 
     @triton.jit
     def _attend_one(q, k, v, ok, m, l, acc):
@@ -1314,10 +1294,9 @@ if triton is not None:
 
     @triton.jit
     def _attention_one_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
-                              count_ptr, yw_ptr, ys_ptr, ready_ptr, qkv_stride, cache_stride_b, cache_stride_h, L,
-                              qk_scale, wait_target, H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                              BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr,
-                              XG: tl.constexpr, SIGNAL: tl.constexpr, WAIT_QKV: tl.constexpr):
+                              count_ptr, yw_ptr, ys_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
+                              H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_L: tl.constexpr,
+                              BLOCK_S: tl.constexpr, PDL: tl.constexpr, XQ_OUT: tl.constexpr, XG: tl.constexpr):
         """_attention_kernel for one query head a KV head (H = HKV, D a power of two), on [positions, D]
         tiles: no heads axis, and the RoPE tables read before the PDL wait."""
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -1339,9 +1318,7 @@ if triton is not None:
         rd_rot = tl.where(rd < HALF, rd + HALF, rd - HALF)
         cos = tl.load(cos_ptr + pos * D + rd, mask=inside, other=0).to(tl.float32)  # (tables: earlier steps')
         sin = tl.load(sin_ptr + pos * D + rd, mask=inside, other=0).to(tl.float32) * tl.where(rd < HALF, -1.0, 1.0)
-        if WAIT_QKV:
-            _wait_count(ready_ptr + 1, wait_target)
-        elif PDL:
+        if PDL:
             tl.extra.cuda.gdc_wait()
         row = qkv_ptr + b * qkv_stride
         q = tl.load(row + h * D + rd).to(tl.float32) * cos + tl.load(row + h * D + rd_rot).to(tl.float32) * sin
@@ -1392,7 +1369,6 @@ if triton is not None:
                 _attention_one_store(tl.sum(w[:, None] * accs, axis=0) / tl.sum(w * ls, axis=0), y_at, yw_ptr,
                                      ys_ptr, h, H, D, XQ_OUT, XG)
                 tl.atomic_xchg(count_ptr + b * H + h, 0)
-        _signal(ready_ptr, SIGNAL)  # (every program, after all its memory accesses)
 
 
 def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
@@ -1401,14 +1377,14 @@ def attention_usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
 
 
 def attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads: int, n_kv_heads: int, out_group: int = 0,
-              block_l: int = 0, ready=None, signal: bool = True, wait_qkv: int = 0):
+              block_l: int = 0):
     """decode_attention, through the custom op (OPAQUE) or directly."""
     if OPAQUE:
         y, yq = decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group,
-                                    block_l, ready, signal, wait_qkv)
+                                    block_l)
         return (y, yq) if out_group else y
     return decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                            block_l=block_l, ready=ready, signal=signal, wait_qkv=wait_qkv)
+                            block_l=block_l)
 
 
 ATTENTION_SPLITS = None  # a fixed number of cache slices (bench.py --attention-splits), or the rule below
@@ -1432,11 +1408,6 @@ def attention_splits(batch: int, n_kv_heads: int, length: int) -> int:
     return max(1, min(triton.cdiv(length, 64), TARGET_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
 
 
-def attention_programs(batch: int, n_kv_heads: int, length: int) -> int:
-    """Programs of decode_attention's launch (at the rule's or ATTENTION_SPLITS's slices): the count `ready` reaches."""
-    return batch * n_kv_heads * attention_splits(batch, n_kv_heads, length)
-
-
 def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, block_d: int) -> tuple[int, int]:
     """(cache positions a loop step, warps) of the attention kernel (ATTENTION_BLOCK_L and _WARPS, or
     the rule), for query heads a KV head and head_dim padded to block_g and block_d. Products
@@ -1453,8 +1424,7 @@ def attention_launch(batch: int, n_kv_heads: int, splits: int, block_g: int, blo
 
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                     n_kv_heads: int, splits: int | None = None, out_group: int = 0, block_l: int = 0,
-                     ready: torch.Tensor | None = None, signal: bool = True, wait_qkv: int = 0):
+                     n_kv_heads: int, splits: int | None = None, out_group: int = 0, block_l: int = 0):
     """Attention of one new token per sequence, with its RoPE and cache write:
     qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
@@ -1464,11 +1434,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     out_group (one sequence, D a power of two and a multiple of it): also return y in int8 per
     group of out_group for the int4 GEMV after: (y, int4_quantize_x(y, group=out_group)).
     block_l: cache positions a loop step instead of attention_launch's rule's (0; ATTENTION_BLOCK_L, an A/B
-    setting, overrides both).
-    ready: int32 counts [2]: (signal) ready[0] raised by one (a release) by each program once it is done with memory,
-    attention_programs(B, Hkv, L) in all (splits given: B Hkv splits), so that a kernel after this one may wait on
-    it instead of on this kernel's end (int4_ring's WAIT). wait_qkv > 0: wait until ready[1] reaches it instead
-    of on the previous kernel's end (int4_ring's WAIT_QKV: the qkv GEMV's programs count themselves done there)."""
+    setting, overrides both)."""
     B, S, width = qkv.shape
     _, Hkv, L, D = k_cache.shape
     if S != 1 or width != (n_heads + 2 * n_kv_heads) * D or qkv.stride(-1) != 1:
@@ -1477,10 +1443,6 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         raise ValueError("decode_attention: the caches and RoPE tables must be contiguous, D wide")
     if counts.dtype != torch.int32 or counts.numel() < B * Hkv:
         raise ValueError(f"decode_attention: counts must be int32 with at least {B * Hkv} entries")
-    if ready is not None and (ready.dtype != torch.int32 or ready.numel() != 2):
-        raise ValueError("decode_attention: ready must be two int32")
-    if wait_qkv and ready is None:
-        raise ValueError("decode_attention: wait_qkv waits on ready[1]: give ready")
     splits = splits or attention_splits(B, Hkv, L)
     G = n_heads // n_kv_heads
     block_g = triton.next_power_of_2(G)
@@ -1506,37 +1468,35 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         y_words, y_stats = yq[:width // 4], yq[width // 4:].view(torch.float32)
     else:
         y_words = y_stats = y  # (placeholders: XQ_OUT off)
-    args = (qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, ready, qkv.stride(0),
-            k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), wait_qkv or None)
-    flags = dict(H=n_heads, D=D, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
-                 XQ_OUT=bool(out_group), XG=out_group or 16, SIGNAL=ready is not None and signal,
-                 WAIT_QKV=wait_qkv > 0, **({"launch_pdl": True} if use_pdl else {}))
     if ATTENTION_ONE and G == 1 and block_d == D:  # (block_l is the grouped kernel's)
-        one_block_l, one_warps = ATTENTION_ONE_LAUNCH
-        _attention_one_kernel[(B, Hkv, splits)](*args, BLOCK_L=ATTENTION_BLOCK_L or one_block_l,
-                                                num_warps=ATTENTION_WARPS or one_warps, **flags)
-    else:
-        _attention_kernel[(B, Hkv, splits)](*args, HKV=Hkv, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l,
-                                            num_warps=warps, **flags,
-                                            **({"maxnreg": ATTENTION_MAXNREG} if ATTENTION_MAXNREG else {}))
+        one_block_l, warps = ATTENTION_ONE_LAUNCH
+        _attention_one_kernel[(B, Hkv, splits)](
+            qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
+            k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, D=D, SPLITS=splits,
+            BLOCK_L=ATTENTION_BLOCK_L or one_block_l, BLOCK_S=triton.next_power_of_2(splits),
+            PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=ATTENTION_WARPS or warps,
+            **({"launch_pdl": True} if use_pdl else {}))
+        return (y, yq) if out_group else y
+    _attention_kernel[(B, Hkv, splits)](
+        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
+        k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
+        XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
+        **({"maxnreg": ATTENTION_MAXNREG} if ATTENTION_MAXNREG else {}))
     return (y, yq) if out_group else y
 
 
-@torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts", "ready"))
+@torch.library.custom_op("graphdecode::decode_attention", mutates_args=("k_cache", "v_cache", "counts"))
 def decode_attention_op(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
-                        n_kv_heads: int, out_group: int, block_l: int, ready: Optional[torch.Tensor],
-                        signal: bool = True, wait_qkv: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    # (ready, a mutated argument, has no default: torch 2.11 drops trailing arguments equal to their defaults
-    # before it bumps the mutated ones' versions by position, and then fails with an IndexError)
+                        n_kv_heads: int, out_group: int, block_l: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     out = decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group=out_group,
-                           block_l=block_l, ready=ready, signal=signal, wait_qkv=wait_qkv)
+                           block_l=block_l)
     return out if out_group else (out, qkv.new_empty(0, dtype=torch.int32))
 
 
 @decode_attention_op.register_fake
-def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l, ready, signal=True,
-      wait_qkv=0):
+def _(qkv, pos, cos, sin, k_cache, v_cache, counts, n_heads, n_kv_heads, out_group, block_l=0):
     width = n_heads * k_cache.shape[-1]
     return (qkv.new_empty((qkv.shape[0], 1, width)),
             qkv.new_empty(width // 4 + 4 * width // out_group if out_group else 0, dtype=torch.int32))

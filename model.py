@@ -232,23 +232,15 @@ class TransformerBlock(nn.Module):
         reads bf16 x, kernels.int4_gemv). next_norm: the next layer's attention_norm (None: the last layer,
         whose output the head reads in bf16)."""
         a, f = self.attention, self.feed_forward
-        # (A/B settings, off: int4_ring.WAIT_QKV, the attention kernel waits on wqkv's programs each counting
-        # themselves done, not on wqkv's end; int4_ring.WAIT, wo so on the attention kernel's; w2 resets the counts
-        # for the next step. One sequence: int8_flow)
-        wait_qkv = int4_ring.WAIT_QKV and xq is not None
-        ready = a.kv_cache.ready if int4_ring.WAIT or wait_qkv else None
         if xq is None:
             qkv = a.wqkv(x, norm=self.attention_norm)
         else:
-            qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm, flag=ready if wait_qkv else None, flag_mode=3)
+            qkv, _ = a.wqkv.ring(x, xq, norm=self.attention_norm)
         y, yq = a.fused_attention(qkv, input_pos, rope_cos, rope_sin, out_group=int4_ring.XG,
-                                  block_l=int4_ring.ATTENTION_BLOCK_L, ready=ready, signal=int4_ring.WAIT,
-                                  wait_qkv=a.wqkv.ring_programs if wait_qkv else 0)
-        h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm,
-                          flag=ready if int4_ring.WAIT else None, flag_mode=1, flag_target=kernels.attention_programs(
-                              1, a.n_kv_heads, a.kv_cache.k_cache.shape[2]) if int4_ring.WAIT else 0)
+                                  block_l=int4_ring.ATTENTION_BLOCK_L)
+        h, hq = a.wo.ring(y, yq, residual=x, out_q=True, out_norm=self.ffn_norm)
         z, zq = f.w13.ring(h, hq, norm=self.ffn_norm, swiglu=True, out_q=True)
-        return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm, flag=ready, flag_mode=2)
+        return f.w2.ring(z, zq, residual=h, out_q=next_norm is not None, out_norm=next_norm)
 
 
 class Attention(nn.Module):
@@ -292,14 +284,12 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
-    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0, ready=None, signal=True,
-                        wait_qkv=0):
+    def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0):
         """kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group); block_l:
-        cache positions a loop step (0: the kernel's rule); ready, signal, wait_qkv: kernels.decode_attention's."""
+        cache positions a loop step (0: the kernel's rule)."""
         cache = self.kv_cache
         return kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
-                                 self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l, ready=ready,
-                                 signal=signal, wait_qkv=wait_qkv)
+                                 self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l)
 
     def wo_x_group(self, x) -> int:
         """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one
@@ -342,9 +332,6 @@ class KVCache(nn.Module):
         # kernels.decode_attention's count of finished cache slices per sequence and KV head
         self.register_buffer("counts", torch.zeros(max_batch_size * n_kv_heads, dtype=torch.int32, device=device),
                              persistent=False)
-        # the attention kernel's and wqkv's counts of programs done, for the kernel after each to wait on
-        # (int4_ring.WAIT and WAIT_QKV, off by default)
-        self.register_buffer("ready", torch.zeros(2, dtype=torch.int32, device=device), persistent=False)
 
     def update(self, input_pos, k, v):
         # input_pos [S] (or [B, S] per sequence), k and v [B, Hkv, S, D]: rows B.. of a larger
@@ -717,14 +704,13 @@ class Int4Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         return unfused(self.linear, x, norm, residual, swiglu)
 
-    def ring(self, x, xq, norm=None, residual=None, swiglu=False, out_q=False, out_norm=None, flag=None, flag_mode=0,
-             flag_target=0):
+    def ring(self, x, xq, norm=None, residual=None, swiglu=False, out_q=False, out_norm=None):
         """forward in decode's int8 flow (TransformerBlock.forward_int8; gemv_ring): (y, y in int8 or None) by
         int4_ring.py's kernel, which reads x in int8 only (xq: kernels.int4_quantize_x(x, norm's weight), groups
-        of 16; x gives the shape); out_q: y also in int8, times out_norm's weight if given; flag...: int4_ring's."""
+        of 16; x gives the shape); out_q: y also in int8, times out_norm's weight if given."""
         return int4_ring.matmul(x, xq, self.gemv_weight, self.gemv_sz, self.gemv_units, self.gemv_unscale,
                                 norm is not None, 0.0 if norm is None else norm.eps, residual, swiglu, out_q,
-                                None if out_norm is None else out_norm.weight, flag, flag_mode, flag_target)
+                                None if out_norm is None else out_norm.weight)
 
     def x_group(self, x) -> int:
         """The group of x in int8 that the one-row kernel can read for this x (kernels.int4_x_group), or
@@ -769,8 +755,6 @@ class Int4Linear(nn.Module):
             # decode's int8 flow (TransformerBlock.forward_int8) runs this layer by int4_ring.py's kernel
             self.gemv_ring = int4_ring is not None and units is not None and int4_ring.usable(
                 weight, sz, self.kernel_groupsize)
-            # (its launch's programs as one GEMV, not SwiGLU's gate and up: what int4_ring's FLAG 3 counts to)
-            self.ring_programs = int4_ring.launch_programs(weight.shape[0], weight.device) if self.gemv_ring else 0
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)

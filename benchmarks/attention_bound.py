@@ -20,11 +20,7 @@ import bench  # noqa: E402
 import model  # noqa: E402
 
 
-def no_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0, ready=None, signal=True,
-                 wait_qkv=0):
-    if ready is not None:
-        raise ValueError("attention_bound.py without --floor: no attention kernel to count or wait on "
-                         "(--int4-ring-wait, --int4-ring-wait-qkv)")
+def no_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0):
     width = self.n_heads * self.head_dim
     y = qkv[..., :width]
     if not out_group:
@@ -32,13 +28,11 @@ def no_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=
     return y, qkv.reshape(-1).view(model.torch.int32)[:width // 4 + 4 * width // out_group]
 
 
-def floor_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0, ready=None, signal=True,
-                    wait_qkv=0):
+def floor_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0):
     cache = self.kv_cache
     return model.kernels.attention(qkv, model.torch.zeros_like(input_pos), rope_cos, rope_sin, cache.k_cache,
                                    cache.v_cache, cache.counts, self.n_heads, self.n_kv_heads, out_group=out_group,
-                                   block_l=block_l, ready=ready, signal=signal,
-                                   wait_qkv=wait_qkv)
+                                   block_l=block_l)
 
 
 if __name__ == "__main__":

@@ -331,46 +331,6 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
     assert_graphed_is_one_replay_and_picks_eager_tokens(qmodel)
 
 
-@pytest.mark.parametrize("wait, wait_qkv", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("n_kv_heads", [4, 2])  # one query head a KV head (_attention_one_kernel), two
-def test_int4_ring_waits_give_the_same_tokens_and_leave_the_counts_at_zero(n_kv_heads, wait, wait_qkv, monkeypatch):
-    """int4_ring.WAIT (wo waits on the attention kernel's count of programs done instead of on its end) and
-    WAIT_QKV (the attention kernel so on wqkv's), w2 resetting the counts: the same logits, bit for bit, as
-    without over several decode steps; every layer's counts back at 0 after each step; graphed decode one replay a
-    token, picking eager decode's tokens."""
-    import model as model_module
-    from quantize import quantize_model
-
-    from test_kernels import ring_or_skip
-
-    int4_ring = ring_or_skip(monkeypatch)  # (turned on: read as layers load)
-    args = ModelArgs(dim=512, n_layers=3, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=1000,
-                     intermediate_size=1536, max_seq_len=512)
-    torch.manual_seed(0)
-    qmodel = quantize_model(random_model(args, torch.device("cuda"), torch.bfloat16), "int4", 32)
-    assert all(m.gemv_ring for m in qmodel.layers.modules() if isinstance(m, model_module.Int4Linear))
-    idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(len(PROMPT[0]), device="cuda")
-    steps = {}
-    for on in (False, True):
-        monkeypatch.setattr(int4_ring, "WAIT", wait and on)
-        monkeypatch.setattr(int4_ring, "WAIT_QKV", wait_qkv and on)
-        with torch.no_grad():
-            qmodel.setup_caches(1, 64)
-            qmodel(idx, pos)
-            token, out = torch.tensor([[3]], device="cuda"), []
-            for p in range(len(PROMPT[0]), len(PROMPT[0]) + 6):
-                logits = qmodel(token, torch.tensor([p], device="cuda"))
-                out.append(logits.float())
-                token = logits[:, -1:].argmax(-1)
-                assert all(not layer.attention.kv_cache.ready.any() for layer in qmodel.layers)
-        steps[on] = torch.cat(out)
-    assert torch.equal(steps[True], steps[False])
-    monkeypatch.setattr(int4_ring, "WAIT", wait)
-    monkeypatch.setattr(int4_ring, "WAIT_QKV", wait_qkv)
-    torch._dynamo.reset()
-    assert_graphed_is_one_replay_and_picks_eager_tokens(qmodel)
-
-
 @pytest.mark.parametrize("k", [2, 4])
 def test_speculative_graphs_equal_plain_greedy_and_draft_loop_is_one_replay(model32, k):
     """Graphed speculative decoding (draft loop and verification, one CUDA graph each) gives the
