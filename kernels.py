@@ -1468,21 +1468,18 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         y_words, y_stats = yq[:width // 4], yq[width // 4:].view(torch.float32)
     else:
         y_words = y_stats = y  # (placeholders: XQ_OUT off)
+    args = (qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
+            k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D))
+    flags = dict(H=n_heads, D=D, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
+                 XQ_OUT=bool(out_group), XG=out_group or 16, **({"launch_pdl": True} if use_pdl else {}))
     if ATTENTION_ONE and G == 1 and block_d == D:  # (block_l is the grouped kernel's)
-        one_block_l, warps = ATTENTION_ONE_LAUNCH
-        _attention_one_kernel[(B, Hkv, splits)](
-            qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
-            k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, D=D, SPLITS=splits,
-            BLOCK_L=ATTENTION_BLOCK_L or one_block_l, BLOCK_S=triton.next_power_of_2(splits),
-            PDL=use_pdl, XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=ATTENTION_WARPS or warps,
-            **({"launch_pdl": True} if use_pdl else {}))
-        return (y, yq) if out_group else y
-    _attention_kernel[(B, Hkv, splits)](
-        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, y_words, y_stats, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits,
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
-        XQ_OUT=bool(out_group), XG=out_group or 16, num_warps=warps, **({"launch_pdl": True} if use_pdl else {}),
-        **({"maxnreg": ATTENTION_MAXNREG} if ATTENTION_MAXNREG else {}))
+        one_block_l, one_warps = ATTENTION_ONE_LAUNCH
+        _attention_one_kernel[(B, Hkv, splits)](*args, BLOCK_L=ATTENTION_BLOCK_L or one_block_l,
+                                                num_warps=ATTENTION_WARPS or one_warps, **flags)
+    else:
+        _attention_kernel[(B, Hkv, splits)](*args, HKV=Hkv, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_L=block_l,
+                                            num_warps=warps, **flags,
+                                            **({"maxnreg": ATTENTION_MAXNREG} if ATTENTION_MAXNREG else {}))
     return (y, yq) if out_group else y
 
 
