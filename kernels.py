@@ -957,6 +957,11 @@ INT4_LAUNCHES = {
 }
 
 
+def int4_shape(N: int, K: int, swiglu: bool = False) -> str:
+    """INT4_LAUNCHES' name for a layer's shape (also int4_ring.py's)."""
+    return "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
+
+
 def int4_launch_override(text: str) -> dict[str, tuple[int, int, int]]:
     """GRAPHDECODE_INT4_LAUNCH's launches for the integer kernel on one row of x in bf16, in place of
     INT4_LAUNCHES', by shape: "gate/up=8,2048,8;long=8,4096,8" (rows a program, columns a step,
@@ -990,7 +995,7 @@ def int4_config(N: int, K: int, groupsize: int, swiglu: bool = False, dp4a: bool
     at 8, run 51); codes at other groups take the integers' launches. xq (x in int8 already, wo's
     case): the square shape at 16 rows, 4096 columns a step, 4 warps (wo at group 32 with codes,
     3.1 µs against 3.9 at the codes' launch, run 58; other groups not tuned)."""
-    shape = "gate/up" if swiglu else "wide" if N > 8192 else "long" if K > 8192 else "square"
+    shape = int4_shape(N, K, swiglu)
     at_32, at_128, half, codes_at_32 = INT4_LAUNCHES[shape]
     override = int4_launch_override(INT4_LAUNCH).get(shape) if dp4a and not xq else None
     if override:

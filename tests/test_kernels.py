@@ -620,6 +620,52 @@ def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
     assert ((nxt[0] - nxt[1]).abs() <= 2e-2 * nxt[1].abs().max()).all()  # (codes may differ by 1 at ties)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
+    """Programs an SM and boxes in flight only split rows among programs and pace the copies: every launch
+    (by argument, by LAUNCHES and by GRAPHDECODE_INT4_RING_LAUNCH) gives the default's y and y in int8 bit for bit."""
+    int4_ring = ring_or_skip(monkeypatch)
+    N, K = 4096, 2816  # (256 tiles; a partial box at the end of each row)
+    packed, scales, zeros, _ = int4_weights(2 * N if swiglu else N, K, 32, grid=True)
+    words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
+    x = torch.randn(1, K, device="cuda").bfloat16()
+    xq = kernels.int4_quantize_x(x, None, 16)
+
+    def run(**launch):
+        return int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu, out_q=True, **launch)
+
+    y, yq = run()
+    for launch in ({"per_sm": 1, "stages": 2}, {"per_sm": 4, "stages": 5}, {"per_sm": 2, "stages": 9}):
+        y2, yq2 = run(**launch)
+        assert torch.equal(y2, y) and torch.equal(yq2, yq), launch
+    shape = kernels.int4_shape(N, K, swiglu)
+    monkeypatch.setattr(int4_ring, "LAUNCHES", {shape: (1, 3)})
+    assert int4_ring.launch(N, K, swiglu) == (1, 3)
+    y2, yq2 = run()
+    assert torch.equal(y2, y) and torch.equal(yq2, yq)
+
+
+def test_int4_ring_launch_override(monkeypatch):
+    """GRAPHDECODE_INT4_RING_LAUNCH's form: SHAPE=PROGRAMS_AN_SM,BOXES by kernels.int4_shape's names, in place of
+    int4_ring.LAUNCHES; anything else is a one-line error naming the form."""
+    try:
+        import int4_ring
+    except (ImportError, AttributeError):
+        pytest.skip("int4_ring.py needs Triton's Gluon (3.6 or newer), which this machine lacks")
+    assert int4_ring.launch_override("gate/up=4,6;square=2,8") == {"gate/up": (4, 6), "square": (2, 8)}
+    assert int4_ring.launch_override("") == {}
+    for bad in ("gate=4,6", "square=4", "square=0,6", "long=2,1", "wide=a,b"):
+        with pytest.raises(ValueError, match="SHAPE=PROGRAMS_AN_SM,BOXES"):
+            int4_ring.launch_override(bad)
+    monkeypatch.setattr(int4_ring, "LAUNCHES", {"long": (2, 8)})
+    monkeypatch.setattr(int4_ring, "LAUNCH", "gate/up=4,5")
+    assert [int4_ring.launch(4096, 11008, False), int4_ring.launch(11008, 4096, True),
+            int4_ring.launch(12288, 4096, False), int4_ring.launch(4096, 4096, False)] == \
+        [(2, 8), (4, 5), (int4_ring.PER_SM, int4_ring.STAGES), (int4_ring.PER_SM, int4_ring.STAGES)]
+    assert [kernels.int4_shape(*s) for s in ((12288, 4096), (4096, 4096), (4096, 11008))] == ["wide", "square", "long"]
+
+
 def test_int4_ring_refuses_what_it_cannot_run(monkeypatch):
     """int4_ring.usable is False unless turned on (ENABLED: on by default, GRAPHDECODE_INT4_RING=0 off), off
     sm_90 and for CPU tensors, other groups or float16 scales; gemv's errors name the shapes it takes."""

@@ -1,0 +1,82 @@
+"""int4_ring.py's launches by shape, timed in the whole decode step rather than in a chain of GEMVs alone.
+
+`python benchmarks/ring_launch.py [--model llama-2-7b] [--quantize int4-g32] --launches "DEFAULT|gate/up=4,6|..."
+[--graphs "DEFAULT|gate/up=4,6"] [--json FILE]` builds the model once (random weights, quantized in memory as
+bench.py does), then for each launch (int4_ring.GRAPHDECODE_INT4_RING_LAUNCH's form; DEFAULT: int4_ring.LAUNCHES)
+times bench.py's one-token step (batch 1, prompt 8, 200 new tokens) captured by hand in one CUDA graph
+(bench.py's "manual" mode: no compile, so a launch costs seconds) and, for those in --graphs, through
+torch.compile's CUDA graphs as bench.py times it. Each launch's logits of the first step must equal DEFAULT's
+bit for bit (the launch splits rows, never sums), or it fails.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import bench  # noqa: E402
+import int4_ring  # noqa: E402
+
+
+def first_logits(model) -> torch.Tensor:
+    """Logits of four one-token steps (positions 0-3, so the last attends to a cache) in eager: the int8
+    flow's kernels at this launch."""
+    device = model.tok_embeddings.weight.device
+    model.setup_caches(1, 32)
+    with torch.no_grad():
+        for i, t in enumerate((1, 7, 42, 9)):
+            logits = model(torch.tensor([[t]], device=device), torch.tensor([i], device=device))
+    return logits.float()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-2-7b", choices=sorted(bench.PRESETS))
+    p.add_argument("--quantize", default="int4-g32")
+    p.add_argument("--launches", default="DEFAULT", help="'|'-separated launches, DEFAULT for int4_ring.LAUNCHES")
+    p.add_argument("--graphs", default="", help="'|'-separated launches also timed through torch.compile's graphs")
+    p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--json", help="append each record to this file")
+    a = p.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = bench.quantized(bench.random_model(bench.PRESETS[a.model], device, torch.bfloat16), a.quantize)
+    ceiling = bench.copy_bandwidth(device)
+    print(f"{a.model} {a.quantize} on {torch.cuda.get_device_name(device)}, torch {torch.__version__}; "
+          f"copy ceiling {ceiling:.0f} GB/s; int4_ring.LAUNCHES {int4_ring.LAUNCHES}", flush=True)
+    reference = None
+    plan = [(launch, "manual") for launch in a.launches.split("|")] + \
+           [(launch, "graphs") for launch in filter(None, a.graphs.split("|"))]
+    for launch, mode in plan:
+        try:
+            int4_ring.LAUNCH = "" if launch == "DEFAULT" else launch
+            int4_ring.launch_override(int4_ring.LAUNCH)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        logits = first_logits(model)
+        if reference is None:
+            reference = logits
+        same = torch.equal(logits, reference)
+        r = bench.bench_one(model, mode, 1, 8, a.new_tokens, ceiling)
+        r.update(launch=launch, same_logits=same, gpu=torch.cuda.get_device_name(device), torch=torch.__version__,
+                 model=f"{a.model} {a.quantize}", command="python " + " ".join(sys.argv))
+        print(f"{mode:7s} {launch:40s} {r['tok_s']:7.1f} tok/s  {r['step_ms_median']:.3f} ms "
+              f"(p99 {r['step_ms_p99']:.3f})  same logits: {same}", flush=True)
+        if a.json:
+            old = json.loads(open(a.json).read()) if os.path.exists(a.json) else []
+            with open(a.json, "w") as f:
+                f.write(json.dumps(old + [r], indent=1) + "\n")
+        if mode == "graphs":
+            torch._dynamo.reset()
+        if not same:
+            print(f"error: launch {launch!r} changed the logits", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
