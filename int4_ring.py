@@ -58,33 +58,37 @@ CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the
 ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a program, programs an SM, warps
 # (run 98: 6 boxes and 3 an SM were the best of 5-7 boxes, 1-4 an SM; 16 rows: XQ_OUT's tile is one group)
 # Launches by shape (kernels.int4_shape: wqkv "wide", wo "square", w13 "gate/up", w2 "long"): (programs an SM, boxes
-# in flight), in place of (PER_SM, STAGES)
-LAUNCHES: dict[str, tuple[int, int]] = {}
-# GRAPHDECODE_INT4_RING_LAUNCH: launches by shape in place of LAUNCHES', "gate/up=4,6;square=2,8", for timing them
-# in the whole step (benchmarks/ring_launch.py). Read at each launch, as the step is traced or captured.
+# in flight, rows a tile, warps), in place of (PER_SM, STAGES, ROWS, WARPS)
+LAUNCHES: dict[str, tuple[int, int, int, int]] = {}
+# GRAPHDECODE_INT4_RING_LAUNCH: launches by shape in place of LAUNCHES', "gate/up=4,6;wide=3,5,32,8" (rows and warps
+# optional), for timing them in the whole step (benchmarks/ring_launch.py). Read at each launch, as the step is
+# traced or captured.
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
 
 
-def launch_override(text: str) -> dict[str, tuple[int, int]]:
-    """GRAPHDECODE_INT4_RING_LAUNCH's launches: {shape: (programs an SM, boxes in flight)}."""
+def launch_override(text: str) -> dict[str, tuple[int, int, int, int]]:
+    """GRAPHDECODE_INT4_RING_LAUNCH's launches: {shape: (programs an SM, boxes in flight, rows a tile, warps)}."""
     launches = {}
     for part in filter(None, text.split(";")):
         shape, _, values = part.partition("=")
         try:
-            per_sm, stages = (int(v) for v in values.split(","))
+            v = [int(v) for v in values.split(",")]
+            per_sm, stages, rows, warps = v if len(v) == 4 else (*v, ROWS, WARPS) if len(v) == 2 else ()
         except ValueError:
-            per_sm = stages = 0
-        if shape not in kernels.INT4_LAUNCHES or not (1 <= per_sm <= 8 and 2 <= stages <= 16):
-            raise ValueError(f"GRAPHDECODE_INT4_RING_LAUNCH: {part!r} is not SHAPE=PROGRAMS_AN_SM,BOXES (shapes "
-                             f"{', '.join(kernels.INT4_LAUNCHES)}; 1-8 programs an SM, 2-16 boxes)")
-        launches[shape] = (per_sm, stages)
+            per_sm = stages = rows = warps = 0
+        if shape not in kernels.INT4_LAUNCHES or not (1 <= per_sm <= 8 and 2 <= stages <= 16) \
+                or rows not in (8, 16, 32) or warps not in (2, 4, 8):
+            raise ValueError(f"GRAPHDECODE_INT4_RING_LAUNCH: {part!r} is not SHAPE=PROGRAMS_AN_SM,BOXES[,ROWS,WARPS] "
+                             f"(shapes {', '.join(kernels.INT4_LAUNCHES)}; 1-8 programs an SM, 2-16 boxes, 8, 16 "
+                             f"or 32 rows, 2, 4 or 8 warps)")
+        launches[shape] = (per_sm, stages, rows, warps)
     return launches
 
 
-def launch(N: int, K: int, swiglu: bool) -> tuple[int, int]:
-    """(programs an SM, boxes in flight) for a layer [N (2N: swiglu), K]."""
+def launch(N: int, K: int, swiglu: bool) -> tuple[int, int, int, int]:
+    """(programs an SM, boxes in flight, rows a tile, warps) for a layer [N (2N: swiglu), K]."""
     shape = kernels.int4_shape(N, K, swiglu)
-    return launch_override(LAUNCH).get(shape) or LAUNCHES.get(shape, (PER_SM, STAGES))
+    return launch_override(LAUNCH).get(shape) or LAUNCHES.get(shape, (PER_SM, STAGES, ROWS, WARPS))
 
 
 @gluon.jit
@@ -354,16 +358,19 @@ def _sms(device: int) -> int:
 def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Tensor, units: torch.Tensor,
          w_unscale: float, norm: bool = False, eps: float = 0.0, residual: Optional[torch.Tensor] = None,
          swiglu: bool = False, out_q: bool = False, out_norm_weight: Optional[torch.Tensor] = None,
-         rows: int = ROWS, stages: Optional[int] = None, per_sm: Optional[int] = None, warps: int = WARPS):
+         rows: Optional[int] = None, stages: Optional[int] = None, per_sm: Optional[int] = None,
+         warps: Optional[int] = None):
     """(y [..., N] in x's dtype, y in int8 or None): residual + [SwiGLU of] RMSNorm @ W.T of one row, x in int8
     `xq` (int4_quantize_x(x, norm's weight), groups of 16; norm: apply RMSNorm's scale, eps), x giving only
     the shape and dtype. out_q: y also in int8 (int4_quantize_x(y, out_norm_weight), groups of 16, as this
-    kernel rounds it: codes within 1 of that function's). stages, per_sm: launch()'s where None."""
+    kernel rounds it: codes within 1 of that function's). rows, stages, per_sm, warps: launch()'s where None
+    (rows 16 with out_q)."""
     K = x.shape[-1]
     R = words.shape[0]
     N = R // 2 if swiglu else R
-    shape_per_sm, shape_stages = launch(N, K, swiglu)
-    per_sm, stages = per_sm or shape_per_sm, stages or shape_stages
+    shape_launch = launch(N, K, swiglu)
+    per_sm, stages = per_sm or shape_launch[0], stages or shape_launch[1]
+    rows, warps = rows or (XG if out_q else shape_launch[2]), warps or shape_launch[3]
     if x.numel() != K or xq.dtype != torch.int32 or xq.numel() != K // 2 or not xq.is_contiguous():
         raise ValueError(f"int4_ring.gemv takes one row of x and its int8 form in groups of 16 "
                          f"(got x {tuple(x.shape)}, xq {xq.dtype} {xq.numel()})")

@@ -636,14 +636,18 @@ def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
         return int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu, out_q=True, **launch)
 
     y, yq = run()
-    for launch in ({"per_sm": 1, "stages": 2}, {"per_sm": 4, "stages": 5}, {"per_sm": 2, "stages": 9}):
+    for launch in ({"per_sm": 1, "stages": 2}, {"per_sm": 4, "stages": 5}, {"per_sm": 2, "stages": 9, "warps": 8}):
         y2, yq2 = run(**launch)
         assert torch.equal(y2, y) and torch.equal(yq2, yq), launch
     shape = kernels.int4_shape(N, K, swiglu)
-    monkeypatch.setattr(int4_ring, "LAUNCHES", {shape: (1, 3)})
-    assert int4_ring.launch(N, K, swiglu) == (1, 3)
-    y2, yq2 = run()
+    monkeypatch.setattr(int4_ring, "LAUNCHES", {shape: (1, 3, 32, 2)})
+    assert int4_ring.launch(N, K, swiglu) == (1, 3, 32, 2)
+    y2, yq2 = run()  # (y in int8 keeps 16 rows a tile)
     assert torch.equal(y2, y) and torch.equal(yq2, yq)
+    for rows, warps in ((8, 2), (32, 8)):  # without y in int8, any rows
+        y3 = int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu)[0]
+        assert torch.equal(int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu, rows=rows,
+                                          warps=warps)[0], y3), (rows, warps)
 
 
 def test_int4_ring_launch_override(monkeypatch):
@@ -653,16 +657,20 @@ def test_int4_ring_launch_override(monkeypatch):
         import int4_ring
     except (ImportError, AttributeError):
         pytest.skip("int4_ring.py needs Triton's Gluon (3.6 or newer), which this machine lacks")
-    assert int4_ring.launch_override("gate/up=4,6;square=2,8") == {"gate/up": (4, 6), "square": (2, 8)}
+    defaults = (int4_ring.ROWS, int4_ring.WARPS)
+    assert int4_ring.launch_override("gate/up=4,6;wide=3,5,32,8") == {"gate/up": (4, 6, *defaults),
+                                                                        "wide": (3, 5, 32, 8)}
     assert int4_ring.launch_override("") == {}
-    for bad in ("gate=4,6", "square=4", "square=0,6", "long=2,1", "wide=a,b"):
+    for bad in ("gate=4,6", "square=4", "square=0,6", "long=2,1", "wide=a,b", "wide=3,5,12,4", "wide=3,5,16",
+                "wide=3,5,16,3"):
         with pytest.raises(ValueError, match="SHAPE=PROGRAMS_AN_SM,BOXES"):
             int4_ring.launch_override(bad)
-    monkeypatch.setattr(int4_ring, "LAUNCHES", {"long": (2, 8)})
+    monkeypatch.setattr(int4_ring, "LAUNCHES", {"long": (2, 8, 16, 4)})
     monkeypatch.setattr(int4_ring, "LAUNCH", "gate/up=4,5")
+    default = (int4_ring.PER_SM, int4_ring.STAGES, *defaults)
     assert [int4_ring.launch(4096, 11008, False), int4_ring.launch(11008, 4096, True),
             int4_ring.launch(12288, 4096, False), int4_ring.launch(4096, 4096, False)] == \
-        [(2, 8), (4, 5), (int4_ring.PER_SM, int4_ring.STAGES), (int4_ring.PER_SM, int4_ring.STAGES)]
+        [(2, 8, 16, 4), (4, 5, *defaults), default, default]
     assert [kernels.int4_shape(*s) for s in ((12288, 4096), (4096, 4096), (4096, 11008))] == ["wide", "square", "long"]
 
 
