@@ -5,8 +5,9 @@
 bench.py does), then for each launch (int4_ring.GRAPHDECODE_INT4_RING_LAUNCH's form; DEFAULT: int4_ring.LAUNCHES)
 times bench.py's one-token step (batch 1, prompt 8, 200 new tokens) captured by hand in one CUDA graph
 (bench.py's "manual" mode: no compile, so a launch costs seconds) and, for those in --graphs, through
-torch.compile's CUDA graphs as bench.py times it. Each launch's logits of the first step must equal DEFAULT's
-bit for bit (the launch splits rows, never sums), or it fails.
+torch.compile's CUDA graphs as bench.py times it. A launch that changes only programs an SM and boxes in flight
+must give DEFAULT's logits bit for bit (it splits rows among programs, never a sum), or it fails; one that changes
+rows or warps changes the order of sums, so its logits' largest difference is printed instead.
 """
 import argparse
 import json
@@ -61,18 +62,20 @@ def main() -> int:
         if reference is None:
             reference = logits
         same = torch.equal(logits, reference)
+        exact = all(v[2:] == (int4_ring.ROWS, int4_ring.WARPS) for v in int4_ring.launch_override(int4_ring.LAUNCH).values())
         r = bench.bench_one(model, mode, 1, 8, a.new_tokens, ceiling)
         r.update(launch=launch, same_logits=same, gpu=torch.cuda.get_device_name(device), torch=torch.__version__,
                  model=f"{a.model} {a.quantize}", command="python " + " ".join(sys.argv))
         print(f"{mode:7s} {launch:40s} {r['tok_s']:7.1f} tok/s  {r['step_ms_median']:.3f} ms "
-              f"(p99 {r['step_ms_p99']:.3f})  same logits: {same}", flush=True)
+              f"(p99 {r['step_ms_p99']:.3f})  same logits: {same}"
+              + ("" if same else f" (largest difference {(logits - reference).abs().max().item():.3g})"), flush=True)
         if a.json:
             old = json.loads(open(a.json).read()) if os.path.exists(a.json) else []
             with open(a.json, "w") as f:
                 f.write(json.dumps(old + [r], indent=1) + "\n")
         if mode == "graphs":
             torch._dynamo.reset()
-        if not same:
+        if exact and not same:
             print(f"error: launch {launch!r} changed the logits", file=sys.stderr)
             return 1
     return 0

@@ -623,8 +623,9 @@ def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
-    """Programs an SM and boxes in flight only split rows among programs and pace the copies: every launch
-    (by argument, by LAUNCHES and by GRAPHDECODE_INT4_RING_LAUNCH) gives the default's y and y in int8 bit for bit."""
+    """Programs an SM and boxes in flight only split rows among programs and pace the copies: every such launch
+    (by argument and by LAUNCHES) gives the default's y and y in int8 bit for bit. Rows a tile and warps change
+    the order of the float32 sums, so y within bf16 rounding."""
     int4_ring = ring_or_skip(monkeypatch)
     N, K = 4096, 2816  # (256 tiles; a partial box at the end of each row)
     packed, scales, zeros, _ = int4_weights(2 * N if swiglu else N, K, 32, grid=True)
@@ -636,18 +637,18 @@ def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
         return int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu, out_q=True, **launch)
 
     y, yq = run()
-    for launch in ({"per_sm": 1, "stages": 2}, {"per_sm": 4, "stages": 5}, {"per_sm": 2, "stages": 9, "warps": 8}):
+    for launch in ({"per_sm": 1, "stages": 2}, {"per_sm": 4, "stages": 5}, {"per_sm": 2, "stages": 9}):
         y2, yq2 = run(**launch)
         assert torch.equal(y2, y) and torch.equal(yq2, yq), launch
     shape = kernels.int4_shape(N, K, swiglu)
-    monkeypatch.setattr(int4_ring, "LAUNCHES", {shape: (1, 3, 32, 2)})
-    assert int4_ring.launch(N, K, swiglu) == (1, 3, 32, 2)
+    monkeypatch.setattr(int4_ring, "LAUNCHES", {shape: (1, 3, 32, int4_ring.WARPS)})
+    assert int4_ring.launch(N, K, swiglu) == (1, 3, 32, int4_ring.WARPS)
     y2, yq2 = run()  # (y in int8 keeps 16 rows a tile)
     assert torch.equal(y2, y) and torch.equal(yq2, yq)
-    for rows, warps in ((8, 2), (32, 8)):  # without y in int8, any rows
-        y3 = int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu)[0]
-        assert torch.equal(int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu, rows=rows,
-                                          warps=warps)[0], y3), (rows, warps)
+    monkeypatch.setattr(int4_ring, "LAUNCHES", {})
+    for rows, warps in ((8, 2), (32, 8), (16, 8)):  # without y in int8, any rows
+        y3 = int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu, rows=rows, warps=warps)[0]
+        assert ((y3.float() - y.float()).abs() <= 1e-2 * y.float().abs() + 1e-3 * y.float().abs().max()).all()
 
 
 def test_int4_ring_launch_override(monkeypatch):
