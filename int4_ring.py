@@ -58,8 +58,10 @@ CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the
 ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a program, programs an SM, warps
 # (run 98: 6 boxes and 3 an SM were the best of 5-7 boxes, 1-4 an SM; 16 rows: XQ_OUT's tile is one group)
 # Launches by shape (kernels.int4_shape: wqkv "wide", wo "square", w13 "gate/up", w2 "long"): (programs an SM, boxes
-# in flight, rows a tile, warps), in place of (PER_SM, STAGES, ROWS, WARPS)
-LAUNCHES: dict[str, tuple[int, int, int, int]] = {}
+# in flight, rows a tile, warps), in place of (PER_SM, STAGES, ROWS, WARPS). Timed in the whole 7B int4 g32 step
+# (benchmarks/ring_launch.py, session 25): wqkv at 5 boxes 724.4-725.4 tok/s against 715.2-715.5 at 6; at 3 or 4
+# boxes, 2 or 4 an SM, 8 or 32 rows, 2 or 8 warps it lost (679-719); no other shape gained from another launch.
+LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 # GRAPHDECODE_INT4_RING_LAUNCH: launches by shape in place of LAUNCHES', "gate/up=4,6;wide=3,5,32,8" (rows and warps
 # optional), for timing them in the whole step (benchmarks/ring_launch.py). Read at each launch, as the step is
 # traced or captured.
@@ -203,7 +205,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                            yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
-                           XQ_OUT: gl.constexpr, GO: gl.constexpr):
+                           XQ_OUT: gl.constexpr, GO: gl.constexpr, X_POW2: gl.constexpr = True):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout
@@ -243,7 +245,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     X3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     # (x's buffers for a power of 2 of chunks, at least 4, as measured: benchmarks/gluon_gemv.py's rounding of bf16 x
     # needed it; w2's K = 11008 then takes 84 KB a program, 2 an SM)
-    CHUNKS4: gl.constexpr = 4 if CHUNKS <= 4 else 8 if CHUNKS <= 8 else 16 if CHUNKS <= 16 else 32
+    CHUNKS4: gl.constexpr = (4 if CHUNKS <= 4 else 8 if CHUNKS <= 8 else 16 if CHUNKS <= 16 else 32) if X_POW2 else CHUNKS
     xw_s = gl.allocate_shared_memory(gl.int32, [CHUNKS4, GC, 8], X3)
     sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
     qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
@@ -390,6 +392,7 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
+        X_POW2=os.environ.get("GRAPHDECODE_INT4_RING_XEXACT", "0") != "1",
         num_warps=warps, **({"launch_pdl": True} if kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
