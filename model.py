@@ -122,13 +122,9 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)
         mask = self.kv_pos <= input_pos.unsqueeze(-1)  # [S, L]: True where a query may look
         xq = None  # int4 decode on Hopper: x in int8 too, from each layer to the next (TransformerBlock.forward_int8)
-        head_ring = getattr(self.output, "gemv_ring", False)  # an int4 head that int4_ring.py runs: x in int8 for it
         for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].attention_norm if i + 1 < len(self.layers) else \
-                self.norm if head_ring else None
+            next_norm = self.layers[i + 1].attention_norm if i + 1 < len(self.layers) else None
             x, xq = layer(x, input_pos, self.rope_cos, self.rope_sin, mask, xq, next_norm)
-        if xq is not None:  # (the int8 flow ran, and the head is int4_ring.py's)
-            return self.output.ring(x, xq, norm=self.norm)[0]
         return self.output(x, norm=self.norm)  # = output(norm(x)): see Linear
 
     # -- loading ---------------------------------------------------------------------------

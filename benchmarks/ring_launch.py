@@ -40,24 +40,11 @@ def main() -> int:
     p.add_argument("--launches", default="DEFAULT", help="'|'-separated launches, DEFAULT for int4_ring.LAUNCHES")
     p.add_argument("--graphs", default="", help="'|'-separated launches also timed through torch.compile's graphs")
     p.add_argument("--new-tokens", type=int, default=200)
-    p.add_argument("--int4-head", action="store_true", help="a trial: the output head in int4 at group 32 too "
-                   "(quantize.quantize_int4, in memory), run by int4_ring.py in the int8 flow")
     p.add_argument("--json", help="append each record to this file")
     a = p.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    float_model = bench.random_model(bench.PRESETS[a.model], device, torch.bfloat16)
-    model = bench.quantized(float_model, a.quantize)
-    if a.int4_head:
-        from model import Int4Linear
-        from quantize import quantize_int4
-        head = float_model.output.weight
-        q, scales, zeros = quantize_int4(head.float(), 32)
-        model.output = Int4Linear(head.shape[1], head.shape[0], 32).to(device)
-        model.output.load_state_dict({"weight": q.to(device), "scales": scales.to(device, head.dtype),
-                                      "zeros": zeros.to(device, head.dtype)}, assign=True)
-        print(f"int4 head: int4_ring runs it: {getattr(model.output, 'gemv_ring', False)}", flush=True)
-    del float_model
+    model = bench.quantized(bench.random_model(bench.PRESETS[a.model], device, torch.bfloat16), a.quantize)
     ceiling = bench.copy_bandwidth(device)
     print(f"{a.model} {a.quantize} on {torch.cuda.get_device_name(device)}, torch {torch.__version__}; "
           f"copy ceiling {ceiling:.0f} GB/s; int4_ring.LAUNCHES {int4_ring.LAUNCHES}", flush=True)
