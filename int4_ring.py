@@ -205,7 +205,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                            yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
-                           XQ_OUT: gl.constexpr, GO: gl.constexpr, X_POW2: gl.constexpr = True):
+                           XQ_OUT: gl.constexpr, GO: gl.constexpr):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout
@@ -245,7 +245,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     X3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     # (x's buffers for a power of 2 of chunks, at least 4, as measured: benchmarks/gluon_gemv.py's rounding of bf16 x
     # needed it; w2's K = 11008 then takes 84 KB a program, 2 an SM)
-    CHUNKS4: gl.constexpr = (4 if CHUNKS <= 4 else 8 if CHUNKS <= 8 else 16 if CHUNKS <= 16 else 32) if X_POW2 else CHUNKS
+    CHUNKS4: gl.constexpr = 4 if CHUNKS <= 4 else 8 if CHUNKS <= 8 else 16 if CHUNKS <= 16 else 32
     xw_s = gl.allocate_shared_memory(gl.int32, [CHUNKS4, GC, 8], X3)
     sx_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
     qs_s = gl.allocate_shared_memory(gl.float32, [CHUNKS4, GC, 2], X3)
@@ -392,7 +392,6 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
-        X_POW2=os.environ.get("GRAPHDECODE_INT4_RING_XEXACT", "0") != "1",
         num_warps=warps, **({"launch_pdl": True} if kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
