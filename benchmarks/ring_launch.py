@@ -7,7 +7,8 @@ times bench.py's one-token step (batch 1, prompt 8, 200 new tokens) captured by 
 (bench.py's "manual" mode: no compile, so a launch costs seconds) and, for those in --graphs, through
 torch.compile's CUDA graphs as bench.py times it. A launch that changes only programs an SM and boxes in flight
 must give DEFAULT's logits bit for bit (it splits rows among programs, never a sum), or it fails; one that changes
-rows or warps changes the order of sums, so its logits' largest difference is printed instead.
+rows or warps changes the order of sums, so its logits' largest difference is printed instead; so does one with
+"attention=BLOCK_L,WARPS[,SPLITS]" (the attention kernel's launch, as bench.py's --attention-* flags set it).
 """
 import argparse
 import json
@@ -20,6 +21,7 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 import int4_ring  # noqa: E402
+import kernels  # noqa: E402
 
 
 def first_logits(model) -> torch.Tensor:
@@ -53,8 +55,15 @@ def main() -> int:
            [(launch, "graphs") for launch in filter(None, a.graphs.split("|"))]
     for launch, mode in plan:
         try:
-            int4_ring.LAUNCH = "" if launch == "DEFAULT" else launch
+            parts = [] if launch == "DEFAULT" else launch.split(";")
+            attention = [p for p in parts if p.startswith("attention=")]
+            int4_ring.LAUNCH = ";".join(p for p in parts if p not in attention)
             int4_ring.launch_override(int4_ring.LAUNCH)
+            # attention=BLOCK_L,WARPS[,SPLITS]: the attention kernel's positions a loop step, warps, cache slices
+            # (kernels.ATTENTION_BLOCK_L, _WARPS, _SPLITS, as bench.py's --attention-* set them; 0: the rule)
+            values = [int(v) for v in attention[-1].partition("=")[2].split(",")] if attention else []
+            kernels.ATTENTION_BLOCK_L, kernels.ATTENTION_WARPS, kernels.ATTENTION_SPLITS = \
+                (v or None for v in (values + [0, 0, 0])[:3])
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -62,7 +71,8 @@ def main() -> int:
         if reference is None:
             reference = logits
         same = torch.equal(logits, reference)
-        exact = all(v[2:] == (int4_ring.ROWS, int4_ring.WARPS) for v in int4_ring.launch_override(int4_ring.LAUNCH).values())
+        exact = not attention and all(v[2:] == (int4_ring.ROWS, int4_ring.WARPS)
+                                      for v in int4_ring.launch_override(int4_ring.LAUNCH).values())
         r = bench.bench_one(model, mode, 1, 8, a.new_tokens, ceiling)
         r.update(launch=launch, same_logits=same, gpu=torch.cuda.get_device_name(device), torch=torch.__version__,
                  model=f"{a.model} {a.quantize}", command="python " + " ".join(sys.argv))
