@@ -59,8 +59,9 @@ ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a pr
 # (run 98: 6 boxes and 3 an SM were the best of 5-7 boxes, 1-4 an SM; 16 rows: XQ_OUT's tile is one group)
 # Launches by shape (kernels.int4_shape: wqkv "wide", wo "square", w13 "gate/up", w2 "long"): (programs an SM, boxes
 # in flight, rows a tile, warps), in place of (PER_SM, STAGES, ROWS, WARPS). Timed in the whole 7B int4 g32 step
-# (benchmarks/ring_launch.py, session 25): wqkv at 5 boxes 724.4-725.4 tok/s against 715.2-715.5 at 6; at 3 or 4
-# boxes, 2 or 4 an SM, 8 or 32 rows, 2 or 8 warps it lost (679-719); no other shape gained from another launch.
+# (benchmarks/ring_launch.py, session 25): wqkv at 5 boxes 724.4-725.4 tok/s against 715.2-715.5 at 6 on two
+# machines, +0.7 to +6 on a third (graphs 718.8-720.2 against 715.8); at 3 or 4 boxes, 2 or 4 an SM, 8 or 32 rows,
+# 2 or 8 warps it lost (633-719); no other shape gained from another launch.
 LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 # GRAPHDECODE_INT4_RING_LAUNCH: launches by shape in place of LAUNCHES', "gate/up=4,6;wide=3,5,32,8" (rows and warps
 # optional), for timing them in the whole step (benchmarks/ring_launch.py). Read at each launch, as the step is
