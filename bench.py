@@ -148,7 +148,9 @@ def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
 
 
 def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False, show_kernels=False,
-              sampling: Sampling = Sampling(temperature=0)) -> dict:
+              sampling: Sampling = Sampling(temperature=0), repeat: int = 1) -> dict:
+    """One configuration's record: new_tokens decode steps after a prompt, timed `repeat` times from the same
+    position (the record's numbers are the last run's; tok_s_runs has every run's)."""
     device = model.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -171,23 +173,26 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
             overlap = (" (PDL: each kernel starts before the one it follows ends, and its time includes that wait,"
                        " so the times overlap; --no-pdl for a breakdown)" if kernels.pdl(gen.buffers[0]) else "")
             print(f"-- {mode} B={batch}: kernels of 4 decode steps{overlap}\n{kernel_table(gen)}", file=sys.stderr)
-        pos.fill_(prompt_tokens)
-        times = []
+        runs = []
         ctx = gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad()
         with ctx:
-            if device.type == "cuda":
-                events = [torch.cuda.Event(enable_timing=True) for _ in range(new_tokens + 1)]
-                events[0].record()
-                for i in range(new_tokens):
-                    gen._decode_step(token, pos, tokens)
-                    events[i + 1].record()
-                events[-1].synchronize()
-                times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(new_tokens)]
-            else:
-                for _ in range(new_tokens):
-                    t = time.perf_counter()
-                    gen._decode_step(token, pos, tokens)
-                    times.append(time.perf_counter() - t)
+            for _ in range(repeat):
+                pos.fill_(prompt_tokens)
+                times = []
+                if device.type == "cuda":
+                    events = [torch.cuda.Event(enable_timing=True) for _ in range(new_tokens + 1)]
+                    events[0].record()
+                    for i in range(new_tokens):
+                        gen._decode_step(token, pos, tokens)
+                        events[i + 1].record()
+                    events[-1].synchronize()
+                    times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(new_tokens)]
+                else:
+                    for _ in range(new_tokens):
+                        t = time.perf_counter()
+                        gen._decode_step(token, pos, tokens)
+                        times.append(time.perf_counter() - t)
+                runs.append(batch * new_tokens / sum(times))
     total = sum(times)
     weight_bytes = weight_bytes_per_step(model, batch)
     a = model.args
@@ -197,7 +202,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
     ms = sorted(t * 1e3 for t in times)
     record = {
         "mode": mode, "batch_size": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-        "tok_s": batch * new_tokens / total, "step_ms_median": statistics.median(ms),
+        "tok_s": batch * new_tokens / total, "tok_s_runs": runs, "step_ms_median": statistics.median(ms),
         "step_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "gb_s": gb_s,
         "ceiling_gb_s": ceiling, "pct_of_ceiling": 100 * gb_s / ceiling, "compile_s": gen.compile_s,
         **counts,
@@ -305,6 +310,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--prompt-tokens", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time the decode this many times from the same position; report the last run, print each")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--check-graphs", action="store_true", help="fail unless decode is one graph replay per token")
@@ -388,6 +395,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if a.repeat < 1:
+        print(f"error: --repeat must be at least 1 (got {a.repeat})", file=sys.stderr)
+        return 1
     if not 1 <= a.gemv_max_rows <= 16:
         print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)
         return 1
@@ -469,10 +479,12 @@ def main(argv=None) -> int:
     for mode in modes:
         for batch in batches:
             r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
-                          a.check_graphs and mode in ("graphs", "manual"), a.kernels, sampling)
+                          a.check_graphs and mode in ("graphs", "manual"), a.kernels, sampling, a.repeat)
             print(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
                   f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
-                  f"first call {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
+                  f"first call {r['compile_s']:.1f} s"
+                  + (f"  (runs: {', '.join(f'{t:.1f}' for t in r['tok_s_runs'])} tok/s)" if a.repeat > 1 else ""),
+                  file=sys.stderr, flush=True)
             keep(r)
         if draft is not None and mode != "manual":  # (no hand-captured speculative loop)
             r = bench_speculative(model, draft, a.speculate_k, mode, a.prompt_tokens, a.new_tokens, sampling,
