@@ -392,6 +392,9 @@ def main(argv=None) -> int:
     kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
     try:  # (the environment's settings, checked before any model loads)
         kernels.int4_dp4a(), model_module.int4_codes(32), kernels.int4_x_group(32)
+        kernels.int4_launch_override(kernels.INT4_LAUNCH)
+        if model_module.int4_ring is not None:
+            model_module.int4_ring.launch_override(model_module.int4_ring.LAUNCH)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -57,33 +57,35 @@ G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
 ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a program, programs an SM, warps
 # (run 98: 6 boxes and 3 an SM were the best of 5-7 boxes, 1-4 an SM; 16 rows: XQ_OUT's tile is one group)
-# Launches by shape (kernels.int4_shape: wqkv "wide", wo "square", w13 "gate/up", w2 "long"): (programs an SM, boxes
-# in flight, rows a tile, warps), in place of (PER_SM, STAGES, ROWS, WARPS). Timed in the whole 7B int4 g32 step
-# (benchmarks/ring_launch.py, session 25): wqkv at 5 boxes 724.4-725.4 tok/s against 715.2-715.5 at 6 on two
-# machines, +0.7 to +6 on a third (graphs 718.8-720.2 against 715.8); at 3 or 4 boxes, 2 or 4 an SM, 8 or 32 rows,
-# 2 or 8 warps it lost (633-719); no other shape gained from another launch.
+# Launches by shape (kernels.int4_shape: "wide" is wqkv where N > 8192, as in Llama-2-7B; "square" wo, and wqkv
+# of grouped-head models; "gate/up" w13; "long" w2): (programs an SM, boxes in flight, rows a tile, warps), in place
+# of (PER_SM, STAGES, ROWS, WARPS). Rows apply only where a GEMV writes no y in int8 (XQ_OUT takes 16): in decode's
+# int8 flow, wqkv and the last layer's w2. Timed in the whole 7B int4 g32 step (benchmarks/ring_launch.py, session
+# 25): wqkv at 5 boxes 723.8-725.4 tok/s against 715.2-715.5 at 6 on two machines, +0.7 to +6 on a third (graphs
+# 718.8-720.2 against 715.8); at 3 or 4 boxes, 2 or 4 an SM, 8 or 32 rows, 2 or 8 warps it lost (633-719); no
+# other shape gained from another launch.
 LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 # GRAPHDECODE_INT4_RING_LAUNCH: launches by shape in place of LAUNCHES', "gate/up=4,6;wide=3,5,32,8" (rows and warps
 # optional), for timing them in the whole step (benchmarks/ring_launch.py). Read at each launch, as the step is
 # traced or captured.
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
+MAX_BOX_ROWS = 256  # rows x boxes in flight at most: 147 KB of shared memory a program, beside x's
 
 
+@functools.lru_cache(maxsize=16)
 def launch_override(text: str) -> dict[str, tuple[int, int, int, int]]:
-    """GRAPHDECODE_INT4_RING_LAUNCH's launches: {shape: (programs an SM, boxes in flight, rows a tile, warps)}."""
+    """GRAPHDECODE_INT4_RING_LAUNCH's launches: {shape: (programs an SM, boxes in flight, rows a tile, warps)}
+    (cached: do not change the dict)."""
     launches = {}
-    for part in filter(None, text.split(";")):
-        shape, _, values = part.partition("=")
-        try:
-            v = [int(v) for v in values.split(",")]
-            per_sm, stages, rows, warps = v if len(v) == 4 else (*v, ROWS, WARPS) if len(v) == 2 else ()
-        except ValueError:
-            per_sm = stages = rows = warps = 0
+    for shape, values in kernels.launch_parts(text):
+        per_sm, stages, rows, warps = values + [ROWS, WARPS] if len(values) == 2 else values if len(values) == 4 \
+            else (0, 0, 0, 0)
         if shape not in kernels.INT4_LAUNCHES or not (1 <= per_sm <= 8 and 2 <= stages <= 16) \
-                or rows not in (8, 16, 32) or warps not in (2, 4, 8):
-            raise ValueError(f"GRAPHDECODE_INT4_RING_LAUNCH: {part!r} is not SHAPE=PROGRAMS_AN_SM,BOXES[,ROWS,WARPS] "
-                             f"(shapes {', '.join(kernels.INT4_LAUNCHES)}; 1-8 programs an SM, 2-16 boxes, 8, 16 "
-                             f"or 32 rows, 2, 4 or 8 warps)")
+                or rows not in (8, 16, 32) or warps not in (2, 4, 8) or rows * stages > MAX_BOX_ROWS:
+            raise ValueError(f"GRAPHDECODE_INT4_RING_LAUNCH: {shape}={','.join(map(str, values))} is not "
+                             f"SHAPE=PROGRAMS_AN_SM,BOXES[,ROWS,WARPS] (shapes {', '.join(kernels.INT4_LAUNCHES)}; "
+                             f"1-8 programs an SM, 2-16 boxes, 8, 16 or 32 rows, 2, 4 or 8 warps, rows x boxes at "
+                             f"most {MAX_BOX_ROWS})")
         launches[shape] = (per_sm, stages, rows, warps)
     return launches
 
@@ -372,8 +374,13 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     R = words.shape[0]
     N = R // 2 if swiglu else R
     shape_launch = launch(N, K, swiglu)
-    per_sm, stages = per_sm or shape_launch[0], stages or shape_launch[1]
-    rows, warps = rows or (XG if out_q else shape_launch[2]), warps or shape_launch[3]
+    per_sm = shape_launch[0] if per_sm is None else per_sm
+    stages = shape_launch[1] if stages is None else stages
+    rows = (XG if out_q else shape_launch[2]) if rows is None else rows
+    warps = shape_launch[3] if warps is None else warps
+    if per_sm < 1 or stages < (2 if swiglu else 1):
+        raise ValueError(f"int4_ring.gemv takes at least 1 program an SM and {2 if swiglu else 1} boxes in flight "
+                         f"(got {per_sm}, {stages})")
     if x.numel() != K or xq.dtype != torch.int32 or xq.numel() != K // 2 or not xq.is_contiguous():
         raise ValueError(f"int4_ring.gemv takes one row of x and its int8 form in groups of 16 "
                          f"(got x {tuple(x.shape)}, xq {xq.dtype} {xq.numel()})")

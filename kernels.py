@@ -968,18 +968,23 @@ def int4_launch_override(text: str) -> dict[str, tuple[int, int, int]]:
     warps; powers of two). For timing a launch in the whole step (bench.py), which the tuner's
     GEMVs timed alone do not always predict."""
     launches = {}
-    for part in filter(None, text.split(";")):
-        shape, _, values = part.partition("=")
-        try:
-            rows, columns, warps = (int(v) for v in values.split(","))
-        except ValueError:
-            rows = columns = warps = 0
+    for shape, values in launch_parts(text):
+        rows, columns, warps = values if len(values) == 3 else (0, 0, 0)
         if shape not in INT4_LAUNCHES or min(rows, columns, warps) < 1 or any(
                 v & (v - 1) for v in (rows, columns, warps)):
-            raise ValueError(f"GRAPHDECODE_INT4_LAUNCH: {part!r} is not SHAPE=ROWS,COLUMNS,WARPS (shapes "
-                             f"{', '.join(INT4_LAUNCHES)}; powers of two)")
+            raise ValueError(f"GRAPHDECODE_INT4_LAUNCH: {shape}={','.join(map(str, values))} is not "
+                             f"SHAPE=ROWS,COLUMNS,WARPS (shapes {', '.join(INT4_LAUNCHES)}; powers of two)")
         launches[shape] = (rows, columns, warps)
     return launches
+
+
+def launch_parts(text: str) -> list[tuple[str, list[int]]]:
+    """"SHAPE=A,B,...;SHAPE=..." -> [(SHAPE, [A, B, ...]), ...]; a value that is not an integer reads as 0."""
+    parts = []
+    for part in filter(None, text.split(";")):
+        shape, _, values = part.partition("=")
+        parts.append((shape, [int(v) if v.strip().lstrip("-").isdigit() else 0 for v in values.split(",")]))
+    return parts
 
 
 INT4_LAUNCH = os.environ.get("GRAPHDECODE_INT4_LAUNCH", "")  # read at each launch (int4_config)

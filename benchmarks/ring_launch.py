@@ -5,7 +5,7 @@
 bench.py does), then for each launch (int4_ring.GRAPHDECODE_INT4_RING_LAUNCH's form; DEFAULT: int4_ring.LAUNCHES)
 times bench.py's one-token step (batch 1, prompt 8, 200 new tokens) captured by hand in one CUDA graph
 (bench.py's "manual" mode: no compile, so a launch costs seconds) and, for those in --graphs, through
-torch.compile's CUDA graphs as bench.py times it. A launch that changes only programs an SM and boxes in flight
+torch.compile's CUDA graphs as bench.py times it, each --repeat times in a row (the last reported). A launch that changes only programs an SM and boxes in flight
 must give DEFAULT's logits bit for bit (it splits rows among programs, never a sum), or it fails; one that changes
 rows or warps changes the order of sums, so its logits' largest difference is printed instead; so does one with
 "attention=BLOCK_L,WARPS[,SPLITS]" (the attention kernel's launch, as bench.py's --attention-* flags set it).
@@ -35,6 +35,31 @@ def first_logits(model) -> torch.Tensor:
     return logits.float()
 
 
+def settings_of(launch: str) -> tuple[str, tuple | None]:
+    """A launch's GRAPHDECODE_INT4_RING_LAUNCH text and its attention=BLOCK_L,WARPS[,SPLITS] (None: the rule's),
+    checked; ValueError naming the form."""
+    parts = [] if launch == "DEFAULT" else launch.split(";")
+    attention = [p for p in parts if p.startswith("attention=")]
+    ring = ";".join(p for p in parts if p not in attention)
+    int4_ring.launch_override(ring)
+    if not attention:
+        return ring, None
+    values = kernels.launch_parts(attention[-1])[0][1]
+    if len(values) not in (2, 3) or min(values) < 0 or values[1] not in (0, 1, 2, 4, 8, 16) or \
+            any(v & (v - 1) for v in values[:1]):
+        raise ValueError(f"{attention[-1]!r} is not attention=BLOCK_L,WARPS[,SPLITS] (BLOCK_L a power of two, "
+                         f"warps a power of two up to 16, 0 for the rule's)")
+    return ring, tuple(values + [0])[:3]
+
+
+def apply(ring: str, attention: tuple | None) -> None:
+    """Set the ring's launches and the attention kernel's (kernels.ATTENTION_BLOCK_L, _WARPS, _SPLITS, as bench.py's
+    --attention-* flags set them; 0 or None: the rule's)."""
+    int4_ring.LAUNCH = ring
+    kernels.ATTENTION_BLOCK_L, kernels.ATTENTION_WARPS, kernels.ATTENTION_SPLITS = \
+        (v or None for v in (attention or (0, 0, 0)))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-2-7b", choices=sorted(bench.PRESETS))
@@ -42,6 +67,8 @@ def main() -> int:
     p.add_argument("--launches", default="DEFAULT", help="'|'-separated launches, DEFAULT for int4_ring.LAUNCHES")
     p.add_argument("--graphs", default="", help="'|'-separated launches also timed through torch.compile's graphs")
     p.add_argument("--new-tokens", type=int, default=200)
+    p.add_argument("--repeat", type=int, default=2, help="timed runs of each launch, the last reported (the first "
+                   "timing in a process has run 5-11 tok/s low: BENCHMARKS.md, session 25)")
     p.add_argument("--json", help="append each record to this file")
     a = p.parse_args()
     device = torch.device("cuda")
@@ -50,30 +77,25 @@ def main() -> int:
     ceiling = bench.copy_bandwidth(device)
     print(f"{a.model} {a.quantize} on {torch.cuda.get_device_name(device)}, torch {torch.__version__}; "
           f"copy ceiling {ceiling:.0f} GB/s; int4_ring.LAUNCHES {int4_ring.LAUNCHES}", flush=True)
-    reference = None
     plan = [(launch, "manual") for launch in a.launches.split("|")] + \
            [(launch, "graphs") for launch in filter(None, a.graphs.split("|"))]
+    try:
+        settings = {launch: settings_of(launch) for launch, _ in plan}
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    apply(*settings_of("DEFAULT"))
+    reference = first_logits(model)  # DEFAULT's
     for launch, mode in plan:
-        try:
-            parts = [] if launch == "DEFAULT" else launch.split(";")
-            attention = [p for p in parts if p.startswith("attention=")]
-            int4_ring.LAUNCH = ";".join(p for p in parts if p not in attention)
-            int4_ring.launch_override(int4_ring.LAUNCH)
-            # attention=BLOCK_L,WARPS[,SPLITS]: the attention kernel's positions a loop step, warps, cache slices
-            # (kernels.ATTENTION_BLOCK_L, _WARPS, _SPLITS, as bench.py's --attention-* set them; 0: the rule)
-            values = [int(v) for v in attention[-1].partition("=")[2].split(",")] if attention else []
-            kernels.ATTENTION_BLOCK_L, kernels.ATTENTION_WARPS, kernels.ATTENTION_SPLITS = \
-                (v or None for v in (values + [0, 0, 0])[:3])
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        ring, attention = settings[launch]
+        apply(ring, attention)
         logits = first_logits(model)
-        if reference is None:
-            reference = logits
         same = torch.equal(logits, reference)
-        exact = not attention and all(v[2:] == (int4_ring.ROWS, int4_ring.WARPS)
-                                      for v in int4_ring.launch_override(int4_ring.LAUNCH).values())
-        r = bench.bench_one(model, mode, 1, 8, a.new_tokens, ceiling)
+        # (rows, warps and the attention kernel's launch change the order of sums)
+        exact = attention is None and all(
+            v[2:] == int4_ring.LAUNCHES.get(shape, (0, 0, int4_ring.ROWS, int4_ring.WARPS))[2:]
+            for shape, v in int4_ring.launch_override(ring).items())
+        r = bench.bench_one(model, mode, 1, 8, a.new_tokens, ceiling, repeat=a.repeat)
         r.update(launch=launch, same_logits=same, gpu=torch.cuda.get_device_name(device), torch=torch.__version__,
                  model=f"{a.model} {a.quantize}", command="python " + " ".join(sys.argv))
         print(f"{mode:7s} {launch:40s} {r['tok_s']:7.1f} tok/s  {r['step_ms_median']:.3f} ms "

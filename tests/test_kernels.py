@@ -627,6 +627,7 @@ def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
     (by argument and by LAUNCHES) gives the default's y and y in int8 bit for bit. Rows a tile and warps change
     the order of the float32 sums, so y within bf16 rounding."""
     int4_ring = ring_or_skip(monkeypatch)
+    monkeypatch.setattr(int4_ring, "LAUNCH", "")  # (whatever GRAPHDECODE_INT4_RING_LAUNCH says)
     N, K = 4096, 2816  # (256 tiles; a partial box at the end of each row)
     packed, scales, zeros, _ = int4_weights(2 * N if swiglu else N, K, 32, grid=True)
     words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
@@ -649,6 +650,9 @@ def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
     for rows, warps in ((8, 2), (32, 8), (16, 8)):  # without y in int8, any rows
         y3 = int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu, rows=rows, warps=warps)[0]
         assert ((y3.float() - y.float()).abs() <= 1e-2 * y.float().abs() + 1e-3 * y.float().abs().max()).all()
+    # LAUNCHES' rows and warps reach the kernel where it writes no y in int8: the same numbers as asked by argument
+    monkeypatch.setattr(int4_ring, "LAUNCHES", {shape: (2, 4, 32, 8)})
+    assert torch.equal(int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu)[0], y3)
 
 
 def test_int4_ring_launch_override(monkeypatch):
