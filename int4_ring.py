@@ -78,8 +78,9 @@ def launch_override(text: str) -> dict[str, tuple[int, int, int, int]]:
     (cached: do not change the dict)."""
     launches = {}
     for shape, values in kernels.launch_parts(text):
-        per_sm, stages, rows, warps = values + [ROWS, WARPS] if len(values) == 2 else values if len(values) == 4 \
-            else (0, 0, 0, 0)
+        if len(values) == 2:  # (rows and warps left out)
+            values = values + [ROWS, WARPS]
+        per_sm, stages, rows, warps = values if len(values) == 4 else (0, 0, 0, 0)
         if shape not in kernels.INT4_LAUNCHES or not (1 <= per_sm <= 8 and 2 <= stages <= 16) \
                 or rows not in (8, 16, 32) or warps not in (2, 4, 8) or rows * stages > MAX_BOX_ROWS:
             raise ValueError(f"GRAPHDECODE_INT4_RING_LAUNCH: {shape}={','.join(map(str, values))} is not "

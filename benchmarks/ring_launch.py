@@ -5,10 +5,11 @@
 bench.py does), then for each launch (int4_ring.GRAPHDECODE_INT4_RING_LAUNCH's form; DEFAULT: int4_ring.LAUNCHES)
 times bench.py's one-token step (batch 1, prompt 8, 200 new tokens) captured by hand in one CUDA graph
 (bench.py's "manual" mode: no compile, so a launch costs seconds) and, for those in --graphs, through
-torch.compile's CUDA graphs as bench.py times it, each --repeat times in a row (the last reported). A launch that changes only programs an SM and boxes in flight
-must give DEFAULT's logits bit for bit (it splits rows among programs, never a sum), or it fails; one that changes
-rows or warps changes the order of sums, so its logits' largest difference is printed instead; so does one with
-"attention=BLOCK_L,WARPS[,SPLITS]" (the attention kernel's launch, as bench.py's --attention-* flags set it).
+torch.compile's CUDA graphs as bench.py times it, each --repeat times in a row (the last reported). A launch that
+changes only programs an SM and boxes in flight must give DEFAULT's logits bit for bit (it splits rows among
+programs, never a sum), or it fails; one that changes rows or warps changes the order of sums, so its logits'
+largest difference is printed instead; so does one with "attention=BLOCK_L,WARPS[,SPLITS]" (the attention
+kernel's launch, as bench.py's --attention-* flags set it).
 """
 import argparse
 import json
