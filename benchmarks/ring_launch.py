@@ -69,7 +69,7 @@ def main() -> int:
     p.add_argument("--graphs", default="", help="'|'-separated launches also timed through torch.compile's graphs")
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--repeat", type=int, default=2, help="timed runs of each launch, the last reported (the first "
-                   "timing in a process has run 5-11 tok/s low: BENCHMARKS.md, session 25)")
+                   "launch captured in a process runs 5-11 tok/s low: BENCHMARKS.md, sessions 25-26)")
     p.add_argument("--json", help="append each record to this file")
     a = p.parse_args()
     device = torch.device("cuda")
