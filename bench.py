@@ -147,6 +147,44 @@ def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
                                      row_limit=rows, max_name_column_width=70)
 
 
+def warmed(model, mode: str, batch: int, prompt_tokens: int, new_tokens: int,
+           sampling: Sampling = Sampling(temperature=0)) -> Generator:
+    """A generator of `mode` after a random prompt of prompt_tokens, its step compiled or captured (the first
+    calls, timed apart as compile_s), with room for new_tokens more."""
+    device = model.tok_embeddings.weight.device
+    gen = make_generator(model, mode, sampling)
+    token, pos, tokens = gen.reserve(batch, prompt_tokens + new_tokens + 16)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.args.vocab_size, (1, prompt_tokens), device=device).expand(batch, -1)
+    with torch.no_grad():
+        token[:, 0] = prefill(model, prompt, gen.sampling)
+        pos.fill_(prompt_tokens)
+        while not gen.warm:
+            gen._decode_step(token, pos, tokens)
+    return gen
+
+
+def timed_decode(gen: Generator, prompt_tokens: int, new_tokens: int) -> list[float]:
+    """Seconds of each of new_tokens decode steps from position prompt_tokens: CUDA events between steps on the
+    GPU (no sync inside the run), the host clock around each step on the CPU."""
+    token, pos, tokens = gen.buffers
+    pos.fill_(prompt_tokens)
+    if gen.device.type != "cuda":
+        times = []
+        for _ in range(new_tokens):
+            t = time.perf_counter()
+            gen._decode_step(token, pos, tokens)
+            times.append(time.perf_counter() - t)
+        return times
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(new_tokens + 1)]
+    events[0].record()
+    for i in range(new_tokens):
+        gen._decode_step(token, pos, tokens)
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(new_tokens)]
+
+
 def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False, show_kernels=False,
               sampling: Sampling = Sampling(temperature=0), repeat: int = 1) -> dict:
     """One configuration's record: new_tokens decode steps after a prompt, timed `repeat` times from the same
@@ -156,16 +194,8 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         reserved_before = torch.cuda.memory_reserved(device)
-    gen = make_generator(model, mode, sampling)
-    token, pos, tokens = gen.reserve(batch, prompt_tokens + new_tokens + 16)
-    torch.manual_seed(0)
-    prompt = torch.randint(0, model.args.vocab_size, (1, prompt_tokens), device=device).expand(batch, -1)
+    gen = warmed(model, mode, batch, prompt_tokens, new_tokens, sampling)
     with torch.no_grad():
-        first = prefill(model, prompt, gen.sampling)
-        token[:, 0] = first
-        pos.fill_(prompt_tokens)
-        while not gen.warm:  # compile / capture, timed apart
-            gen._decode_step(token, pos, tokens)
         counts = count_launches(gen, 4) if device.type == "cuda" and mode != "eager" else {}
         if check:
             check_graphs(gen)
@@ -177,21 +207,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         ctx = gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad()
         with ctx:
             for _ in range(repeat):
-                pos.fill_(prompt_tokens)
-                times = []
-                if device.type == "cuda":
-                    events = [torch.cuda.Event(enable_timing=True) for _ in range(new_tokens + 1)]
-                    events[0].record()
-                    for i in range(new_tokens):
-                        gen._decode_step(token, pos, tokens)
-                        events[i + 1].record()
-                    events[-1].synchronize()
-                    times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(new_tokens)]
-                else:
-                    for _ in range(new_tokens):
-                        t = time.perf_counter()
-                        gen._decode_step(token, pos, tokens)
-                        times.append(time.perf_counter() - t)
+                times = timed_decode(gen, prompt_tokens, new_tokens)
                 runs.append(batch * new_tokens / sum(times))
     total = sum(times)
     weight_bytes = weight_bytes_per_step(model, batch)

@@ -23,40 +23,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-from generate import Generator, prefill  # noqa: E402
+from generate import Generator  # noqa: E402
 
 PROMPT, NEW = 8, 200
 
 
 def captured(model) -> Generator:
     """A generator whose step is captured by hand (bench.py's manual mode), after a prompt of PROMPT tokens."""
-    gen = bench.make_generator(model, "manual")
-    token, pos, tokens = gen.reserve(1, PROMPT + NEW + 16)
-    torch.manual_seed(0)
-    prompt = torch.randint(0, model.args.vocab_size, (1, PROMPT), device=token.device)
-    with torch.no_grad():
-        token[:, 0] = prefill(model, prompt, gen.sampling)
-        pos.fill_(PROMPT)
-        while not gen.warm:
-            gen._decode_step(token, pos, tokens)
-    return gen
+    return bench.warmed(model, "manual", 1, PROMPT, NEW)
 
 
 def tok_s(gen, repeat: int) -> list[float]:
-    """NEW steps from position PROMPT, timed with events as bench.bench_one does, `repeat` times in a row."""
-    token, pos, tokens = gen.buffers
-    runs = []
+    """NEW steps from position PROMPT, timed as bench.bench_one times them, `repeat` times in a row."""
     with torch.no_grad():
-        for _ in range(repeat):
-            pos.fill_(PROMPT)
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(NEW + 1)]
-            events[0].record()
-            for i in range(NEW):
-                gen._decode_step(token, pos, tokens)
-                events[i + 1].record()
-            events[-1].synchronize()
-            runs.append(NEW / sum(events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(NEW)))
-    return runs
+        return [NEW / sum(bench.timed_decode(gen, PROMPT, NEW)) for _ in range(repeat)]
 
 
 def main() -> int:
