@@ -11,7 +11,8 @@ cause apart in one process, with hand-captured graphs (bench.py's "manual" mode,
            with it; slow means B's own graph is what is fast (where its buffers and pool lie)
   C        a third capture after A and B are deleted
 
-    python benchmarks/capture_order.py [--model llama-2-7b] [--quantize int4-g32] [--repeat 2] [--json FILE]
+    python benchmarks/capture_order.py [--model llama-2-7b] [--quantize int4-g32] [--repeat 2] [--pad-mb N]
+                                      [--json FILE]
 """
 import argparse
 import json
@@ -44,6 +45,8 @@ def main() -> int:
     p.add_argument("--model", default="llama-2-7b", choices=sorted(bench.PRESETS))
     p.add_argument("--quantize", default="int4-g32", help="a quantize mode as bench.py names it, or 'none' (bf16)")
     p.add_argument("--repeat", type=int, default=2, help="timed runs of each graph in a row")
+    p.add_argument("--pad-mb", type=int, default=0,
+                   help="allocate this many MiB (kept alive) before the first capture, to move its buffers")
     p.add_argument("--json", help="append the results to this file")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -63,7 +66,11 @@ def main() -> int:
 
     def report(name, gen):
         results[name] = tok_s(gen, a.repeat)
-        print(f"{name:8s} " + ", ".join(f"{t:.1f}" for t in results[name]) + " tok/s", flush=True)
+        where = ", ".join(f"{b.data_ptr():#x}" for b in gen.buffers)
+        print(f"{name:8s} " + ", ".join(f"{t:.1f}" for t in results[name]) + f" tok/s (token, pos, tokens at {where})",
+              flush=True)
+
+    pad = torch.empty(a.pad_mb << 20, dtype=torch.uint8, device=device) if a.pad_mb > 0 else None
 
     first = captured(model)
     report("A", first)
@@ -73,9 +80,10 @@ def main() -> int:
     del first, second
     torch.cuda.empty_cache()
     report("C", captured(model))
+    del pad
     if a.json:
         old = json.loads(open(a.json).read()) if os.path.exists(a.json) else []
-        record = dict(tok_s_runs=results, model=f"{a.model} {a.quantize}", gpu=torch.cuda.get_device_name(device),
+        record = dict(tok_s_runs=results, model=f"{a.model} {a.quantize}", pad_mb=a.pad_mb, gpu=torch.cuda.get_device_name(device),
                       torch=torch.__version__, command="python " + " ".join(sys.argv))
         with open(a.json, "w") as f:
             f.write(json.dumps(old + [record], indent=1) + "\n")
