@@ -15,16 +15,18 @@ cause apart in one process, with hand-captured graphs (bench.py's "manual" mode,
                                       [--json FILE]
 """
 import argparse
+import gc
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 import bench  # noqa: E402
-from generate import Generator  # noqa: E402
+from generate import Generator, decode_one_token  # noqa: E402
 
 PROMPT, NEW = 8, 200
 
@@ -40,6 +42,67 @@ def tok_s(gen, repeat: int) -> list[float]:
         return [NEW / sum(bench.timed_decode(gen, PROMPT, NEW)) for _ in range(repeat)]
 
 
+def traced(gen, path: str, steps: int = 6) -> None:
+    """A Chrome trace of `steps` replays of gen's graph (each kernel's start and end) at path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    token, pos, tokens = gen.buffers
+    pos.fill_(PROMPT)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            gen._decode_step(token, pos, tokens)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    summarize(path, steps)
+
+
+def summarize(path: str, steps: int) -> None:
+    """Per kernel name (first 40 characters): launches a step, mean microseconds from start to end; and the
+    span from the first kernel's start to the last one's end, with the time no kernel ran, a step."""
+    kernels = sorted((e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"),
+                     key=lambda e: e["ts"])
+    if not kernels:
+        print("  (no kernels in the trace)")
+        return
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"][:40], []).append(e["dur"])
+    idle, end = 0.0, kernels[0]["ts"]
+    for e in kernels:
+        idle += max(0.0, e["ts"] - end)
+        end = max(end, e["ts"] + e["dur"])
+    print(f"  {len(kernels) / steps:.0f} kernels a step; span {(end - kernels[0]['ts']) / steps:.1f} us a step, "
+          f"{idle / steps:.1f} of it with no kernel running")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"  {name:40s} {len(durs) / steps:5.0f} a step, mean {sum(durs) / len(durs):7.2f} us, "
+              f"sum {sum(durs) / steps:7.1f} us a step")
+
+
+def probe(name: str, gen, model) -> None:
+    """One action between two timings of the first graph: does it make that graph fast?"""
+    token, pos, tokens = gen.buffers
+    if name == "sleep":
+        time.sleep(2)
+    elif name == "gc":
+        gc.collect()
+        torch.cuda.empty_cache()
+    elif name == "eager":  # three steps uncaptured, on the current stream
+        saved = [t.clone() for t in gen.buffers]
+        with torch.no_grad():
+            for _ in range(3):
+                decode_one_token(model, token, pos, tokens, gen.sampling)
+        for t, v in zip(gen.buffers, saved):
+            t.copy_(v)
+    elif name == "capture":  # the step captured once more into a graph that is never replayed, then deleted
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            decode_one_token(model, token, pos, tokens, gen.sampling)
+        del graph
+    else:
+        raise ValueError(f"unknown probe {name!r}")
+    torch.cuda.synchronize()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-2-7b", choices=sorted(bench.PRESETS))
@@ -47,6 +110,10 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=2, help="timed runs of each graph in a row")
     p.add_argument("--pad-mb", type=int, default=0,
                    help="allocate this many MiB (kept alive) before the first capture, to move its buffers")
+    p.add_argument("--probes", default="", help="comma-separated actions, each followed by a timing of the first "
+                   "graph, before B: sleep, gc, eager, capture")
+    p.add_argument("--trace", help="a folder: Chrome traces of the first graph, first (A.json) and last (A-last.json)")
+    p.add_argument("--no-pdl", action="store_true", help="launch our kernels without PDL (kernels.PDL = False)")
     p.add_argument("--json", help="append the results to this file")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -56,6 +123,9 @@ def main() -> int:
         print(f"error: --repeat must be at least 1 (got {a.repeat})", file=sys.stderr)
         return 1
     device = torch.device("cuda")
+    if a.no_pdl:
+        import kernels
+        kernels.PDL = False
     torch.manual_seed(0)
     model = bench.random_model(bench.PRESETS[a.model], device, torch.bfloat16)
     if a.quantize != "none":
@@ -67,23 +137,33 @@ def main() -> int:
     def report(name, gen):
         results[name] = tok_s(gen, a.repeat)
         where = ", ".join(f"{b.data_ptr():#x}" for b in gen.buffers)
-        print(f"{name:8s} " + ", ".join(f"{t:.1f}" for t in results[name]) + f" tok/s (token, pos, tokens at {where})",
+        print(f"{name:10s} " + ", ".join(f"{t:.1f}" for t in results[name]) + f" tok/s (token, pos, tokens at {where})",
               flush=True)
 
     pad = torch.empty(a.pad_mb << 20, dtype=torch.uint8, device=device) if a.pad_mb > 0 else None
 
     first = captured(model)
     report("A", first)
+    if a.trace:
+        os.makedirs(a.trace, exist_ok=True)
+        traced(first, os.path.join(a.trace, "A.json"))
+        report("A traced", first)
+    for name in filter(None, a.probes.split(",")):
+        probe(name, first, model)
+        report(f"A {name}", first)
     second = captured(model)
     report("B", second)
     report("A again", first)
+    if a.trace:
+        traced(first, os.path.join(a.trace, "A-last.json"))
     del first, second
     torch.cuda.empty_cache()
     report("C", captured(model))
     del pad
     if a.json:
         old = json.loads(open(a.json).read()) if os.path.exists(a.json) else []
-        record = dict(tok_s_runs=results, model=f"{a.model} {a.quantize}", pad_mb=a.pad_mb, gpu=torch.cuda.get_device_name(device),
+        record = dict(tok_s_runs=results, model=f"{a.model} {a.quantize}", pad_mb=a.pad_mb, pdl=not a.no_pdl,
+                      probes=a.probes, gpu=torch.cuda.get_device_name(device),
                       torch=torch.__version__, command="python " + " ".join(sys.argv))
         with open(a.json, "w") as f:
             f.write(json.dumps(old + [record], indent=1) + "\n")
