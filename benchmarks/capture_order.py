@@ -103,6 +103,25 @@ def probe(name: str, gen, model) -> None:
     torch.cuda.synchronize()
 
 
+def ring_graph(device, launches: int) -> None:
+    """A throwaway CUDA graph of `launches` int4_ring.gemv launches in a row (4096 x 4096, zeros for x), captured
+    after one uncaptured launch, then deleted unreplayed."""
+    import int4_ring
+
+    K = R = 4096
+    args = (torch.zeros(K, dtype=torch.bfloat16, device=device), torch.zeros(K // 2, dtype=torch.int32, device=device),
+            torch.zeros(R, K // 8, dtype=torch.int32, device=device),
+            torch.zeros(R, K // 32, dtype=torch.int16, device=device), torch.ones(R, 2, device=device), 1.0)
+    int4_ring.gemv(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            int4_ring.gemv(*args)
+    del graph
+    torch.cuda.synchronize()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-2-7b", choices=sorted(bench.PRESETS))
@@ -112,6 +131,9 @@ def main() -> int:
                    help="allocate this many MiB (kept alive) before the first capture, to move its buffers")
     p.add_argument("--probes", default="", help="comma-separated actions, each followed by a timing of the first "
                    "graph, before B: sleep, gc, eager, capture")
+    p.add_argument("--before", default="",
+                   help="comma-separated actions before the first capture: ringN (a throwaway graph of N ring GEMV "
+                   "launches), step (a throwaway capture of the whole step)")
     p.add_argument("--trace", help="a folder: Chrome traces of the first graph, first (A.json) and last (A-last.json)")
     p.add_argument("--no-pdl", action="store_true", help="launch our kernels without PDL (kernels.PDL = False)")
     p.add_argument("--json", help="append the results to this file")
@@ -142,6 +164,15 @@ def main() -> int:
 
     pad = torch.empty(a.pad_mb << 20, dtype=torch.uint8, device=device) if a.pad_mb > 0 else None
 
+    for name in filter(None, a.before.split(",")):
+        if name.startswith("ring") and name[4:].isdigit():
+            ring_graph(device, int(name[4:]))
+        elif name == "step":
+            del captured(model).step.graph
+        else:
+            raise ValueError(f"unknown --before action {name!r}")
+        torch.cuda.synchronize()
+        print(f"(before: {name})", flush=True)
     first = captured(model)
     report("A", first)
     if a.trace:
@@ -163,7 +194,7 @@ def main() -> int:
     if a.json:
         old = json.loads(open(a.json).read()) if os.path.exists(a.json) else []
         record = dict(tok_s_runs=results, model=f"{a.model} {a.quantize}", pad_mb=a.pad_mb, pdl=not a.no_pdl,
-                      probes=a.probes, gpu=torch.cuda.get_device_name(device),
+                      probes=a.probes, before=a.before, gpu=torch.cuda.get_device_name(device),
                       torch=torch.__version__, command="python " + " ".join(sys.argv))
         with open(a.json, "w") as f:
             f.write(json.dumps(old + [record], indent=1) + "\n")
