@@ -34,7 +34,8 @@ import torch
 import kernels
 import model as model_module
 from generate import (Generator, Sampling, check_graphs, count_launches, decode_one_token, launches_per_call,
-                      prefill, speculative_round_bytes, synchronize, weight_bytes_per_step)
+                      prefill, prime_capture, speculative_round_bytes, synchronize, uses_int4_ring,
+                      weight_bytes_per_step)
 from model import ModelArgs, Transformer
 
 PRESETS = {
@@ -110,6 +111,8 @@ class ManualGraph:
         self.graph.replay()
 
     def capture(self, model, token, pos, tokens, s):
+        if uses_int4_ring(model):
+            prime_capture(model, token, pos, tokens, s)  # (why: its docstring)
         saved = [t.clone() for t in (token, pos, tokens)]
         # Warm up on a side stream (lazy inits, cuBLAS workspaces) so none of it is captured.
         stream = torch.cuda.Stream()

@@ -101,6 +101,40 @@ def decode_one_token(model: Transformer, token: torch.Tensor, pos: torch.Tensor,
     tokens.index_copy_(1, pos, nxt)
 
 
+# generate.prime_capture before the first capture of a step with int4_ring.py's kernel; GRAPHDECODE_PRIME_CAPTURE=0
+# leaves it out (for timing it)
+PRIME_CAPTURE = os.environ.get("GRAPHDECODE_PRIME_CAPTURE", "1") == "1"
+
+
+def prime_capture(model: Transformer, token: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor,
+                  s: Sampling) -> None:
+    """Capture one decode step by hand into a CUDA graph that is dropped unreplayed, the buffers left as they were.
+    Why (measured, cause unknown: BENCHMARKS.md, session 27): in a process whose first graph holds int4_ring.py's
+    kernel, that graph replays ~1.3% slower (bench.py graphs, 7B int4 g32: 707-715 tok/s) than any graph captured
+    after it (716-724), at the same clocks; bf16, int8 and int4 g128 do not differ. A capture of the step first
+    makes the one that decodes fast; for CUDAGraph Trees, a capture of the ring's kernel alone did not."""
+    if not PRIME_CAPTURE:
+        return
+    saved = [t.clone() for t in (token, pos, tokens)]
+    stream = torch.cuda.Stream(token.device)
+    stream.wait_stream(torch.cuda.current_stream(token.device))
+    with torch.no_grad():
+        with torch.cuda.stream(stream):  # one step uncaptured first: kernels built, lazy inits done
+            decode_one_token(model, token, pos, tokens, s)
+        torch.cuda.current_stream(token.device).wait_stream(stream)
+        for t, v in zip((token, pos, tokens), saved):
+            t.copy_(v)  # (the KV cache rows that step wrote lie past pos: rewritten before they are read)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            decode_one_token(model, token, pos, tokens, s)
+    del graph
+
+
+def uses_int4_ring(model: Transformer) -> bool:
+    """Whether any layer of model runs int4_ring.py's kernel in one-token decode."""
+    return any(getattr(m, "gemv_ring", False) for m in model.modules())
+
+
 def register_fallbacks() -> None:
     """Tell Inductor up front that this project's custom ops (kernels.py's, cpu_kernels.py's) are
     fallbacks: calls of their own implementation, with the layout constraint Inductor gives a custom
@@ -240,6 +274,8 @@ class Generator:
             return
         # First calls compile (and on CUDA record the graph); time them apart from generation.
         start = time.perf_counter()
+        if self.calls == 0 and self.mode == "graphs" and uses_int4_ring(self.model):
+            prime_capture(self.model, token, pos, tokens, self.sampling)
         self.step(self.model, token, pos, tokens, self.sampling)
         synchronize(self.device)
         self.compile_s += time.perf_counter() - start

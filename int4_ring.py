@@ -70,16 +70,6 @@ LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 # traced or captured.
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
 MAX_BOX_ROWS = 256  # rows x boxes in flight at most: 147 KB of shared memory a program, beside x's
-# The first CUDA graph a process captures with this kernel in it replays ~1.2% slower for as long as the process
-# lives (the 7B int4 g32 step 707-715 tok/s against 716-723), until some later capture holds it too; then even that
-# first graph replays fast. Measured (benchmarks/capture_order.py, session 27): a throwaway graph of a single launch
-# of this kernel, captured before the step's, makes the step's first capture fast (719.1-722.1 against 710.7-715.2);
-# sleeping, gc and empty_cache, or uncaptured steps between do not; without PDL, and in flows without this kernel
-# (bf16, int8, int4 g128), the first capture is not slower. Why is not known (not the clocks: session 26). So the
-# first launch on a device, outside any capture, also captures itself into a graph that is never replayed
-# (_prime). GRAPHDECODE_INT4_RING_PRIME=0 leaves that out (for timing it).
-PRIME = os.environ.get("GRAPHDECODE_INT4_RING_PRIME", "1") == "1"
-_primed: set[int] = set()  # devices where a launch was captured once
 
 
 @functools.lru_cache(maxsize=16)
@@ -404,38 +394,15 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     yq = torch.empty(N // 2, device=x.device, dtype=torch.int32) if out_q else None
     programs = min(triton.cdiv(N, rows), per_sm * _sms(x.device.index or 0))
-
-    def run():
-        _int4_gemv_ring_kernel[(programs,)](
-            *descriptors(words, codes, rows), xq[:K // 4], xq[K // 4:].view(torch.float32), units,
-            residual.reshape(N) if residual is not None else y, y, N, K, eps, w_unscale,
-            yq[:N // 4] if out_q else xq, yq[N // 4:].view(torch.float32) if out_q else xq,
-            out_norm_weight if out_norm_weight is not None else y,
-            NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
-            NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q,
-            GO=out_q and out_norm_weight is not None, num_warps=warps, **({"launch_pdl": True} if kernels.pdl(x) else {}))
-
-    run()
-    if PRIME and x.device.index not in _primed and not torch.cuda.is_current_stream_capturing():
-        _prime(run, x.device)
+    _int4_gemv_ring_kernel[(programs,)](
+        *descriptors(words, codes, rows), xq[:K // 4], xq[K // 4:].view(torch.float32), units,
+        residual.reshape(N) if residual is not None else y, y, N, K, eps, w_unscale,
+        yq[:N // 4] if out_q else xq, yq[N // 4:].view(torch.float32) if out_q else xq,
+        out_norm_weight if out_norm_weight is not None else y,
+        NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
+        NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
+        num_warps=warps, **({"launch_pdl": True} if kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
-
-
-def _prime(run, device: torch.device) -> None:
-    """Capture `run` (a launch whose tensors exist already) once into a CUDA graph on a stream of its own, then
-    drop the graph unreplayed: what makes the first real capture of this kernel as fast as later ones (PRIME)."""
-    _primed.add(device.index)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
-        try:
-            run()
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    del graph
 
 
 def matmul(x, xq, words, codes, units, w_unscale, norm=False, eps=0.0, residual=None, swiglu=False, out_q=False,

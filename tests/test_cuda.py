@@ -3,6 +3,7 @@ replay per token, no recompiles, kept outputs never overwritten. Run with `pytes
 import pytest
 import torch
 
+import bench
 from bench import make_generator, random_model
 from generate import (RNG_KERNELS_PER_REPLAY, Sampling, check_graphs, check_speculative_graphs,
                       count_launches)
@@ -327,8 +328,22 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
     assert rel < 0.02, rel
     for m in layers:
         m.gemv_ring = True
+    # graphs and bench.py's manual mode capture one step by hand first and drop it (generate.prime_capture), the
+    # buffers left as they were: their tokens are still eager decode's
+    import generate
+    primes = []
+    prime = generate.prime_capture
+    monkeypatch.setattr(generate, "prime_capture", lambda *a: primes.append(1) or prime(*a))
+    monkeypatch.setattr(bench, "prime_capture", generate.prime_capture)
+    assert generate.uses_int4_ring(qmodel)
     torch._dynamo.reset()
     assert_graphed_is_one_replay_and_picks_eager_tokens(qmodel)
+    assert len(primes) == 1
+    manual, eager = make_generator(qmodel, "manual"), make_generator(qmodel, "eager")
+    for gen in (manual, eager):
+        gen.reserve(1, 128)
+    assert tokens_of(manual, 12) == tokens_of(eager, 12)
+    assert len(primes) == 2
 
 
 @pytest.mark.parametrize("k", [2, 4])

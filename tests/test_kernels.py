@@ -656,40 +656,6 @@ def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
     assert torch.equal(int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu)[0], asked)
 
 
-@pytest.mark.cuda
-def test_int4_ring_primes_once_outside_captures(monkeypatch):
-    """The first launch on a device outside a capture also captures itself into a throwaway graph (int4_ring.PRIME),
-    once: its output is the launch's own, a launch inside a capture primes nothing, and a graph captured after it
-    replays to the same numbers."""
-    int4_ring = ring_or_skip(monkeypatch)
-    monkeypatch.setattr(int4_ring, "_primed", set())
-    primes = []
-    real_prime = int4_ring._prime
-    monkeypatch.setattr(int4_ring, "_prime", lambda run, device: (primes.append(device), real_prime(run, device)))
-    N, K = 512, 1024
-    packed, scales, zeros, _ = int4_weights(N, K, 32, grid=True)
-    words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
-    x = torch.randn(1, K, device="cuda").bfloat16()
-    xq = kernels.int4_quantize_x(x, None, 16)
-    monkeypatch.setattr(int4_ring, "PRIME", False)
-    y_unprimed = int4_ring.gemv(x, xq, words, codes, units, w_unscale)[0]  # (compiled here, not in the capture)
-    assert primes == []
-    monkeypatch.setattr(int4_ring, "PRIME", True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):  # the first launch, captured: no prime
-        y_graph = int4_ring.gemv(x, xq, words, codes, units, w_unscale)[0]
-    assert primes == [] and int4_ring._primed == set()
-    y = int4_ring.gemv(x, xq, words, codes, units, w_unscale)[0]
-    assert len(primes) == 1 and int4_ring._primed == {x.device.index} and torch.equal(y, y_unprimed)
-    assert torch.equal(int4_ring.gemv(x, xq, words, codes, units, w_unscale)[0], y)
-    assert len(primes) == 1
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y_graph, y)
-
-
 def test_int4_ring_launch_override(monkeypatch):
     """GRAPHDECODE_INT4_RING_LAUNCH's form: SHAPE=PROGRAMS_AN_SM,BOXES by kernels.int4_shape's names, in place of
     int4_ring.LAUNCHES; anything else is a one-line error naming the form."""
