@@ -2,8 +2,8 @@
 
 Session 26 (BENCHMARKS.md) found the 7B int4 g32 step 707-710 tok/s when it is the first step captured in a
 process and 716-720 when the same step was captured before (bench.py --modes manual,graphs or graphs,graphs),
-with the same clocks and power in both timings; bf16 does not change. This script tells the two kinds of
-cause apart in one process, with hand-captured graphs (bench.py's "manual" mode, no compile):
+with the same clocks and power in both timings; bf16 does not change. This script tells the kinds of cause
+apart in one process, with hand-captured graphs (bench.py's "manual" mode, no compile):
 
   A        the first capture, timed
   B        a second capture of the same step (its own token/pos buffers and graph pool), A still alive
@@ -11,8 +11,14 @@ cause apart in one process, with hand-captured graphs (bench.py's "manual" mode,
            with it; slow means B's own graph is what is fast (where its buffers and pool lie)
   C        a third capture after A and B are deleted
 
+Session 27's answers (runs 134-136): A again is as fast as B, so the process changes, not where a graph lies;
+only flows with int4_ring.py's kernel and PDL differ; any capture holding that kernel, before A (--before ring1:
+one launch of it) or after it (--probes capture), makes A fast; sleep, gc and uncaptured steps do not.
+bench.py's manual mode and generate.py's graphs now capture the step once and drop it first
+(generate.prime_capture), which this script leaves out unless --prime.
+
     python benchmarks/capture_order.py [--model llama-2-7b] [--quantize int4-g32] [--repeat 2] [--pad-mb N]
-                                      [--json FILE]
+        [--before ring1,step] [--probes sleep,gc,eager,capture] [--trace DIR] [--no-pdl] [--prime] [--json FILE]
 """
 import argparse
 import gc
