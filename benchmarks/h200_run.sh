@@ -824,6 +824,16 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
+  z61) # planned after session 27 (not yet run): the speed table on ONE machine with generate.prime_capture: bf16, int4
+      # g32, int8, int4 g128, bf16 and int4 g32 again (machine spread is +-5-10 tok/s, so the ratio needs one machine)
+      for v in z611:"" z612:"--quantize int4-g32" z613:"--quantize int8" z614:"--quantize int4-g128" z615:"" \
+               z616:"--quantize int4-g32"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/z61/inductor TRITON_CACHE_DIR=/tmp/z61/triton timeout -k 5 150 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-z61.json" \
+          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+      done ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done
