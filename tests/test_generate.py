@@ -137,6 +137,19 @@ def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
     assert compiled == run_gen(qmodel, Sampling(temperature=0), n=12)
 
 
+def test_uses_int4_ring_finds_a_layer_the_ring_runs(tiny, monkeypatch):
+    """generate.uses_int4_ring (which decides whether graphs mode primes: generate.prime_capture, run on CUDA by
+    tests/test_cuda.py) is true once some layer runs int4_ring.py's kernel (gemv_ring), never on the CPU."""
+    from model import Int4Linear
+    from quantize import quantize_model
+
+    qmodel = quantize_model(tiny, "int4", 32)
+    assert not generate.uses_int4_ring(tiny) and not generate.uses_int4_ring(qmodel)
+    layer = next(m for m in qmodel.modules() if isinstance(m, Int4Linear))
+    monkeypatch.setattr(layer, "gemv_ring", True, raising=False)
+    assert generate.uses_int4_ring(qmodel)
+
+
 def test_register_fallbacks_warns_where_inductor_lacks_what_it_uses(monkeypatch):
     """Without the private Inductor functions register_fallbacks uses, it registers nothing and
     raises nothing. On torch before 2.13, where Inductor may format the str() it avoids, it warns,
