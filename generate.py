@@ -112,7 +112,8 @@ def prime_capture(model: Transformer, token: torch.Tensor, pos: torch.Tensor, to
     Why (measured, cause unknown: BENCHMARKS.md, session 27): in a process whose first graph holds int4_ring.py's
     kernel, that graph replays ~1.3% slower (bench.py graphs, 7B int4 g32: 707-715 tok/s) than any graph captured
     after it (716-724), at the same clocks; bf16, int8 and int4 g128 do not differ. A capture of the step first
-    makes the one that decodes fast; for CUDAGraph Trees, a capture of the ring's kernel alone did not."""
+    makes the one that decodes fast; for CUDAGraph Trees, a capture of the ring's kernel alone did not. (Sampling
+    at a temperature draws once more from the CUDA generator in the uncaptured step.)"""
     if not PRIME_CAPTURE:
         return
     saved = [t.clone() for t in (token, pos, tokens)]
@@ -123,7 +124,7 @@ def prime_capture(model: Transformer, token: torch.Tensor, pos: torch.Tensor, to
             decode_one_token(model, token, pos, tokens, s)
         torch.cuda.current_stream(token.device).wait_stream(stream)
         for t, v in zip((token, pos, tokens), saved):
-            t.copy_(v)  # (the KV cache rows that step wrote lie past pos: rewritten before they are read)
+            t.copy_(v)  # (the KV cache row that step wrote, at pos, the real step writes again)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             decode_one_token(model, token, pos, tokens, s)
