@@ -31,11 +31,10 @@ from pathlib import Path
 
 import torch
 
-import kernels
+import cuda_kernels
 import model as model_module
-from generate import (Generator, Sampling, check_graphs, count_launches, decode_one_token, launches_per_call,
-                      prefill, prime_capture, speculative_round_bytes, synchronize, uses_int4_ring,
-                      weight_bytes_per_step)
+from generate import (Generator, Sampling, capture_step, check_graphs, count_launches, launches_per_call, prefill,
+                      prime_capture, speculative_round_bytes, synchronize, uses_int4_ring, weight_bytes_per_step)
 from model import ModelArgs, Transformer
 
 PRESETS = {
@@ -113,19 +112,9 @@ class ManualGraph:
     def capture(self, model, token, pos, tokens, s):
         if uses_int4_ring(model):
             prime_capture(model, token, pos, tokens, s)  # (why: its docstring)
-        saved = [t.clone() for t in (token, pos, tokens)]
-        # Warm up on a side stream (lazy inits, cuBLAS workspaces) so none of it is captured.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                decode_one_token(model, token, pos, tokens, s)
-        torch.cuda.current_stream().wait_stream(stream)
-        for t, v in zip((token, pos, tokens), saved):
-            t.copy_(v)  # undo the warm-up steps (the KV cache rows they wrote are rewritten)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            decode_one_token(model, token, pos, tokens, s)  # recorded, not run: __call__ replays it
+        # Three steps warm up on a side stream (lazy inits, cuBLAS workspaces) so none of it is captured; the step
+        # is then recorded, not run: __call__ replays it.
+        self.graph = capture_step(model, token, pos, tokens, s, warmup_steps=3)
 
 
 def make_generator(model, mode: str, sampling: Sampling = Sampling(temperature=0)) -> Generator:
@@ -204,7 +193,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
             check_graphs(gen)
         if show_kernels:
             overlap = (" (PDL: each kernel starts before the one it follows ends, and its time includes that wait,"
-                       " so the times overlap; --no-pdl for a breakdown)" if kernels.pdl(gen.buffers[0]) else "")
+                       " so the times overlap; --no-pdl for a breakdown)" if cuda_kernels.pdl(gen.buffers[0]) else "")
             print(f"-- {mode} B={batch}: kernels of 4 decode steps{overlap}\n{kernel_table(gen)}", file=sys.stderr)
         runs = []
         ctx = gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad()
@@ -341,45 +330,45 @@ def main(argv=None) -> int:
                    help="set a torch._inductor.config option for this run (repeatable), e.g. "
                         "coordinate_descent_tuning=True")
     p.add_argument("--traced-gemv", action="store_true",
-                   help="let torch.compile trace into kernels.py's Triton GEMV instead of calling it through "
+                   help="let torch.compile trace into cuda_kernels.py's Triton GEMV instead of calling it through "
                         "its opaque custom op (compile-time A/B)")
     p.add_argument("--unfused", action="store_true",
                    help="keep RMSNorm, SwiGLU and the residual adds apart from the GEMVs (A/B of the fusion)")
     p.add_argument("--unfused-attention", action="store_true",
-                   help="decode attention as PyTorch ops instead of kernels.decode_attention (A/B)")
+                   help="decode attention as PyTorch ops instead of cuda_kernels.decode_attention (A/B)")
     p.add_argument("--unfused-swiglu", action="store_true",
                    help="SwiGLU as its own kernel after the gate/up GEMV instead of inside it (A/B)")
-    p.add_argument("--gemv-max-rows", type=int, default=kernels.MAX_ROWS,
-                   help="rows of bf16 x up to which matmuls run kernels.py's kernels (1: cuBLAS for batches; A/B)")
+    p.add_argument("--gemv-max-rows", type=int, default=cuda_kernels.MAX_ROWS,
+                   help="rows of bf16 x up to which matmuls run cuda_kernels.py's kernels (1: cuBLAS for batches; A/B)")
     p.add_argument("--no-pdl", action="store_true",
-                   help="launch kernels.py's kernels without programmatic dependent launch (A/B)")
+                   help="launch cuda_kernels.py's kernels without programmatic dependent launch (A/B)")
     p.add_argument("--int8-float32", action="store_true",
                    help="one-row int8 GEMVs in float32 arithmetic instead of float16 pairs (A/B)")
     p.add_argument("--int4-dp4a", choices=["auto", "0", "1"], default=None,
                    help="the one-row int4 GEMV's arithmetic: integers (1), float16 pairs (0), or "
-                        "kernels.int4_dp4a's rule (auto, the default: integers on every shape)")
+                        "cuda_kernels.int4_dp4a's rule (auto, the default: integers on every shape)")
     p.add_argument("--int4-tinygemm", action="store_true",
-                   help="one-row int4 GEMVs through PyTorch's tinygemm instead of kernels.int4_gemv (A/B)")
+                   help="one-row int4 GEMVs through PyTorch's tinygemm instead of cuda_kernels.int4_gemv (A/B)")
     p.add_argument("--int4-ring", action="store_true",
                    help="one-token int4 g32 decode on sm_90 by int4_ring.py's kernel in its int8 flow (model."
                         "TransformerBlock.forward_int8): the default since session 21 (kept for older commands)")
     p.add_argument("--no-int4-ring", action="store_true",
-                   help="kernels.int4_gemv instead of int4_ring.py's int8 flow (A/B; GRAPHDECODE_INT4_RING=0)")
+                   help="cuda_kernels.int4_gemv instead of int4_ring.py's int8 flow (A/B; GRAPHDECODE_INT4_RING=0)")
     p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
-                   help="kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
+                   help="cuda_kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
                         "float16 (0), or by model.int4_codes' rule (auto, the default: codes up to group 64)")
     p.add_argument("--int4-xq", choices=["auto", "0", "8", "16", "32"], default=None,
                    help="the attention kernel hands an int4 wo its output in int8 per group of this many columns, "
-                        "or 0: in bf16 only, wo quantizing it itself (kernels.INT4_XQ; auto, the default: 16)")
-    p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of kernels.decode_attention")
+                        "or 0: in bf16 only, wo quantizing it itself (cuda_kernels.INT4_XQ; auto, the default: 16)")
+    p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of cuda_kernels.decode_attention")
     p.add_argument("--attention-warps", type=int, choices=[1, 2, 4, 8, 16],
-                   help="warps of kernels.decode_attention (A/B; default: kernels.attention_launch's rule)")
+                   help="warps of cuda_kernels.decode_attention (A/B; default: cuda_kernels.attention_launch's rule)")
     p.add_argument("--attention-maxnreg", type=int,
-                   help="cap on kernels.decode_attention's registers a thread (Triton's maxnreg; A/B)")
-    p.add_argument("--attention-splits", type=int, help="cache slices of kernels.decode_attention (default: a rule)")
+                   help="cap on cuda_kernels.decode_attention's registers a thread (Triton's maxnreg; A/B)")
+    p.add_argument("--attention-splits", type=int, help="cache slices of cuda_kernels.decode_attention (default: a rule)")
     p.add_argument("--attention-one", choices=["0", "1"], default=None,
-                   help="where a KV head has one query head, kernels._attention_one_kernel (1) or the grouped kernel (0) "
-                        "(kernels.ATTENTION_ONE)")
+                   help="where a KV head has one query head, cuda_kernels._attention_one_kernel (1) or the grouped kernel (0) "
+                        "(cuda_kernels.ATTENTION_ONE)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
     p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
@@ -396,22 +385,22 @@ def main(argv=None) -> int:
         print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
         return 1
     batches = [int(b) for b in a.batch_sizes.split(",")]
-    kernels.OPAQUE = not a.traced_gemv
+    cuda_kernels.OPAQUE = not a.traced_gemv
     model_module.FUSE_NORM_AND_RESIDUAL = not a.unfused
     model_module.FUSE_ATTENTION = not a.unfused_attention
     model_module.FUSE_SWIGLU = not a.unfused_swiglu
-    kernels.ATTENTION_SPLITS = a.attention_splits
-    kernels.PDL = not a.no_pdl
-    kernels.INT8_HALF = not a.int8_float32
+    cuda_kernels.ATTENTION_SPLITS = a.attention_splits
+    cuda_kernels.PDL = not a.no_pdl
+    cuda_kernels.INT8_HALF = not a.int8_float32
     model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
     if model_module.int4_ring is not None:
         model_module.int4_ring.ENABLED = (model_module.int4_ring.ENABLED or a.int4_ring) and not a.no_int4_ring
     model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
-    kernels.INT4_DP4A = a.int4_dp4a or kernels.INT4_DP4A
-    kernels.INT4_XQ = a.int4_xq or kernels.INT4_XQ
+    cuda_kernels.INT4_DP4A = a.int4_dp4a or cuda_kernels.INT4_DP4A
+    cuda_kernels.INT4_XQ = a.int4_xq or cuda_kernels.INT4_XQ
     try:  # (the environment's settings, checked before any model loads)
-        kernels.int4_dp4a(), model_module.int4_codes(32), kernels.int4_x_group(32)
-        kernels.int4_launch_override(kernels.INT4_LAUNCH)
+        cuda_kernels.int4_dp4a(), model_module.int4_codes(32), cuda_kernels.int4_x_group(32)
+        cuda_kernels.int4_launch_override(cuda_kernels.INT4_LAUNCH)
         if model_module.int4_ring is not None:
             model_module.int4_ring.launch_override(model_module.int4_ring.LAUNCH)
     except ValueError as e:
@@ -423,12 +412,12 @@ def main(argv=None) -> int:
     if not 1 <= a.gemv_max_rows <= 16:
         print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)
         return 1
-    kernels.MAX_ROWS = a.gemv_max_rows
-    kernels.ATTENTION_BLOCK_L = a.attention_block_l
-    kernels.ATTENTION_WARPS = a.attention_warps
+    cuda_kernels.MAX_ROWS = a.gemv_max_rows
+    cuda_kernels.ATTENTION_BLOCK_L = a.attention_block_l
+    cuda_kernels.ATTENTION_WARPS = a.attention_warps
     if a.attention_one is not None:
-        kernels.ATTENTION_ONE = a.attention_one == "1"
-    kernels.ATTENTION_MAXNREG = a.attention_maxnreg
+        cuda_kernels.ATTENTION_ONE = a.attention_one == "1"
+    cuda_kernels.ATTENTION_MAXNREG = a.attention_maxnreg
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
@@ -463,7 +452,7 @@ def main(argv=None) -> int:
     ceiling = copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name} on {gpu}, {dtype}, torch {torch.__version__}; copy ceiling {ceiling:.0f} GB/s"
-          + ("; PDL" if device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)) else ""), file=sys.stderr)
+          + ("; PDL" if device.type == "cuda" and cuda_kernels.pdl(torch.empty(0, device=device)) else ""), file=sys.stderr)
     records = []
 
     int4_layers = [m for mod in (model, draft) if mod is not None for m in mod.modules()
@@ -484,13 +473,13 @@ def main(argv=None) -> int:
                  unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
                  attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
                  attention_warps=a.attention_warps, attention_maxnreg=a.attention_maxnreg,
-                 attention_one=kernels.ATTENTION_ONE,
-                 gemv_max_rows=a.gemv_max_rows, int8_half=kernels.INT8_HALF,
-                 int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=kernels.INT4_DP4A if int4 else None,
+                 attention_one=cuda_kernels.ATTENTION_ONE,
+                 gemv_max_rows=a.gemv_max_rows, int8_half=cuda_kernels.INT8_HALF,
+                 int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=cuda_kernels.INT4_DP4A if int4 else None,
                  int4_codes=codes_used > 0 if int4 else None,
                  int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
                  int4_ring_layers=f"{ring_used} of {len(int4_layers)}" if int4 else None,
-                 pdl=device.type == "cuda" and kernels.pdl(torch.empty(0, device=device)))
+                 pdl=device.type == "cuda" and cuda_kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured
             old = json.loads(a.json.read_text()) if a.json.exists() else []

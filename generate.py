@@ -106,29 +106,40 @@ def decode_one_token(model: Transformer, token: torch.Tensor, pos: torch.Tensor,
 PRIME_CAPTURE = os.environ.get("GRAPHDECODE_PRIME_CAPTURE", "1") == "1"
 
 
-def prime_capture(model: Transformer, token: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor,
-                  s: Sampling) -> None:
-    """Capture one decode step by hand into a CUDA graph that is dropped unreplayed, the buffers left as they were.
-    Why (measured, cause unknown: BENCHMARKS.md, session 27): in a process whose first graph holds int4_ring.py's
-    kernel, that graph replays ~1.3% slower (bench.py graphs, 7B int4 g32: 707-715 tok/s) than any graph captured
-    after it (716-724), at the same clocks; bf16, int8 and int4 g128 do not differ. A capture of the step first
-    makes the one that decodes fast; for CUDAGraph Trees, a capture of the ring's kernel alone did not. (Sampling
-    at a temperature draws once more from the CUDA generator in the uncaptured step.)"""
-    if not PRIME_CAPTURE:
-        return
+def capture_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, s: Sampling,
+                 warmup_steps: int = 1) -> torch.cuda.CUDAGraph:
+    """decode_one_token captured by hand into one torch.cuda.CUDAGraph: recorded, not run (replay() runs it). First
+    warmup_steps uncaptured steps on a side stream (kernels built, lazy inits, cuBLAS workspaces: none of it
+    captured); then the buffers and the CUDA generator are put back as they were, so the warm-up changes neither
+    the tokens nor what a seeded sampler draws (the KV cache rows it wrote from pos, later steps write again)."""
+    device = token.device
     saved = [t.clone() for t in (token, pos, tokens)]
-    stream = torch.cuda.Stream(token.device)
-    stream.wait_stream(torch.cuda.current_stream(token.device))
+    rng = torch.cuda.get_rng_state(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     with torch.no_grad():
-        with torch.cuda.stream(stream):  # one step uncaptured first: kernels built, lazy inits done
-            decode_one_token(model, token, pos, tokens, s)
-        torch.cuda.current_stream(token.device).wait_stream(stream)
+        with torch.cuda.stream(stream):
+            for _ in range(warmup_steps):
+                decode_one_token(model, token, pos, tokens, s)
+        torch.cuda.current_stream(device).wait_stream(stream)
         for t, v in zip((token, pos, tokens), saved):
-            t.copy_(v)  # (the KV cache row that step wrote, at pos, the real step writes again)
+            t.copy_(v)
+        torch.cuda.set_rng_state(rng, device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             decode_one_token(model, token, pos, tokens, s)
-    del graph
+    return graph
+
+
+def prime_capture(model: Transformer, token: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor,
+                  s: Sampling) -> None:
+    """Capture one decode step by hand (capture_step) and drop the graph unreplayed: buffers and generator unchanged.
+    Why (measured, cause unknown: BENCHMARKS.md, session 27): in a process whose first graph holds int4_ring.py's
+    kernel, that graph replays ~1.3% slower (bench.py graphs, 7B int4 g32: 707-715 tok/s) than any graph captured
+    after it (716-724), at the same clocks; bf16, int8 and int4 g128 do not differ. A capture of the step first
+    makes the one that decodes fast; for CUDAGraph Trees, a capture of the ring's kernel alone did not."""
+    if PRIME_CAPTURE:
+        capture_step(model, token, pos, tokens, s)  # (the graph, never replayed, is freed on return)
 
 
 def uses_int4_ring(model: Transformer) -> bool:
@@ -137,13 +148,13 @@ def uses_int4_ring(model: Transformer) -> bool:
 
 
 def register_fallbacks() -> None:
-    """Tell Inductor up front that this project's custom ops (kernels.py's, cpu_kernels.py's) are
+    """Tell Inductor up front that this project's custom ops (cuda_kernels.py's, cpu_kernels.py's) are
     fallbacks: calls of their own implementation, with the layout constraint Inductor gives a custom
     op by default. That is what Inductor does itself the first time it meets such an op, but torch
     2.11 first formats a log line with the str() of each argument whether the line is logged or not,
     and the str() of an op's output includes that of the ops it came from: through the residual,
     which reaches each op by two paths, it grows ~2x a layer. In an int4 model whose layers run
-    kernels.int4_gemv the first graphdecode::gemv is the int8 output head's, after 32 layers: its
+    cuda_kernels.int4_gemv the first graphdecode::gemv is the int8 output head's, after 32 layers: its
     str() never ended (BENCHMARKS.md, session 9). Registering first skips the line. These are private
     Inductor functions: a torch without them gets a warning (torch before 2.13, which may format
     that line eagerly) and Inductor's own fallbacks, as before."""
@@ -299,7 +310,7 @@ class Generator:
 # -- the CPU decode step compiled ahead of time -------------------------------------------------
 
 AOT_CACHE = cache_dir() / "aot"
-# What the compiled step runs: not kernels.py, which model.py calls for CUDA tensors only (keying on it
+# What the compiled step runs: not cuda_kernels.py, which model.py calls for CUDA tensors only (keying on it
 # made every GPU-kernel edit rebuild the CPU step: eager 54 tok/s until then), but cpu_kernels.py,
 # whose custom ops the step calls.
 AOT_SOURCES = ("generate.py", "model.py", "cpu_kernels.py", "cpu_kernels.cpp")

@@ -4,8 +4,8 @@ language; NVIDIA Hopper, sm_90). model.TransformerBlock.forward_int8 runs it for
 one token of int4 decode, where it applies (usable): each GEMV reads its x in int8 and writes its output in
 int8 too, for the GEMV after it.
 
-Why a second int4 GEMV beside kernels.int4_gemv (Triton): decode reads each weight once a token, so a GEMV
-is as fast as its weights stream. kernels.int4_gemv gives each program a few rows and asks for only its first
+Why a second int4 GEMV beside cuda_kernels.int4_gemv (Triton): decode reads each weight once a token, so a GEMV
+is as fast as its weights stream. cuda_kernels.int4_gemv gives each program a few rows and asks for only its first
 block of weights before its PDL wait (the wait for the kernel before it); the step's chain of GEMVs read
 their bytes at 68% of the copy ceiling on the H200. Here each SM's programs (3 an SM) take tiles of 16
 rows in turn, and copy their boxes (16 rows by 1024 columns of words and codes) by TMA into a ring of 6
@@ -18,17 +18,17 @@ its SM. At 32 cache positions a loop step (ATTENTION_BLOCK_L, 146 registers) the
 676-678 (runs 104-105, BENCHMARKS.md session 21); the Triton kernel's step does not gain from that (671
 against 675), so only this flow asks for it.
 
-Its one demand: x in int8 already (kernels.int4_quantize_x's layout, groups of 16), staged in shared memory
+Its one demand: x in int8 already (cuda_kernels.int4_quantize_x's layout, groups of 16), staged in shared memory
 once a program; rounding bf16 x in each program lost what the ring gained (run 98). The attention kernel
 writes wo's x so; this kernel writes its own y so for the next GEMV (XQ_OUT: each tile of 16 rows is one
 group, times the next RMSNorm's weight), so that x stays in int8 from GEMV to GEMV, beside the bf16 y
 that the residual stream keeps.
 
-The arithmetic is kernels.int4_gemv's XQ form (_int4_dp4a_block): per weight word two dp4a of x's bytes,
+The arithmetic is cuda_kernels.int4_gemv's XQ form (_int4_dp4a_block): per weight word two dp4a of x's bytes,
 per group of 32 its scale and zero from the row's codes and units, RMSNorm's scale from x's sums of
 squares, SwiGLU, the residual. The tests hold it to that kernel (tests/test_kernels.py, -m cuda).
 Needs Triton 3.6 or newer (Gluon's TMA and mbarriers) on sm_90; model.py checks `usable` and falls back to
-kernels.int4_gemv elsewhere (and where ENABLED, below, is off).
+cuda_kernels.int4_gemv elsewhere (and where ENABLED, below, is off).
 """
 import functools
 import os
@@ -43,21 +43,21 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-import kernels
+import cuda_kernels
 
 # On by default since session 21 (the 7B int4 g32 step 688.6-689.2 tok/s against 675.3-675.5 without, runs 104-105);
 # GRAPHDECODE_INT4_RING=0 (bench.py --no-int4-ring) turns it off; read when an int4 layer loads (model.py).
 ENABLED = os.environ.get("GRAPHDECODE_INT4_RING", "1") == "1"
-# cache positions a loop step of the attention kernel in this flow (kernels.decode_attention's block_l): at 8 warps
+# cache positions a loop step of the attention kernel in this flow (cuda_kernels.decode_attention's block_l): at 8 warps
 # 146 registers a thread instead of the rule's 64 positions' 254, so the ring's programs (78-80 registers, 4 warps)
 # share its SMs (runs 104-105: 32 positions 688.6 and 689.2 tok/s, 16 678.4, 64 676.1 and 678.0). The grouped kernel's
-# only: where a KV head has one query head, kernels._attention_one_kernel runs at its own launch (session 23)
+# only: where a KV head has one query head, cuda_kernels._attention_one_kernel runs at its own launch (session 23)
 ATTENTION_BLOCK_L = 32
 G, XG = 32, 16  # int4 groups, x's int8 groups
 CHUNK = 128  # words a TMA box takes along a row (32 groups): also the block the products take
 ROWS, STAGES, PER_SM, WARPS = 16, 6, 3, 4  # a tile's rows, boxes in flight a program, programs an SM, warps
 # (run 98: 6 boxes and 3 an SM were the best of 5-7 boxes, 1-4 an SM; 16 rows: XQ_OUT's tile is one group)
-# Launches by shape (kernels.int4_shape: "wide" is wqkv where N > 8192, as in Llama-2-7B; "square" wo, and wqkv
+# Launches by shape (cuda_kernels.int4_shape: "wide" is wqkv where N > 8192, as in Llama-2-7B; "square" wo, and wqkv
 # of grouped-head models; "gate/up" w13; "long" w2): (programs an SM, boxes in flight, rows a tile, warps), in place
 # of (PER_SM, STAGES, ROWS, WARPS). Rows apply only where a GEMV writes no y in int8 (XQ_OUT takes 16): in decode's
 # int8 flow, wqkv and the last layer's w2. Timed in the whole 7B int4 g32 step (benchmarks/ring_launch.py, session
@@ -77,14 +77,14 @@ def launch_override(text: str) -> dict[str, tuple[int, int, int, int]]:
     """GRAPHDECODE_INT4_RING_LAUNCH's launches: {shape: (programs an SM, boxes in flight, rows a tile, warps)}
     (cached: do not change the dict)."""
     launches = {}
-    for shape, values in kernels.launch_parts(text):
+    for shape, values in cuda_kernels.launch_parts(text):
         if len(values) == 2:  # (rows and warps left out)
             values = values + [ROWS, WARPS]
         per_sm, stages, rows, warps = values if len(values) == 4 else (0, 0, 0, 0)
-        if shape not in kernels.INT4_LAUNCHES or not (1 <= per_sm <= 8 and 2 <= stages <= 16) \
+        if shape not in cuda_kernels.INT4_LAUNCHES or not (1 <= per_sm <= 8 and 2 <= stages <= 16) \
                 or rows not in (8, 16, 32) or warps not in (2, 4, 8) or rows * stages > MAX_BOX_ROWS:
             raise ValueError(f"GRAPHDECODE_INT4_RING_LAUNCH: {shape}={','.join(map(str, values))} is not "
-                             f"SHAPE=PROGRAMS_AN_SM,BOXES[,ROWS,WARPS] (shapes {', '.join(kernels.INT4_LAUNCHES)}; "
+                             f"SHAPE=PROGRAMS_AN_SM,BOXES[,ROWS,WARPS] (shapes {', '.join(cuda_kernels.INT4_LAUNCHES)}; "
                              f"1-8 programs an SM, 2-16 boxes, 8, 16 or 32 rows, 2, 4 or 8 warps, rows x boxes at "
                              f"most {MAX_BOX_ROWS})")
         launches[shape] = (per_sm, stages, rows, warps)
@@ -93,7 +93,7 @@ def launch_override(text: str) -> dict[str, tuple[int, int, int, int]]:
 
 def launch(N: int, K: int, swiglu: bool) -> tuple[int, int, int, int]:
     """(programs an SM, boxes in flight, rows a tile, warps) for a layer [N (2N: swiglu), K]."""
-    shape = kernels.int4_shape(N, K, swiglu)
+    shape = cuda_kernels.int4_shape(N, K, swiglu)
     return launch_override(LAUNCH).get(shape) or LAUNCHES.get(shape, (PER_SM, STAGES, ROWS, WARPS))
 
 
@@ -212,8 +212,8 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                            XQ_OUT: gl.constexpr, GO: gl.constexpr):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
-    [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout
-    with units, dp4a), as kernels.int4_gemv's XQ form computes it. x is staged in shared memory once a program
+    [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (cuda_kernels.int4_layout
+    with units, dp4a), as cuda_kernels.int4_gemv's XQ form computes it. x is staged in shared memory once a program
     (_x_stage), the products are _products_fast's. Persistent programs: each takes tiles of BN rows pid, pid + P, ... (P programs), their words and codes a box (BN rows, one
     chunk of K, gate or up) at a time through a ring of STAGES boxes in shared memory, each box's copy issued
     STAGES boxes ahead of its products, the first STAGES before the PDL wait. Memory stays busy while the
@@ -345,7 +345,7 @@ def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
 
 
 def usable(words: torch.Tensor, codes: Optional[torch.Tensor], groupsize: int) -> bool:
-    """Whether an int4 layer in kernels.int4_gemv's layout (words [R, K/8] int32, codes [R, K/32] int16, or
+    """Whether an int4 layer in cuda_kernels.int4_gemv's layout (words [R, K/8] int32, codes [R, K/32] int16, or
     None for float16 scales) can run here: ENABLED, CUDA sm_90 (the only GPU measured; TMA from sm_90 on),
     group 32 with codes, K a multiple of 256 and at least 512 (x's staging), R a multiple of 32 (tiles of 16 rows
     that never straddle SwiGLU's gate and up halves)."""
@@ -401,15 +401,15 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
-        num_warps=warps, **({"launch_pdl": True} if kernels.pdl(x) else {}))
+        num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
 
 def matmul(x, xq, words, codes, units, w_unscale, norm=False, eps=0.0, residual=None, swiglu=False, out_q=False,
            out_norm_weight=None):
-    """gemv, through the custom op (kernels.OPAQUE, as kernels.int4_matmul; always inside torch.compile, which
+    """gemv, through the custom op (cuda_kernels.OPAQUE, as cuda_kernels.int4_matmul; always inside torch.compile, which
     cannot trace a Gluon launch) or directly."""
-    if kernels.OPAQUE or torch.compiler.is_compiling():
+    if cuda_kernels.OPAQUE or torch.compiler.is_compiling():
         y, yq = gemv_op(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight)
         return y, yq if out_q else None
     return gemv(x, xq, words, codes, units, w_unscale, norm, eps, residual, swiglu, out_q, out_norm_weight)

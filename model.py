@@ -2,7 +2,7 @@
 
 Read top to bottom: ModelArgs (the config), Transformer (embedding, layers, head, caches,
 checkpoint loading), TransformerBlock, Attention (one-token decode on CUDA: one kernel of
-kernels.py), KVCache, FeedForward, RMSNorm, Linear (a matmul that also applies the norm before it,
+cuda_kernels.py), KVCache, FeedForward, RMSNorm, Linear (a matmul that also applies the norm before it,
 SwiGLU, and the residual add after it), RoPE helpers, then the quantized layers.
 
 Shapes: B batch, S new tokens this call, L cache length (max_seq_length), H query heads,
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cpu_kernels
-import kernels
+import cuda_kernels
 
 try:  # Gluon (Triton 3.6 or newer): the int4 GEMV of decode's int8 flow on Hopper (TransformerBlock.forward_int8)
     import int4_ring
@@ -215,21 +215,21 @@ class TransformerBlock(nn.Module):
         writing wo's x in int8 groups of 16 (wo_x_group), with SwiGLU fused."""
         a, f = self.attention, self.feed_forward
         return (all(getattr(m, "gemv_ring", False) and m.bias is None for m in (a.wqkv, a.wo, f.w13, f.w2))
-                and x.numel() == x.shape[-1] and FUSE_SWIGLU and kernels.attention_usable(x, input_pos)
+                and x.numel() == x.shape[-1] and FUSE_SWIGLU and cuda_kernels.attention_usable(x, input_pos)
                 and a.wo_x_group(x) == int4_ring.XG)  # (gemv_ring first: False unless the ring is on)
 
     def forward_int8(self, x, xq, input_pos, rope_cos, rope_sin, next_norm):
         """forward for one token of int4 decode on Hopper, x handed from GEMV to GEMV in int8 as well as in
         bf16: each GEMV reads its x in int8 and writes its output in int8 too (int4_ring.py), times the next
-        RMSNorm's weight (kernels.int4_quantize_x's layout, groups of 16); the attention kernel writes wo's
+        RMSNorm's weight (cuda_kernels.int4_quantize_x's layout, groups of 16); the attention kernel writes wo's
         x so, at 32 cache positions a loop step (int4_ring.ATTENTION_BLOCK_L: 8 warps at 146 registers a thread
         instead of 254 leave room on an SM for the ring's programs). The 7B int4 g32 step: 688.6-689.2 tok/s
-        against 676.1-678.0 at the kernel's default 64 positions and 675.3-675.5 with kernels.int4_gemv
+        against 676.1-678.0 at the kernel's default 64 positions and 675.3-675.5 with cuda_kernels.int4_gemv
         throughout (BENCHMARKS.md, session 21). With one query head a KV head (Llama-2-7B) the attention is
-        kernels._attention_one_kernel, which has its own launch (block_l is the grouped kernel's): 709.3-710.1
+        cuda_kernels._attention_one_kernel, which has its own launch (block_l is the grouped kernel's): 709.3-710.1
         tok/s (session 23).
         xq: x in int8 from the layer before (times attention_norm's weight), or None (the first layer: wqkv
-        reads bf16 x, kernels.int4_gemv). next_norm: the next layer's attention_norm (None: the last layer,
+        reads bf16 x, cuda_kernels.int4_gemv). next_norm: the next layer's attention_norm (None: the last layer,
         whose output the head reads in bf16)."""
         a, f = self.attention, self.feed_forward
         if xq is None:
@@ -260,7 +260,7 @@ class Attention(nn.Module):
         """residual + attention over norm(x). rope_cos, rope_sin: the RoPE tables [L, D]."""
         B, S, _ = x.shape
         qkv = self.wqkv(x, norm=norm)
-        if S == 1 and FUSE_ATTENTION and kernels.attention_usable(qkv, input_pos) and not hasattr(self, "q_norm"):
+        if S == 1 and FUSE_ATTENTION and cuda_kernels.attention_usable(qkv, input_pos) and not hasattr(self, "q_norm"):
             # Decode on CUDA: RoPE, the cache write and the attention below in one Triton kernel
             group = self.wo_x_group(qkv)
             if group:  # an int4 wo: the kernel also writes its output in int8, which wo reads
@@ -285,15 +285,15 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, S, -1), residual=residual)
 
     def fused_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0):
-        """kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group); block_l:
+        """cuda_kernels.attention over this layer's cache: y, or (y, y in int8 in groups of out_group); block_l:
         cache positions a loop step (0: the kernel's rule)."""
         cache = self.kv_cache
-        return kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
+        return cuda_kernels.attention(qkv, input_pos, rope_cos, rope_sin, cache.k_cache, cache.v_cache, cache.counts,
                                  self.n_heads, self.n_kv_heads, out_group=out_group, block_l=block_l)
 
     def wo_x_group(self, x) -> int:
         """The group of the attention kernel's output in int8 for wo, for one token x of a batch of one
-        (kernels.INT4_XQ: an int4 wo in integers without a bias, Int4Linear.x_group; the attention
+        (cuda_kernels.INT4_XQ: an int4 wo in integers without a bias, Int4Linear.x_group; the attention
         kernel, head_dim a power of two and a multiple of it), or 0: its output in bf16 only."""
         group = self.wo.x_group(x) if isinstance(self.wo, Int4Linear) and self.wo.bias is None else 0
         D = self.head_dim
@@ -304,7 +304,7 @@ class Attention(nn.Module):
 def decode_attention(q, k, v, mask):
     """Attention of one new token per sequence, q [B, H, 1, D], over the cache k, v [B, Hkv, L, D].
 
-    The PyTorch twin of kernels.decode_attention, for where that kernel does not run (the CPU,
+    The PyTorch twin of cuda_kernels.decode_attention, for where that kernel does not run (the CPU,
     per-sequence positions, bench.py --unfused-attention). Written as broadcast products and sums
     rather than SDPA: a fused attention kernel has only B*H rows of work for a single query, while
     Inductor turns these two reductions into kernels spread over the whole cache length, and
@@ -329,7 +329,7 @@ class KVCache(nn.Module):
         shape = (max_batch_size, n_kv_heads, max_seq_length, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        # kernels.decode_attention's count of finished cache slices per sequence and KV head
+        # cuda_kernels.decode_attention's count of finished cache slices per sequence and KV head
         self.register_buffer("counts", torch.zeros(max_batch_size * n_kv_heads, dtype=torch.int32, device=device),
                              persistent=False)
 
@@ -376,12 +376,12 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """nn.Linear that also does the steps around it in decode: forward(x, norm, residual, swiglu)
     is residual + linear(norm(x)) (either may be left out), with swiglu the SwiGLU of the product's
-    two halves in between. Up to kernels.MAX_ROWS rows in bf16 on CUDA (decode, batched decode)
-    run all of it as one Triton kernel of kernels.py, which also reads decode's narrow matrices
+    two halves in between. Up to cuda_kernels.MAX_ROWS rows in bf16 on CUDA (decode, batched decode)
+    run all of it as one Triton kernel of cuda_kernels.py, which also reads decode's narrow matrices
     10-25% faster than cuBLAS (BENCHMARKS.md); anything else runs PyTorch's ops."""
 
     def forward(self, x, norm=None, residual=None, swiglu=False):
-        if x.dtype == torch.bfloat16 and kernels.usable(x, self.weight, max_rows=kernels.MAX_ROWS) and (
+        if x.dtype == torch.bfloat16 and cuda_kernels.usable(x, self.weight, max_rows=cuda_kernels.MAX_ROWS) and (
                 self.bias is None or (residual is None and not swiglu)):
             y = decode_gemv(x, self.weight, None, norm, residual, swiglu)
             return y if self.bias is None else y + self.bias
@@ -408,13 +408,13 @@ FUSE_ATTENTION = True  # False (bench.py --unfused-attention): decode attention 
 
 
 def decode_gemv(x, weight, scales, norm, residual, swiglu=False):
-    """kernels.matmul with the norm, SwiGLU and the residual add inside the kernel, or around it."""
-    return fused_matmul(lambda x, **fused: kernels.matmul(x, weight, scales, **fused), x, norm, residual, swiglu)
+    """cuda_kernels.matmul with the norm, SwiGLU and the residual add inside the kernel, or around it."""
+    return fused_matmul(lambda x, **fused: cuda_kernels.matmul(x, weight, scales, **fused), x, norm, residual, swiglu)
 
 
 def decode_int4_gemv(x, layer, norm, residual, swiglu=False, xq=None):
-    """decode_gemv for an Int4Linear's one-row layout: kernels.int4_matmul (xq: x in int8 too)."""
-    return fused_matmul(lambda x, **fused: kernels.int4_matmul(x, layer.gemv_weight, layer.gemv_sz, layer.gemv_unscale,
+    """decode_gemv for an Int4Linear's one-row layout: cuda_kernels.int4_matmul (xq: x in int8 too)."""
+    return fused_matmul(lambda x, **fused: cuda_kernels.int4_matmul(x, layer.gemv_weight, layer.gemv_sz, layer.gemv_unscale,
                                                               layer.gemv_group, layer.gemv_units, **fused,
                                                               ones=layer.gemv_ones, dp4a=layer.gemv_dp4a, xq=xq),
                         x, norm, residual, swiglu)
@@ -489,21 +489,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # (x quantized per block of 32 in two int8 parts: closer than bf16; 2-3.6x PyTorch's ops);
 # elsewhere PyTorch's weight-only ops, which take bf16 activations (their fp32 paths are 5-20x
 # slower), so x is cast to bf16 around the matmul and back. CPU prefill dequantizes and calls
-# F.linear (2x faster there). On CUDA, int8 decode (<= 16 rows) is kernels.py's Triton GEMV, which
+# F.linear (2x faster there). On CUDA, int8 decode (<= 16 rows) is cuda_kernels.py's Triton GEMV, which
 # dequantizes in registers (2.5-5x the speed of gpt-fast's F.linear(x, w.to(x.dtype)) * scales
 # fused by Inductor, used for prefill; aten's CUDA _weight_int8pack_mm is slower still; one row of
-# bf16 x with the norm fused runs in float16 pairs, kernels.use_half), and int4
-# is tinygemm (_weight_int4pack_mm), or for one row kernels.int4_gemv where INT4_GEMV (below). No op
+# bf16 x with the norm fused runs in float16 pairs, cuda_kernels.use_half), and int4
+# is tinygemm (_weight_int4pack_mm), or for one row cuda_kernels.int4_gemv where INT4_GEMV (below). No op
 # here syncs with the host: all of it can be captured in a CUDA graph.
 
 INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
-# One row of int4 x on CUDA runs kernels.int4_gemv (its layout built at load time, beside tinygemm's,
-# which prefill and batches use; in integers unless kernels.int4_dp4a says float16 pairs) instead of
+# One row of int4 x on CUDA runs cuda_kernels.int4_gemv (its layout built at load time, beside tinygemm's,
+# which prefill and batches use; in integers unless cuda_kernels.int4_dp4a says float16 pairs) instead of
 # tinygemm: the 7B step 1.86x faster at group 32 (runs 34 and 53, BENCHMARKS.md), for a second copy of the
 # int4 weights on the GPU. GRAPHDECODE_INT4_GEMV=0 (or bench.py --int4-tinygemm) keeps tinygemm
 # alone, set before the model loads.
 INT4_GEMV = os.environ.get("GRAPHDECODE_INT4_GEMV", "1") == "1"
-# Where a layer's scales and zeros lie on quantize.py's grid (int4_grid_units), kernels.int4_gemv can
+# Where a layer's scales and zeros lie on quantize.py's grid (int4_grid_units), cuda_kernels.int4_gemv can
 # read them as one byte each instead of two (int4_layout's codes): at group 32, 4.5 bits a weight
 # instead of 5. GRAPHDECODE_INT4_CODES: auto (int4_codes' rule), 0 never, 1 wherever the grid holds.
 INT4_CODES = os.environ.get("GRAPHDECODE_INT4_CODES", "auto")
@@ -547,8 +547,8 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
         return y.view(*x.shape[:-1], -1).to(x.dtype)
     # Decode on CUDA: dequantized in registers, 2.5-5x Inductor's. (Several float32 rows would go
     # through a TF32 dot: those take the exact path below.)
-    if kernels.usable(x, weight, max_rows=1 if x.dtype == torch.float32 else 16):
-        return kernels.matmul(x, weight, scales)
+    if cuda_kernels.usable(x, weight, max_rows=1 if x.dtype == torch.float32 else 16):
+        return cuda_kernels.matmul(x, weight, scales)
     return F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
 
 
@@ -644,12 +644,12 @@ def pack_int4(weight, scales, zeros, groupsize: int) -> tuple[torch.Tensor, torc
 
 def int4_gemv_layout(weight, scales, zeros, groupsize: int, dp4a: bool = False,
                      codes: bool = False) -> tuple[torch.Tensor, torch.Tensor, float, int, torch.Tensor | None]:
-    """The file's int4 layout -> kernels.int4_gemv's (words, scale-and-zero words, w_unscale, group g,
+    """The file's int4 layout -> cuda_kernels.int4_gemv's (words, scale-and-zero words, w_unscale, group g,
     units): codes (in integers only), where the scales and zeros are on quantize.py's grid, as int16
     codes of their rows' units; else float16 pairs, and units None."""
     s, z, g = kernel_groups(scales, zeros, groupsize, 2 * weight.shape[1])
     units = int4_grid_units(s, z) if codes and dp4a else None
-    return (*kernels.int4_layout(unpack_int4(weight), s, z, dp4a, units), g, units)
+    return (*cuda_kernels.int4_layout(unpack_int4(weight), s, z, dp4a, units), g, units)
 
 
 def _int_parameter(*shape, dtype) -> nn.Parameter:
@@ -665,7 +665,7 @@ class Int8Linear(nn.Module):
         self.register_load_state_dict_post_hook(Int8Linear._after_load)
 
     def forward(self, x, norm=None, residual=None, swiglu=False):  # as Linear's
-        if kernels.usable(x, self.weight, max_rows=1) and (self.bias is None or (residual is None and not swiglu)):
+        if cuda_kernels.usable(x, self.weight, max_rows=1) and (self.bias is None or (residual is None and not swiglu)):
             y = decode_gemv(x, self.weight, self.scales, norm, residual, swiglu)
             return y if self.bias is None else y + self.bias
         return unfused(self.linear, x, norm, residual, swiglu)
@@ -696,9 +696,9 @@ class Int4Linear(nn.Module):
         self.register_load_state_dict_post_hook(Int4Linear._after_load)
 
     def forward(self, x, norm=None, residual=None, swiglu=False, xq=None):
-        """As Linear's; xq: x in int8 too, from the kernel that made x (kernels.int4_quantize_x's layout,
+        """As Linear's; xq: x in int8 too, from the kernel that made x (cuda_kernels.int4_quantize_x's layout,
         groups of x_group(x), which the caller checks), which decode's one-row kernel then reads instead of x."""
-        if (hasattr(self, "gemv_weight") and kernels.usable(x, self.gemv_weight, max_rows=1)
+        if (hasattr(self, "gemv_weight") and cuda_kernels.usable(x, self.gemv_weight, max_rows=1)
                 and (self.bias is None or (residual is None and not swiglu))):
             y = decode_int4_gemv(x, self, norm, residual, swiglu, xq)
             return y if self.bias is None else y + self.bias
@@ -706,19 +706,19 @@ class Int4Linear(nn.Module):
 
     def ring(self, x, xq, norm=None, residual=None, swiglu=False, out_q=False, out_norm=None):
         """forward in decode's int8 flow (TransformerBlock.forward_int8; gemv_ring): (y, y in int8 or None) by
-        int4_ring.py's kernel, which reads x in int8 only (xq: kernels.int4_quantize_x(x, norm's weight), groups
+        int4_ring.py's kernel, which reads x in int8 only (xq: cuda_kernels.int4_quantize_x(x, norm's weight), groups
         of 16; x gives the shape); out_q: y also in int8, times out_norm's weight if given."""
         return int4_ring.matmul(x, xq, self.gemv_weight, self.gemv_sz, self.gemv_units, self.gemv_unscale,
                                 norm is not None, 0.0 if norm is None else norm.eps, residual, swiglu, out_q,
                                 None if out_norm is None else out_norm.weight)
 
     def x_group(self, x) -> int:
-        """The group of x in int8 that the one-row kernel can read for this x (kernels.int4_x_group), or
+        """The group of x in int8 that the one-row kernel can read for this x (cuda_kernels.int4_x_group), or
         0: x in bf16 only (the kernel not run, float16 pairs, or FUSE_NORM_AND_RESIDUAL off)."""
         if not (getattr(self, "gemv_dp4a", False) and hasattr(self, "gemv_weight") and FUSE_NORM_AND_RESIDUAL
-                and kernels.usable(x, self.gemv_weight, max_rows=1)):
+                and cuda_kernels.usable(x, self.gemv_weight, max_rows=1)):
             return 0
-        return kernels.int4_x_group(self.kernel_groupsize)
+        return cuda_kernels.int4_x_group(self.kernel_groupsize)
 
     def linear(self, x):
         if hasattr(self, "block_scales"):
@@ -740,8 +740,8 @@ class Int4Linear(nn.Module):
             self.block_scales = nn.Parameter(block_scales, requires_grad=False)
             self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
             return
-        if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and kernels.triton is not None:  # (PTX)
-            self.gemv_dp4a = kernels.int4_dp4a()
+        if INT4_GEMV and self.weight.is_cuda and torch.version.hip is None and cuda_kernels.triton is not None:  # (PTX)
+            self.gemv_dp4a = cuda_kernels.int4_dp4a()
             weight, sz, self.gemv_unscale, self.gemv_group, units = int4_gemv_layout(
                 self.weight, self.scales, self.zeros, self.groupsize, self.gemv_dp4a,
                 int4_codes(self.kernel_groupsize))

@@ -90,7 +90,7 @@ def _fit_units(fits: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
 
 # Scales and zeros on a grid: each a whole number of a power of two per row, 8 bits (scales 1..255,
 # zeros -127..127; model.int4_grid_units). They stay bf16 in the file (exactly: 8 bits times a
-# power of two), so every kernel computes with the same weights, and kernels.int4_gemv can read them
+# power of two), so every kernel computes with the same weights, and cuda_kernels.int4_gemv can read them
 # as one byte each (model.INT4_CODES). Cost on the default model: BENCHMARKS.md.
 
 def on_grid(scales: torch.Tensor, zeros: torch.Tensor, units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The decode attention kernel alone (kernels.decode_attention) over a grid of launches: cache
+"""The decode attention kernel alone (cuda_kernels.decode_attention) over a grid of launches: cache
 slices, positions per loop step (BLOCK_L) and warps, at batch 1 and 8, on a model's attention
 shape, timed as CUDA graph replays of one launch per layer, each on its own cache (no L2 hits),
 as decode runs them. Checks each launch against the PyTorch path first.
@@ -16,7 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-import kernels  # noqa: E402
+import cuda_kernels  # noqa: E402
 from bench import PRESETS  # noqa: E402
 from gemv import time_calls  # noqa: E402  (benchmarks/gemv.py)
 from test_kernels import reference_attention  # noqa: E402
@@ -49,26 +49,26 @@ def main():
             ref = reference_attention(qkv, pos, cos[p_:p_ + 1], sin[p_:p_ + 1], caches[0][0].clone(),
                                       caches[0][1].clone(), H, Hkv).float()
             ints = lambda v: tuple(map(int, v.split(",")))  # noqa: E731
-            default = (kernels.attention_splits(B, Hkv, L), None, None)
+            default = (cuda_kernels.attention_splits(B, Hkv, L), None, None)
             grid = [default] + [c for c in itertools.product(ints(a.splits), ints(a.block_l), ints(a.warps))
                                 if c != default]
             for splits, block_l, warps in grid:
-                kernels.ATTENTION_BLOCK_L, kernels.ATTENTION_WARPS = block_l, warps
-                y = kernels.decode_attention(qkv, pos, cos, sin, *caches[0], counts, H, Hkv, splits)
+                cuda_kernels.ATTENTION_BLOCK_L, cuda_kernels.ATTENTION_WARPS = block_l, warps
+                y = cuda_kernels.decode_attention(qkv, pos, cos, sin, *caches[0], counts, H, Hkv, splits)
                 err = ((y.float() - ref).norm() / ref.norm()).item()
-                calls = [lambda c=c: kernels.decode_attention(qkv, pos, cos, sin, *c, counts, H, Hkv, splits)
+                calls = [lambda c=c: cuda_kernels.decode_attention(qkv, pos, cos, sin, *c, counts, H, Hkv, splits)
                          for c in caches]
                 t = time_calls(calls)  # per launch
                 kv = 2 * B * Hkv * p_ * D * 2
                 rec = dict(model=a.model, batch=B, pos=p_, splits=splits, block_l=block_l, warps=warps,
-                           us=t * 1e6, kv_gb_s=kv / t / 1e9, err=err, pdl=kernels.pdl(qkv))
+                           us=t * 1e6, kv_gb_s=kv / t / 1e9, err=err, pdl=cuda_kernels.pdl(qkv))
                 records.append(rec)
                 print(f"B={B} pos={p_:4d} splits={splits} block_l={block_l or 'rule'} warps={warps or 'rule'}: "
                       f"{t * 1e6:6.2f} us  ({rec['kv_gb_s']:5.0f} GB/s of KV)  err {err:.1e}"
                       + ("  (default)" if (splits, block_l, warps) == default else ""), flush=True)
                 if a.json:
                     a.json.write_text(json.dumps(records, indent=1) + "\n")
-    kernels.ATTENTION_BLOCK_L, kernels.ATTENTION_WARPS = None, None
+    cuda_kernels.ATTENTION_BLOCK_L, cuda_kernels.ATTENTION_WARPS = None, None
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ replaced by views of its input: no kernel runs in its place (y is qkv's first H*
 same bytes read as words and scales), so the step is every other kernel of the real one, back to back.
 The cache is never written, so the outputs are garbage; only the time means anything.
 
-`--floor` instead keeps a kernel in its place: kernels._attention_one_kernel in one slice at position 0, so it
+`--floor` instead keeps a kernel in its place: cuda_kernels._attention_one_kernel in one slice at position 0, so it
 waits for wqkv, ropes q and k, attends to the new token only, writes the cache at 0 and y in bf16 and int8:
 the dependent chain of any separate attention kernel with none of its cached positions (one query head a KV
 head only). Again the tokens are garbage.

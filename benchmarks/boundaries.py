@@ -2,7 +2,7 @@
 bytes (Llama-2-7B: per layer wqkv, wo, w13, w2 at 4.5 bits a weight, 32 layers) read by plain streaming
 kernels that only sum what they load, in three structures:
 
-  chain      one launch a GEMV, each program loading one block before the PDL wait (as kernels.int4_gemv does)
+  chain      one launch a GEMV, each program loading one block before the PDL wait (as cuda_kernels.int4_gemv does)
   chain-nopdl  the same without programmatic dependent launch
   persistent one launch a step: programs resident on every SM take the GEMVs in turn, with a grid-wide wait
              (an atomic count) between them; with --prefetch, each program's first block of the next GEMV
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import kernels  # noqa: E402
+import cuda_kernels  # noqa: E402
 from bench import copy_bandwidth  # noqa: E402
 from benchmarks.gemv import time_calls  # noqa: E402
 
@@ -76,7 +76,7 @@ def _stream_kernel(w_ptr, prev_ptr, out_ptr, n_words, STEPS: tl.constexpr, BLOCK
 def _tile_kernel(w_ptr, prev_ptr, out_ptr, n_rows, row_words, ROWS: tl.constexpr, COLS: tl.constexpr,
                  TILED: tl.constexpr, PDL: tl.constexpr):
     """As _stream_kernel, over a GEMV's words as a matrix [n_rows, row_words] (row_words a multiple of COLS):
-    program pid sums rows [pid ROWS, + ROWS), COLS words of each a step, as kernels.int4_gemv loads its tiles.
+    program pid sums rows [pid ROWS, + ROWS), COLS words of each a step, as cuda_kernels.int4_gemv loads its tiles.
     TILED: each step's [ROWS, COLS] tile lies contiguous in memory (rows' blocks, then steps, then the tile's
     rows), where in the row-major layout its ROWS pieces of COLS words lie a row apart."""
     pid = tl.program_id(0)
@@ -185,7 +185,7 @@ def main():
     chunk = steps * BLOCK
     outs = [torch.zeros(-(-s // chunk), device=dev) for s in sizes]
     zero = torch.zeros(1, device=dev)
-    pdl_ok = kernels.pdl(w)
+    pdl_ok = cuda_kernels.pdl(w)
     records = []
 
     def report(name, seconds, **extra):

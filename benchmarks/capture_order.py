@@ -143,7 +143,7 @@ def main() -> int:
     p.add_argument("--trace", help="a folder: Chrome traces of the first graph, first (A.json) and last (A-last.json)")
     p.add_argument("--prime", action="store_true", help="keep bench.py's manual mode's generate.prime_capture (by "
                    "default left out here, so that A is the process's first capture of the step)")
-    p.add_argument("--no-pdl", action="store_true", help="launch our kernels without PDL (kernels.PDL = False)")
+    p.add_argument("--no-pdl", action="store_true", help="launch our kernels without PDL (cuda_kernels.PDL = False)")
     p.add_argument("--json", help="append the results to this file")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -156,8 +156,8 @@ def main() -> int:
     if not a.prime:
         bench.prime_capture = lambda *args: None
     if a.no_pdl:
-        import kernels
-        kernels.PDL = False
+        import cuda_kernels
+        cuda_kernels.PDL = False
     torch.manual_seed(0)
     model = bench.random_model(bench.PRESETS[a.model], device, torch.bfloat16)
     if a.quantize != "none":

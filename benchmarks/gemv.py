@@ -1,4 +1,4 @@
-"""The decode matmuls alone: kernels.py's GEMVs against PyTorch's (cuBLAS bf16, Inductor-fused
+"""The decode matmuls alone: cuda_kernels.py's GEMVs against PyTorch's (cuBLAS bf16, Inductor-fused
 int8 dequantize + matmul), on the weight shapes of a preset, timed as CUDA graph
 replays over enough weight copies that nothing is served from L2. Checks each result against a
 float32 reference first. With --tune, tries a grid of launch configurations and prints the best.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import kernels  # noqa: E402
+import cuda_kernels  # noqa: E402
 from bench import PRESETS, copy_bandwidth  # noqa: E402
 
 L2_MULTIPLE_BYTES = 1 << 30  # each timed graph reads at least this much weight
@@ -71,7 +71,7 @@ def fastest(time_launch, grid, best, error=None, limit=float("inf")):
 
 
 def make_weights(kind, N, K, device):
-    """(weight tensors for kernels.gemv, for the PyTorch baseline, float reference, bytes read)."""
+    """(weight tensors for cuda_kernels.gemv, for the PyTorch baseline, float reference, bytes read)."""
     w = torch.randn(N, K, device=device, dtype=torch.bfloat16) / math.sqrt(K)
     if kind == "bf16":
         return (w, None), ("cublas", w), w.float(), N * K * 2
@@ -100,16 +100,16 @@ def main():
                    help="one row with what decode fuses into each GEMV: RMSNorm before wqkv, w13 and the head, "
                         "SwiGLU in w13, the residual add after wo and w2 (no split of K then)")
     p.add_argument("--layers", help="comma-separated subset of wqkv,wo,w13,w2,output (default: all)")
-    p.add_argument("--int8-float32", action="store_true", help="one-row int8 in float32 arithmetic (kernels.INT8_HALF off)")
+    p.add_argument("--int8-float32", action="store_true", help="one-row int8 in float32 arithmetic (cuda_kernels.INT8_HALF off)")
     p.add_argument("--half-everywhere", action="store_true",
-                   help="one-row int8 in float16 pairs also where kernels.use_half does not choose them")
+                   help="one-row int8 in float16 pairs also where cuda_kernels.use_half does not choose them")
     p.add_argument("--grid", help="one-row tuning: BLOCK_N:BLOCK_K pairs, comma-separated (default: a built-in grid)")
     p.add_argument("--warps", default="4,8", help="one-row tuning: num_warps values")
     p.add_argument("--stages", default="2,4", help="one-row tuning: num_stages values")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    kernels.INT8_HALF = not a.int8_float32
-    kernels.HALF_EVERYWHERE = a.half_everywhere
+    cuda_kernels.INT8_HALF = not a.int8_float32
+    cuda_kernels.HALF_EVERYWHERE = a.half_everywhere
     dev = torch.device("cuda")
     ceiling = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  copy ceiling {ceiling:.0f} GB/s", flush=True)
@@ -138,15 +138,15 @@ def main():
             ours = (*ours, fused.get("norm_weight"), fused.get("eps", 0.0), fused.get("residual"),
                     fused.get("swiglu", False))
         scale = expect.abs().max().item()
-        err = (kernels.gemv(x, *ours).float() - expect).abs().max().item() / scale
+        err = (cuda_kernels.gemv(x, *ours).float() - expect).abs().max().item() / scale
         err_base = (baseline(x, theirs).float() - plain).abs().max().item() / plain.abs().max().item()
         copies = max(2, -(-L2_MULTIPLE_BYTES // nbytes))
         ours_c = [ours] + [tuple(t.clone() if torch.is_tensor(t) else t for t in ours) for _ in range(copies - 1)]
         theirs_c = [theirs] + [tuple(t.clone() if torch.is_tensor(t) else t for t in theirs) for _ in range(copies - 1)]
         t_base = time_calls([lambda w=w: baseline(x, w) for w in theirs_c])
-        default = kernels.config(kind, M, N, K, bool(fused.get("swiglu")),
-                                 kernels.use_half(x, ours[1], M, fused.get("norm_weight")))
-        t_ours = time_calls([lambda w=w: kernels.gemv(x, *w) for w in ours_c])
+        default = cuda_kernels.config(kind, M, N, K, bool(fused.get("swiglu")),
+                                 cuda_kernels.use_half(x, ours[1], M, fused.get("norm_weight")))
+        t_ours = time_calls([lambda w=w: cuda_kernels.gemv(x, *w) for w in ours_c])
         best = (t_ours, default)
         if a.tune:
             if M == 1:
@@ -155,7 +155,7 @@ def main():
                           (2, 2048), (2, 1024), (16, 1024), (8, 2048)))
                 grid = [(bn, bk, s, w, st) for bn, bk in pairs for s in ((1,) if fused else (1, 2, 4, 8))
                         for w in (int(v) for v in a.warps.split(",")) for st in (int(v) for v in a.stages.split(","))]
-            elif kind == "bf16":  # several rows: kernels._rows_kernel, which takes all of K (no split)
+            elif kind == "bf16":  # several rows: cuda_kernels._rows_kernel, which takes all of K (no split)
                 grid = [(bn, bk, 1, w, st) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128),
                                                          (64, 256), (128, 64), (128, 128))
                         for w in (4, 8) for st in (3, 4, 6)]
@@ -163,15 +163,15 @@ def main():
                 grid = [(bn, bk, s, w, st) for bn, bk in ((16, 64), (16, 128), (16, 256), (32, 64), (32, 128),
                                                          (64, 64), (64, 128))
                         for s in (1, 2, 4, 8) for w in (4, 8) for st in (2, 4)]
-            error = lambda launch: (kernels.gemv(x, *ours, launch=launch).float() - expect).abs().max().item() / scale  # noqa: E731
-            best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.gemv(x, *w, launch=launch)
+            error = lambda launch: (cuda_kernels.gemv(x, *ours, launch=launch).float() - expect).abs().max().item() / scale  # noqa: E731
+            best = fastest(lambda launch, reps: time_calls([lambda w=w: cuda_kernels.gemv(x, *w, launch=launch)
                                                             for w in ours_c], reps),
                            [c for c in grid if K // c[1] >= c[2]], best, error, max(2 * err, 1e-2))
         rec = {"kind": kind, "layer": name, "fused": bool(fused), "N": N, "K": K, "rows": M, "bytes": nbytes,
                "base_us": t_base * 1e6, "base_gb_s": nbytes / t_base / 1e9, "ours_us": t_ours * 1e6,
                "ours_gb_s": nbytes / t_ours / 1e9, "default": default, "best_us": best[0] * 1e6,
                "best_gb_s": nbytes / best[0] / 1e9, "best": best[1], "err": err, "err_base": err_base,
-               "ceiling_gb_s": ceiling, "int8_half": kernels.INT8_HALF, "half_everywhere": kernels.HALF_EVERYWHERE}
+               "ceiling_gb_s": ceiling, "int8_half": cuda_kernels.INT8_HALF, "half_everywhere": cuda_kernels.HALF_EVERYWHERE}
         records.append(rec)
         print(f"{kind:9s} {name:6s} {N:6d}x{K:<6d} M={M:<2d} base {t_base*1e6:7.1f} us {rec['base_gb_s']:5.0f} GB/s | "
               f"ours {t_ours*1e6:7.1f} us {rec['ours_gb_s']:5.0f} GB/s {default} | best {best[0]*1e6:7.1f} us "

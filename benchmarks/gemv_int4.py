@@ -1,4 +1,4 @@
-"""The one-row int4 GEMV: kernels.int4_gemv (float16 pairs, and --dp4a 1 in integers; with what decode
+"""The one-row int4 GEMV: cuda_kernels.int4_gemv (float16 pairs, and --dp4a 1 in integers; with what decode
 fuses into each GEMV: RMSNorm before wqkv and w13, SwiGLU in w13, the residual add after wo and w2) against PyTorch's
 tinygemm (_weight_int4pack_mm, the matmul alone), on a preset's shapes, timed as CUDA graph replays
 over >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls). Each result is checked against a
@@ -7,7 +7,7 @@ the same way before it is timed (one whose error exceeds twice the default's is 
 and zeros lie on quantize.py's grid, as it writes them; --codes 1 also times the integer kernel
 reading them as 8-bit codes (model.INT4_CODES), the bytes a call reads counted as it reads them.
 --xq 16 (or 8, 32) times the integer kernel reading x in int8 per group of that many columns
-(kernels.int4_quantize_x, as decode's wo reads the attention kernel's output: kernels.INT4_XQ).
+(cuda_kernels.int4_quantize_x, as decode's wo reads the attention kernel's output: cuda_kernels.INT4_XQ).
 
     python benchmarks/gemv_int4.py --model llama-2-7b [--groupsizes 32,128] [--dp4a 0,1] [--codes 0,1]
         [--xq 0,16] [--tune] [--l2-hot] [--json PATH]
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import kernels  # noqa: E402
+import cuda_kernels  # noqa: E402
 import model as M  # noqa: E402
 from bench import PRESETS, copy_bandwidth  # noqa: E402
 from quantize import on_grid  # noqa: E402
@@ -52,7 +52,7 @@ def main():
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="3")
     p.add_argument("--prefetch", default="0,1", help="comma-separated: 0 none, 1 each block one step ahead, "
-                   "2 two blocks loaded before the PDL wait (kernels._int4_gemv_kernel EARLY, integers or pairs)")
+                   "2 two blocks loaded before the PDL wait (cuda_kernels._int4_gemv_kernel EARLY, integers or pairs)")
     p.add_argument("--dp4a", default="0,1", help="comma-separated int4_gemv arithmetics: 0 float16 pairs, "
                    "1 integers (dp4a)")
     p.add_argument("--codes", default="0", help="comma-separated: 0 scales and zeros in float16, 1 also as "
@@ -70,7 +70,7 @@ def main():
     a = p.parse_args()
     if not set(a.dp4a.split(",")) <= {"0", "1"} or not set(a.codes.split(",")) <= {"0", "1"}:
         p.error(f"--dp4a and --codes take 0 and 1 (got {a.dp4a}, {a.codes})")
-    if not set(a.xq.split(",")) <= {"0", *map(str, kernels.X_GROUPS)}:
+    if not set(a.xq.split(",")) <= {"0", *map(str, cuda_kernels.X_GROUPS)}:
         p.error(f"--xq takes 0, 8, 16 and 32 (got {a.xq})")
     variants = [(dp4a, codes, xq) for dp4a in (v == "1" for v in a.dp4a.split(","))
                 for codes in (v == "1" for v in a.codes.split(",")) for xq in (int(v) for v in a.xq.split(","))
@@ -117,20 +117,20 @@ def main():
         for dp4a, codes, xq in variants:
             kw.pop("xq", None)
             if xq:  # x in int8 as its producer would write it (times the norm's g)
-                kw["xq"] = kernels.int4_quantize_x(x, kw.get("norm_weight"), xq)
+                kw["xq"] = cuda_kernels.int4_quantize_x(x, kw.get("norm_weight"), xq)
             ours = M.int4_gemv_layout(packed, scales, zeros, G, dp4a, codes)
             codes = ours[4] is not None  # (what was built: the grid holds)
-            default = kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a, codes, bool(xq))
+            default = cuda_kernels.int4_config(out_n, K, G, fused == "swiglu", dp4a, codes, bool(xq))
             ours_bytes = sum(t.numel() * t.element_size() for t in (ours[0], ours[1], ours[4]) if t is not None)
             kw["dp4a"] = dp4a
             error = lambda y: ((y.double() - expect).abs().max() / expect.abs().max()).item()  # noqa: E731
-            err = error(kernels.int4_gemv(x, *ours, **kw))
+            err = error(cuda_kernels.int4_gemv(x, *ours, **kw))
             ours_c = [ours] + [tuple(map(copy, ours)) for _ in range(copies - 1)]
-            t_ours = time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw) for w in ours_c])
+            t_ours = time_calls([lambda w=w: cuda_kernels.int4_gemv(x, *w, **kw) for w in ours_c])
             best, errs = (t_ours, default), {default: err}
             if a.tune:
                 def launch_error(launch):
-                    errs[launch] = error(kernels.int4_gemv(x, *ours, **kw, launch=launch))
+                    errs[launch] = error(cuda_kernels.int4_gemv(x, *ours, **kw, launch=launch))
                     return errs[launch]
 
                 grid = [(bn, max(1, cols * 64 // G), w, s, int(f)) for bn, cols in
@@ -138,7 +138,7 @@ def main():
                         for w in (int(v) for v in a.warps.split(",")) for s in (int(v) for v in a.stages.split(","))
                         for f in a.prefetch.split(",")]
                 # (a launch off by more than twice the default's error, or INT4_TOLERANCE's 2.5e-2, is skipped)
-                best = fastest(lambda launch, reps: time_calls([lambda w=w: kernels.int4_gemv(x, *w, **kw, launch=launch)
+                best = fastest(lambda launch, reps: time_calls([lambda w=w: cuda_kernels.int4_gemv(x, *w, **kw, launch=launch)
                                                                 for w in ours_c], reps),
                                grid, best, launch_error, max(2 * err, 2.5e-2))
             rec = {"layer": name, "fused": fused, "G": G, "split_k": a.split_k, "N": N, "K": K, "dp4a": dp4a, "codes": codes, "xq": xq,

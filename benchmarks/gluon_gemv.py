@@ -1,21 +1,21 @@
 """A probe: the int4 g32 GEMV with all of each program's weights in flight before its PDL wait, written in
-Gluon (Triton's lower-level language, experimental in Triton 3.6), against kernels.int4_gemv, as the 7B step
+Gluon (Triton's lower-level language, experimental in Triton 3.6), against cuda_kernels.int4_gemv, as the 7B step
 chains them (per layer wqkv, wo, w13, w2; 32 layers; CUDA graph replays with PDL).
 
 Why: benchmarks/boundaries.py found that chained streaming programs read the step's GEMV bytes at the copy
 ceiling when each has asked for all its bytes before its PDL wait, and at 61-87% when only the first block is
-asked for there, as kernels.int4_gemv does. Larger first blocks made that Triton kernel slower (BENCHMARKS.md,
+asked for there, as cuda_kernels.int4_gemv does. Larger first blocks made that Triton kernel slower (BENCHMARKS.md,
 session 18): its tiles grow with them. Here each program copies all its rows' words and codes into shared
 memory with TMA before the wait (one mbarrier), then computes on them in blocks of 32 groups, as small as the
 Triton kernel's.
 
-The arithmetic is kernels.int4_gemv's with x already in int8 (int4_quantize_x, groups of 16: its XQ form,
+The arithmetic is cuda_kernels.int4_gemv's with x already in int8 (int4_quantize_x, groups of 16: its XQ form,
 which decode uses for wo): per word two dp4a, per group of 32 its scale and zero from the row's codes and
 units; RMSNorm's scale from x's sums of squares (wqkv, w13), SwiGLU (w13), the residual (wo, w2). Each shape
-is checked against kernels.int4_gemv on the same inputs, then three chains are timed:
+is checked against cuda_kernels.int4_gemv on the same inputs, then three chains are timed:
 
-  triton       kernels.int4_gemv as the step runs it (x in bf16 for wqkv, w13, w2; in int8 for wo)
-  triton-xq    kernels.int4_gemv with x in int8 everywhere (the arithmetic the Gluon kernel does)
+  triton       cuda_kernels.int4_gemv as the step runs it (x in bf16 for wqkv, w13, w2; in int8 for wo)
+  triton-xq    cuda_kernels.int4_gemv with x in int8 everywhere (the arithmetic the Gluon kernel does)
   gluon        this file's kernel, x in int8 everywhere (--fast 4: in bf16 where decode has it), at --rows
                rows a program
 
@@ -51,7 +51,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import int4_ring  # noqa: E402
-import kernels  # noqa: E402
+import cuda_kernels  # noqa: E402
 import model as M  # noqa: E402
 from bench import PRESETS, copy_bandwidth  # noqa: E402
 from benchmarks.gemv import shapes, time_calls  # noqa: E402
@@ -112,7 +112,7 @@ def _x_fast(c, xw_ptr, xs_ptr, n_x, L3: gl.constexpr, L4: gl.constexpr, LX: gl.c
 @gluon.jit
 def _x_quantize(x_ptr, g_ptr, K, xw_s, sx_s, qs_s, xsum_s, LQ: gl.constexpr, GC: gl.constexpr, CHUNKS: gl.constexpr,
                 NORM: gl.constexpr):
-    """XBF16: x [K] in bf16 (NORM: times g) to int8 per group of 32 columns, as kernels.int4_gemv's dp4a path
+    """XBF16: x [K] in bf16 (NORM: times g) to int8 per group of 32 columns, as cuda_kernels.int4_gemv's dp4a path
     rounds it (_int4_dp4a_block: q = floor(x g 127 / max|x g| + 0.5)), into _x_stage's shared memory
     (allocated for a power of 2 of chunks, at least 4): an x group of 32 is stored as _x_smem's two x groups of
     16 with the same scale (sx twice; sx sum(q) and sum(x g) in the first, 0 in the second). Four chunks at a
@@ -159,8 +159,8 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
                           CHUNKS: gl.constexpr, NX_P2: gl.constexpr, EACH: gl.constexpr,
                           LOAD_ONLY: gl.constexpr = False, FAST: gl.constexpr = 0, XBF16: gl.constexpr = False):
     """y [N] for one row of x in int8 (int4_quantize_x, groups of 16) times int4 words [N (2N: SWIGLU, gate
-    above up), K / 8] with int16 codes [., K / 32] and units [., 2] (kernels.int4_layout with units, dp4a):
-    kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
+    above up), K / 8] with int16 codes [., K / 32] and units [., 2] (cuda_kernels.int4_layout with units, dp4a):
+    cuda_kernels.int4_gemv's XQ arithmetic. All of the program's words and codes are copied into shared memory by
     TMA before the PDL wait: behind one mbarrier, or (EACH) one a box, each chunk's products then starting as
     soon as its box has landed. LOAD_ONLY (a timing probe, wrong results): each chunk's words and codes are
     read from shared memory and summed, without x or any products. FAST (1, 2, 3): the products by _x_fast and
@@ -168,7 +168,7 @@ def _int4_gemv_tma_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, N
     the rows' units before the PDL wait and the residual right after it; 3: as 2, but all of x is copied
     into shared memory once, right after the PDL wait (_x_stage), and each chunk reads it there. XBF16 (FAST 3
     only): x is x_ptr's [K] bf16, times g_ptr's norm weight, rounded to int8 by each program (_x_quantize), as
-    kernels.int4_gemv takes x without xq (decode's wqkv, w13 and w2); xw_ptr and xs_ptr are not read.
+    cuda_kernels.int4_gemv takes x without xq (decode's wqkv, w13 and w2); xw_ptr and xs_ptr are not read.
     (Run 88-93's kernel, FAST 0, loads each chunk's x from L2 where its products begin, after the copies.)"""
     gl.static_assert(not (FAST and LOAD_ONLY))
     gl.static_assert(FAST == 3 or not XBF16)
@@ -344,7 +344,7 @@ def gluon_ring_gemv(layer, xq, x, residual, rows, warps, stages, per_sm, out_q=F
 
 def make_layer(name, R, K, dev, rows_list):
     """One GEMV's int4 g32 weights [R, K] as quantize.py writes them (gemv_int4.file_weights: scales and
-    zeros on its grid) in kernels.int4_gemv's integer layout with codes (model.int4_gemv_layout), with TMA
+    zeros on its grid) in cuda_kernels.int4_gemv's integer layout with codes (model.int4_gemv_layout), with TMA
     descriptors for each rows a program. R holds gate above up for w13."""
     fused = FUSED[name]
     words, codes, w_unscale, _, units = M.int4_gemv_layout(*file_weights(R, K, G, dev), G, dp4a=True, codes=True)
@@ -356,9 +356,9 @@ def make_layer(name, R, K, dev, rows_list):
 
 
 def triton_gemv(layer, x, xq, residual, ones):
-    """kernels.int4_gemv on `layer`, x in int8 (xq) or in bf16 (x, xq None), with the layer's fusions."""
+    """cuda_kernels.int4_gemv on `layer`, x in int8 (xq) or in bf16 (x, xq None), with the layer's fusions."""
     fused = layer["fused"]
-    return kernels.int4_gemv(x, layer["words"], layer["codes"], layer["w_unscale"], G, units=layer["units"],
+    return cuda_kernels.int4_gemv(x, layer["words"], layer["codes"], layer["w_unscale"], G, units=layer["units"],
                              norm_weight=ones if fused in ("norm", "swiglu") else None, eps=1e-5,
                              residual=residual if fused == "residual" else None, swiglu=fused == "swiglu",
                              ones=ones, dp4a=True, xq=xq)
@@ -411,7 +411,7 @@ def main():
     ks = {k for _, k in step.values()}
     ones = torch.ones(max(ks), device=dev, dtype=torch.bfloat16)
     xs = {k: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for k in ks}
-    xqs = {k: kernels.int4_quantize_x(x, None, XG) for k, x in xs.items()}
+    xqs = {k: cuda_kernels.int4_quantize_x(x, None, XG) for k, x in xs.items()}
     outs = {r // 2 if FUSED[name] == "swiglu" else r for name, (r, _) in step.items()}  # each GEMV's N
     res = {n: torch.randn(1, n, device=dev, dtype=torch.bfloat16) for n in outs}
     records = []
@@ -427,7 +427,7 @@ def main():
         form = f"ring {ring[0]} x{ring[1]}" if ring else f"each {int(each)}"
         return f"gluon rows {rows} warps {warps} {form}{f' fast {fast}' if fast else ''}"
 
-    # 1. each shape: the Gluon kernel against kernels.int4_gemv with x in int8, same inputs
+    # 1. each shape: the Gluon kernel against cuda_kernels.int4_gemv with x in int8, same inputs
     failed = set()
     for name, (R, K) in step.items():
         layer = make_layer(name, R, K, dev, rows_list)
@@ -441,7 +441,7 @@ def main():
             print(f"check {name:5s} {label(*config)}: max error {err:.1e} of max |y| "
                   f"{expect.abs().max().item():.3g}", flush=True)
             if not err < 2e-2:  # (not timed; the others still are)
-                print(f"gluon_gemv: {name}, {label(*config)}, differs from kernels.int4_gemv by {err:.1e}: left out "
+                print(f"gluon_gemv: {name}, {label(*config)}, differs from cuda_kernels.int4_gemv by {err:.1e}: left out "
                       "of the timings", flush=True)
                 failed.add(config)
         del layer
@@ -457,7 +457,7 @@ def main():
         g_out = ones[:N] * 0.5 if name != "w13" else None  # (a norm weight: w13's output has none)
         for config in list(flow):
             y, yq = gluon_ring_gemv(layer, xqs[K], xs[K], res[N], *config[:2], *config[4], out_q=True, g_out=g_out)
-            ref = kernels.int4_quantize_x(y.view(1, N), g_out, XG)
+            ref = cuda_kernels.int4_quantize_x(y.view(1, N), g_out, XG)
             # codes within 1 of int4_quantize_x's (a tie at .5 may round either way), and each row of the
             # groups' numbers (sx, sx sum(q), sum(u), sum(v^2)) within 1e-3 of its own largest value
             codes = yq[:N // 4].view(torch.int8).int() - ref[:N // 4].view(torch.int8).int()
@@ -516,10 +516,10 @@ def main():
     report("triton (the step's forms)", time_calls([lambda: triton_chain(False)]))
     report("triton-xq", time_calls([lambda: triton_chain(True)]))
     def flow_buffers():
-        return {"wo": kernels.int4_quantize_x(res[step["wo"][0]], None, XG),
-                "w13": kernels.int4_quantize_x(torch.randn(1, step["w13"][0] // 2, device=dev,
+        return {"wo": cuda_kernels.int4_quantize_x(res[step["wo"][0]], None, XG),
+                "w13": cuda_kernels.int4_quantize_x(torch.randn(1, step["w13"][0] // 2, device=dev,
                                                            dtype=torch.bfloat16), None, XG),
-                "w2": kernels.int4_quantize_x(res[step["w2"][0]], None, XG)}
+                "w2": cuda_kernels.int4_quantize_x(res[step["w2"][0]], None, XG)}
 
     for config in flow:  # decode's data flow with x in int8 throughout
         rows, warps, _, _, ring = config

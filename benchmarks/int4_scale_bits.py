@@ -1,12 +1,12 @@
 """What fewer bits for int4's scales and zeros would cost in quality (a question for the H200 speed:
-at group 32 the float16 scale and zero of each group are a fifth of the bytes kernels.int4_gemv reads,
+at group 32 the float16 scale and zero of each group are a fifth of the bytes cuda_kernels.int4_gemv reads,
 BENCHMARKS.md session 11). Each int4 layer's scales s and zeros z (W = (q - 8) s + z, per group) are
 rounded to BITS bits relative to the largest of their block of groups in the same row (s unsigned,
 s = k max(s) / (2^BITS - 1), k >= 1; z signed, z = k max|z| / (2^(BITS-1) - 1)), as llama.cpp's Q4_K
 does with 6 bits in blocks of 8 groups; then each weight's level q is rounded again against the new s
 and z (W from the checkpoint as it is). eval.py's perplexity of each variant, on the CPU in float32.
 (Session 12 built the answer: quantize.py writes 8-bit scales and zeros on a grid with a power-of-two
-unit a row, and kernels.int4_gemv reads them as codes; BENCHMARKS.md session 12.)
+unit a row, and cuda_kernels.int4_gemv reads them as codes; BENCHMARKS.md session 12.)
 
     python benchmarks/int4_scale_bits.py [--checkpoint checkpoints/SmolLM2-135M-Instruct-int4-g32]
         [--bits 8,6,5] [--blocks 0,6]    (--blocks: groups a block, 0 = the whole row)

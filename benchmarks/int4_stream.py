@@ -1,6 +1,6 @@
 """How fast the one-row int4 GEMV's loads alone stream, and its arithmetic without x's work, against the kernel
 itself (session 10's open question:
-kernels.int4_gemv reads its weights at ~2.75 TB/s once running, where the int8 and bf16 GEMVs reach the copy
+cuda_kernels.int4_gemv reads its weights at ~2.75 TB/s once running, where the int8 and bf16 GEMVs reach the copy
 ceiling; BENCHMARKS.md). A probe kernel loads exactly what _int4_gemv_kernel loads, at its launch (rows a
 program, groups a step, warps, PDL; not its PREFETCH), and folds the words together with one xor each instead of
 multiplying (gate/up: 2 BLOCK_N contiguous rows a program, where the kernel reads BLOCK_N rows of each half):
@@ -10,7 +10,7 @@ multiplying (gate/up: 2 BLOCK_N contiguous rows a program, where the kernel read
   flat       words+sz with the words as a 2D tile [BLOCK_N, BLOCK_G G/8] (int8's tile rank)
   one        words+sz from one stream: a layout (not the kernel's) holding each 4 groups' 16 words and
              then their 4 scale-and-zero words, 80 contiguous bytes (group 32 only)
-  math       the words times constant x bytes in the kernel's integer arithmetic (kernels._dp4a, each group's
+  math       the words times constant x bytes in the kernel's integer arithmetic (cuda_kernels._dp4a, each group's
              float32 sum) with s = z = 1: the arithmetic without the scale-and-zero stream or any work on x
   math+sz    and the scale-and-zero words loaded and applied, as the kernel does: the kernel less x's work
   math+szT   the same with the scale-and-zero words stored group-major ([K/G, N]: a group's rows side by side)
@@ -19,12 +19,12 @@ multiplying (gate/up: 2 BLOCK_N contiguous rows a program, where the kernel read
              Offline (sm_90 SASS, Triton 3.6) the loop has no barrier in math, math+szT and math+szT+xq, and
              2-4 in math+sz, whose per-group sums move to the scale-and-zero tile's layout through shared
              memory; the kernel has 10-14 (x's quantization too)
-  kernel     kernels.int4_gemv itself (integers; the residual form, gate/up with SwiGLU; x times ones)
+  kernel     cuda_kernels.int4_gemv itself (integers; the residual form, gate/up with SwiGLU; x times ones)
 
 Read in order (words, words+sz, math, math+sz, kernel), each step adds one part of the kernel's work: the
 first that falls well below the copy ceiling names what holds the kernel back. Run 43 (session 11): the
 first, words in the 3D tile, at 1.4-2.7 TB/s against flat's 2.7-4.1: the 3D load put a warp's threads on
-32 rows. kernels._int4_load has loaded the 2D tile since, so the math forms and the kernel, which call it,
+32 rows. cuda_kernels._int4_load has loaded the 2D tile since, so the math forms and the kernel, which call it,
 do too (BENCHMARKS.md, session 11). GB/s counts the bytes each variant reads. Timed as CUDA graph replays over
 >= 1 GiB of weight copies (benchmarks/gemv.py's time_calls); the probe's result is checked against torch.
 
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import kernels  # noqa: E402
+import cuda_kernels  # noqa: E402
 from bench import PRESETS, copy_bandwidth  # noqa: E402
 from benchmarks.gemv import L2_MULTIPLE_BYTES, shapes, time_calls  # noqa: E402
 
@@ -119,7 +119,7 @@ def _probe_math_block(acc, w_ptr, sz_ptr, xw_ptr, xs_ptr, rows, b, N, n_groups, 
     loads them; 2: stored group-major, [n_groups, N] (a group's rows side by side). XQ: x in int8 already,
     its words [K/4] and each group's (sx, bq, sum(x)) in planes [3, n_groups], loaded in the word tile's layout
     (rows of stride 0); else every x byte 1 (sx 1, bq 8 G, sum(x) G)."""
-    w, sz = kernels._int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, MASKED, True)
+    w, sz = cuda_kernels._int4_load(w_ptr, sz_ptr, rows, b, n_groups, G, BLOCK_G, MASKED, True)
     groups = b * BLOCK_G + tl.arange(0, BLOCK_G)
     ok = groups < n_groups
     if SZ == 2:
@@ -135,11 +135,11 @@ def _probe_math_block(acc, w_ptr, sz_ptr, xw_ptr, xs_ptr, rows, b, N, n_groups, 
         x_lo = tl.zeros_like(w) + X_BYTES
         x_hi = x_lo
         sx, bq, x_sum = 1.0, 8.0 * G, 1.0 * G
-    dot = kernels._dp4a((w >> 4) & 0x0F0F0F0F, x_hi, kernels._dp4a(w & 0x0F0F0F0F, x_lo, tl.zeros_like(w), EMULATE),
+    dot = cuda_kernels._dp4a((w >> 4) & 0x0F0F0F0F, x_hi, cuda_kernels._dp4a(w & 0x0F0F0F0F, x_lo, tl.zeros_like(w), EMULATE),
                         EMULATE)
     d = tl.sum(dot, axis=2).to(tl.float32) * sx - bq
     if SZ != 0:
-        s, z = kernels._f16_pair(sz)
+        s, z = cuda_kernels._f16_pair(sz)
         part = d * s + z * x_sum
     else:
         part = d + x_sum
@@ -176,7 +176,7 @@ def probe_math(w, sz, G, launch, sz_form, xq=None):
     group-major, sz.T.contiguous()); xq: (x words [K/4], stats [3, K/G]) or None."""
     N, n_groups = w.shape[0], w.shape[1] * 8 // G
     y = torch.empty(N, device=w.device, dtype=torch.float32)
-    use_pdl = kernels.pdl(w)
+    use_pdl = cuda_kernels.pdl(w)
     xw, xs = xq if xq is not None else (w, w)
     _probe_math[(triton.cdiv(N, launch[0]),)](w, sz, xw, xs, y, N, n_groups, G=G, BLOCK_N=launch[0],
                                               BLOCK_G=launch[1], SZ=sz_form, XQ=xq is not None, PDL=use_pdl,
@@ -229,7 +229,7 @@ def one_stream(w, sz):
 
 def probe_one(wsz, N, n_groups, launch):
     y = torch.empty(N, device=wsz.device, dtype=torch.int32)
-    use_pdl = kernels.pdl(wsz)
+    use_pdl = cuda_kernels.pdl(wsz)
     _probe_one[(triton.cdiv(N, launch[0]),)](wsz, y, N, n_groups, BLOCK_N=launch[0], BLOCK_G=launch[1], PDL=use_pdl,
                                              num_warps=launch[2], **({"launch_pdl": True} if use_pdl else {}))
     return y
@@ -269,7 +269,7 @@ def probe(w, sz, G, launch, sz_stream, flat):
     N, n_groups = sz.shape
     block_n, block_g, warps = launch[0], launch[1], launch[2]
     y = torch.empty(N, device=w.device, dtype=torch.int32)
-    use_pdl = kernels.pdl(w)
+    use_pdl = cuda_kernels.pdl(w)
     _probe[(triton.cdiv(N, block_n),)](w, sz, y, N, n_groups, G=G, BLOCK_N=block_n, BLOCK_G=block_g, SZ=sz_stream,
                                        FLAT=flat, PDL=use_pdl, num_warps=warps,
                                        **({"launch_pdl": True} if use_pdl else {}))
@@ -304,7 +304,7 @@ def main():
         torch.manual_seed(0)
         w = torch.randint(-2**31, 2**31 - 1, (N, K // 8), device=dev, dtype=torch.int32)
         sz = torch.randint(-2**31, 2**31 - 1, (N, K // G), device=dev, dtype=torch.int32)
-        base = kernels.int4_config(N // 2 if swiglu else N, K, G, swiglu, True)
+        base = cuda_kernels.int4_config(N // 2 if swiglu else N, K, G, swiglu, True)
         # (gate/up: the kernel's programs read BLOCK_N rows of each half; the probe takes them as 2 BLOCK_N rows)
         launches = [base] + [(base[0], base[1], int(v)) + base[3:] for v in a.warps.split(",") if v and int(v) != base[2]]
         copies = max(2, -(-L2_MULTIPLE_BYTES // (w.numel() * 4 + sz.numel() * 4)))
@@ -345,7 +345,7 @@ def main():
                 row[variant] = {"us": t * 1e6, "gb_s": nbytes / t / 1e9, "matches_torch": ok}
             # the kernel itself at this launch, in integers: the residual form (gate/up: SwiGLU), x times ones
             fused = dict(swiglu=True) if swiglu else dict(residual=r)
-            t = time_calls([lambda c=c: kernels.int4_gemv(x, c[0], c[2], 1.0, G, **fused, ones=ones, dp4a=True,
+            t = time_calls([lambda c=c: cuda_kernels.int4_gemv(x, c[0], c[2], 1.0, G, **fused, ones=ones, dp4a=True,
                                                           launch=launch) for c in ws_half])
             row["kernel"] = {"us": t * 1e6, "gb_s": (w.numel() + sz.numel()) * 4 / t / 1e9}
             records.append(row)

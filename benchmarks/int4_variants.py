@@ -1,6 +1,6 @@
 """Exploration: Triton kernels for the one-row int4 weight-only GEMV, y[n] = sum_k x[k] w[n, k], x [1, K]
 bf16, y [1, N] bf16, w = (q - 8) * scale + zero, q in 0..15, one bf16 scale and zero per group of G = 32
-or 128 consecutive k and output row (tinygemm's convention). Its kernels are its own (not kernels.py's), like
+or 128 consecutive k and output row (tinygemm's convention). Its kernels are its own (not cuda_kernels.py's), like
 int8_variants.py: each kernel is checked against a float32 reference of the dequantized weights on every
 shape, then timed over a grid of launch configs as CUDA graph replays over >= 1 GiB of weight copies
 (benchmarks/gemv.py's time_calls); each variant's best per shape is re-timed with 10 replays.

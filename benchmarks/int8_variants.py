@@ -1,6 +1,6 @@
 """Exploration: faster Triton kernels for the one-row int8 weight-only GEMV, y = (x @ W.T) * scale,
-x [1, K] bf16, W [N, K] int8, one bf16 scale per row. Self-contained (does not use kernels.py), so it
-can be run while kernels.py changes. Each candidate kernel is checked against a float32 reference
+x [1, K] bf16, W [N, K] int8, one bf16 scale per row. Self-contained (does not use cuda_kernels.py), so it
+can be run while cuda_kernels.py changes. Each candidate kernel is checked against a float32 reference
 on every shape, then timed over a grid of launch configurations as CUDA graph replays over >= 1 GiB
 of weight copies (as benchmarks/gemv.py does), the best of each re-timed with 10 replays.
 
@@ -8,7 +8,7 @@ Variants (all accumulate in float32; the weight stream is the only large read). 
 with Triton 3.9 offline, the current formulation's K loop holds 8 shared-memory barriers per
 iteration: Triton loads x [BK] in a 1D layout and moves it into the weight tile's layout through
 shared memory every iteration ("xload" removes that), and ~5.2 instructions per weight; fold gets ~3.
-  base         kernels.py's current one-row formulation (copied): acc[BN, BK] += float(w) * x,
+  base         cuda_kernels.py's current one-row formulation (copied): acc[BN, BK] += float(w) * x,
                int8 -> float through 2^23 + 128 + w (int add + float subtract), one reduction at the end
   fold         xload + int8 -> float by inline PTX without the float subtract: one xor per 4 weights
                and one prmt per weight build f = 1 + (w + 128) / 2^15 (w + 128 in mantissa bits
@@ -70,7 +70,7 @@ LAYER = ("wqkv", "wo", "w13", "w2")  # one transformer layer
 
 @triton.jit
 def _to_f32(w, CONV: tl.constexpr):
-    """int8 tensor -> float32. 0: bit pattern of 2^23 + 128 + w (kernels.py). 1: PTX xor + prmt,
+    """int8 tensor -> float32. 0: bit pattern of 2^23 + 128 + w (cuda_kernels.py). 1: PTX xor + prmt,
     4 weights per 32-bit register, then the float subtract. 2: plain int-to-float. 3: through
     float16. 4, 5: "fold", NOT w itself but 1 + (w + 128) / 2^15 (see _x_sum): 4 with integer ops,
     5 with one prmt per weight and no float subtract."""
@@ -138,7 +138,7 @@ def _load_w(p, HINT: tl.constexpr):
 @triton.jit
 def gemv_base(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, EVEN: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """kernels.py's _gemv_kernel for one row, int8, no split/norm/residual (a copy)."""
+    """cuda_kernels.py's _gemv_kernel for one row, int8, no split/norm/residual (a copy)."""
     pid_n = tl.program_id(0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -626,7 +626,7 @@ def gpu_run(a):
                 vs = f"x{base['us'] / b['us']:.2f} vs base" if base else ""
                 print(f"  {vname:12s} {b['us']:7.1f} us {b['gb_s']:6.0f} GB/s {b['pct']:5.1f}%  {vs:14s} "
                       f"{cfg_str(b['cfg'])}", flush=True)
-    print("\nPer layer (sum of best us over wqkv, wo, w13, w2; kernels.py's int8 ~67 us):", flush=True)
+    print("\nPer layer (sum of best us over wqkv, wo, w13, w2; cuda_kernels.py's int8 ~67 us):", flush=True)
     for vname in names:
         b = best.get(vname, {})
         if all(s in b for s in LAYER):

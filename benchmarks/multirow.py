@@ -2,7 +2,7 @@
 bf16 (M <= 16, mainly 8), W [N, K] bf16, float32 accumulation, y bf16, with decode's per-row fusions
 in the same kernel (constexpr flags): NORM (row m of x times g * rsqrt(mean_k x[m]^2 + eps): the sum
 of squares is taken on the way and scales the row's sums at the end), SWIGLU (W holds 2N rows, gate
-above up: y = silu(gate) * up) and RESIDUAL (y += r). Its kernels are its own (not kernels.py's).
+above up: y = silu(gate) * up) and RESIDUAL (y += r). Its kernels are its own (not cuda_kernels.py's).
 
 Variants (BM = rows of a program, BN outputs, BK columns of K per step):
   swap_ab   acc[BN, 16] += W_tile[BN, BK] @ x_tile.T[BK, 16], bf16: the weights as the big operand,
@@ -14,7 +14,7 @@ Variants (BM = rows of a program, BN outputs, BK columns of K per step):
   dot_tma   dot_bf16 with TMA weight tiles
   fma       CUDA cores, BM = M rounded up to a power of 2: acc[BM, BN, BK] += float(W) * float(x)
             reduced once at the end (acc3=1), or acc[BM, BN] += the tile's sum over K each step (acc3=0)
-  current   kernels.py's several-row path, copied: float32 tiles, TF32 dot, split-K writing float32
+  current   cuda_kernels.py's several-row path, copied: float32 tiles, TF32 dot, split-K writing float32
             partials that one torch.sum adds up afterwards (counted in its time); unfused shapes only
 All but `current`: rows past N clamped for the loads (not stored), an unmasked main loop and one
 masked K-tail step (w2's K = 11008), and split-K with the reduction inside the kernel: each of the
@@ -72,7 +72,7 @@ SHAPES = {"wqkv": (12288, 4096, "norm"), "wo": (4096, 4096, "res"), "w13": (2201
           "w2": (4096, 11008, "res"), "head": (32000, 4096, "norm")}  # W rows, K, decode's fusion
 FUSIONS = {"plain": (0, 0, 0), "norm": (1, 0, 0), "res": (0, 0, 1), "norm+swiglu": (1, 1, 0),
            "swiglu": (0, 1, 0), "norm+swiglu+res": (1, 1, 1)}  # (NORM, SWIGLU, RESIDUAL)
-# kernels.py's one-row GEMV on the H200, µs (BENCHMARKS.md, session 4): (with decode's fusion, plain)
+# cuda_kernels.py's one-row GEMV on the H200, µs (BENCHMARKS.md, session 4): (with decode's fusion, plain)
 ONE_ROW_US = {"wqkv": (25.2, 24.9), "wo": (10.7, 10.6), "w13": (44.7, 43.4), "w2": (23.6, 23.4), "head": (62.4, 61.3)}
 LAYER = ("wqkv", "wo", "w13", "w2")
 DEVICE = "cuda"
@@ -289,7 +289,7 @@ def _fma_kernel(x_ptr, w_ptr, g_ptr, r_ptr, y_ptr, p_ptr, q_ptr, cnt_ptr, M, N, 
 @triton.jit
 def _current_kernel(x_ptr, w_ptr, y_ptr, M, N, K, blocks_per_split,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """kernels.py's _gemv_kernel, several-row bf16 path (a copy): y[split, m, n] partial sums."""
+    """cuda_kernels.py's _gemv_kernel, several-row bf16 path (a copy): y[split, m, n] partial sums."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -679,7 +679,7 @@ def cfg_short(c):
 
 def summary(cases, base, best, names, rows, ceiling):
     print(f"\nSummary: best µs (10 replays; *: 5, not re-timed), GB/s of weight bytes (copy ceiling {ceiling:.0f}), x = time / cuBLAS "
-          "(+ the fusions' kernels), 1r = time / kernels.py's one-row kernel at batch 1 (BENCHMARKS.md)", flush=True)
+          "(+ the fusions' kernels), 1r = time / cuda_kernels.py's one-row kernel at batch 1 (BENCHMARKS.md)", flush=True)
     for M in rows:
         for case in (c for c in cases.values() if c["M"] == M):
             name = case["name"]

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 import int4_ring  # noqa: E402
-import kernels  # noqa: E402
+import cuda_kernels  # noqa: E402
 
 
 def first_logits(model) -> torch.Tensor:
@@ -45,7 +45,7 @@ def settings_of(launch: str) -> tuple[str, tuple | None]:
     int4_ring.launch_override(ring)
     if not attention:
         return ring, None
-    values = kernels.launch_parts(attention[-1])[0][1]
+    values = cuda_kernels.launch_parts(attention[-1])[0][1]
     if len(values) not in (2, 3) or min(values) < 0 or values[1] not in (0, 1, 2, 4, 8, 16) or \
             any(v & (v - 1) for v in values[:1]):
         raise ValueError(f"{attention[-1]!r} is not attention=BLOCK_L,WARPS[,SPLITS] (BLOCK_L a power of two, "
@@ -54,10 +54,10 @@ def settings_of(launch: str) -> tuple[str, tuple | None]:
 
 
 def apply(ring: str, attention: tuple | None) -> None:
-    """Set the ring's launches and the attention kernel's (kernels.ATTENTION_BLOCK_L, _WARPS, _SPLITS, as bench.py's
+    """Set the ring's launches and the attention kernel's (cuda_kernels.ATTENTION_BLOCK_L, _WARPS, _SPLITS, as bench.py's
     --attention-* flags set them; 0 or None: the rule's)."""
     int4_ring.LAUNCH = ring
-    kernels.ATTENTION_BLOCK_L, kernels.ATTENTION_WARPS, kernels.ATTENTION_SPLITS = \
+    cuda_kernels.ATTENTION_BLOCK_L, cuda_kernels.ATTENTION_WARPS, cuda_kernels.ATTENTION_SPLITS = \
         (v or None for v in (attention or (0, 0, 0)))
 
 

@@ -1,8 +1,8 @@
-"""Instructions a weight in the main loop of kernels.py's one-row GEMV, counted in its sm_90 machine
+"""Instructions a weight in the main loop of cuda_kernels.py's one-row GEMV, counted in its sm_90 machine
 code, compiled here without a GPU (Triton's own ptxas and cuobjdump; the pip package of Triton has
-both). This is how the float16-pair int8 path (kernels.INT8_HALF) was sized before any GPU run:
+both). This is how the float16-pair int8 path (cuda_kernels.INT8_HALF) was sized before any GPU run:
 each launch of the 7B shapes with its fusions, in bf16, int8 float32 and int8 float16 pairs (for
-wo and w2, which kernels.use_half leaves in float32, at the float16 launch: what they would run).
+wo and w2, which cuda_kernels.use_half leaves in float32, at the float16 launch: what they would run).
 
     python benchmarks/sass_count.py
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-import kernels  # noqa: E402
+import cuda_kernels  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i8", "scale_ptr": "*bf16", "g_ptr": "*bf16", "r_ptr": "*bf16",
@@ -30,7 +30,7 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i8", "scale_ptr": "*bf16", "g_ptr": "*
 
 def loop_counts(constants: dict, warps: int, stages: int, weight_type: str) -> tuple[int, collections.Counter]:
     """(instructions, opcode counts) of the main loop of _gemv_kernel compiled for sm_90."""
-    fn = kernels._gemv_kernel
+    fn = cuda_kernels._gemv_kernel
     signature = {**SIGNATURE, "w_ptr": weight_type, **{k: "constexpr" for k in constants}}
     names = list(fn.arg_names)  # pointers and sizes divisible by 16, as Triton specialises them at run time
     attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, t in SIGNATURE.items()
@@ -66,7 +66,7 @@ def main():
     for name, N, K, fused in layers:
         for kind, half in (("bf16", False), ("int8", False), ("int8", True)):
             swiglu = fused.get("SWIGLU", False)
-            launch = kernels.config(kind, 1, N, K, swiglu, half)
+            launch = cuda_kernels.config(kind, 1, N, K, swiglu, half)
             block_n, block_k, _, warps, stages = launch
             constants = dict(INT8=kind == "int8", EVEN=K % block_k == 0, NORM=fused.get("NORM", False),
                              RESIDUAL=fused.get("RESIDUAL", False), SWIGLU=swiglu, BLOCK_M=1, BLOCK_N=block_n,

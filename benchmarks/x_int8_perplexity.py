@@ -1,4 +1,4 @@
-"""What kernels.int4_gemv's integer form (dp4a) does to quality: eval.py's perplexity of an int4
+"""What cuda_kernels.int4_gemv's integer form (dp4a) does to quality: eval.py's perplexity of an int4
 checkpoint as it is, and with the input of every int4 layer rounded as that kernel rounds it, to
 int8 per group of the int4 layer's columns (q = floor(x 127 / max|x| + 0.5), x ~ q max|x| / 127;
 the kernel's group, gcd(groupsize, K): Int4Linear.kernel_groupsize). The kernel only

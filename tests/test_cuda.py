@@ -80,11 +80,11 @@ def test_compiled_logits_within_bf16_tolerance(model):
 @pytest.mark.parametrize("mode, B", [("bf16", 1), ("int8", 1), ("bf16", 4)])
 def test_fused_decode_steps_match_unfused(model, mode, B, monkeypatch):
     """Decode does each RMSNorm, SwiGLU and residual add inside a GEMV (batch 1; and for bf16 batch 4,
-    kernels.py's several-row kernel) and each layer's attention in one kernel; its logits, every row's,
-    match the same model run one PyTorch op at a time (kernels.usable and model.FUSE_ATTENTION off)
+    cuda_kernels.py's several-row kernel) and each layer's attention in one kernel; its logits, every row's,
+    match the same model run one PyTorch op at a time (cuda_kernels.usable and model.FUSE_ATTENTION off)
     within bf16 rounding, and every norm, residual add and attention of the step went through the
     kernels."""
-    import kernels
+    import cuda_kernels
     import model as model_module
     from quantize import quantize_model
 
@@ -101,9 +101,9 @@ def test_fused_decode_steps_match_unfused(model, mode, B, monkeypatch):
             return m(idx, pos).float()
 
     calls = []
-    gemv, attention = kernels.gemv, kernels.decode_attention
-    monkeypatch.setattr(kernels, "gemv", lambda *a, **k: calls.append(a) or gemv(*a, **k))
-    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append("attention") or attention(*a, **k))
+    gemv, attention = cuda_kernels.gemv, cuda_kernels.decode_attention
+    monkeypatch.setattr(cuda_kernels, "gemv", lambda *a, **k: calls.append(a) or gemv(*a, **k))
+    monkeypatch.setattr(cuda_kernels, "decode_attention", lambda *a, **k: calls.append("attention") or attention(*a, **k))
     fused = decode_logits()
     n = ARGS.n_layers
     gemvs = [a for a in calls if a != "attention"]
@@ -112,7 +112,7 @@ def test_fused_decode_steps_match_unfused(model, mode, B, monkeypatch):
     assert sum(a[5] is not None for a in gemvs) == 2 * n  # after attention and after the feed-forward
     assert sum(a[6] for a in gemvs) == n  # SwiGLU in the gate/up GEMV
     assert calls.count("attention") == n  # RoPE, cache write and attention in one kernel per layer
-    monkeypatch.setattr(kernels, "usable", lambda *a, **k: False)
+    monkeypatch.setattr(cuda_kernels, "usable", lambda *a, **k: False)
     monkeypatch.setattr(model_module, "FUSE_ATTENTION", False)
     plain = decode_logits()
     assert "attention" not in calls
@@ -176,20 +176,20 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int
     """Weight-only int8/int4 layers are capture-safe: graphed decode is one replay per token, each
     token it picks is the top one (up to bf16 rounding) of an eager forward over the same history,
     and the quantized logits stay near the float model's. int4_gemv: the one-row steps through
-    kernels.int4_gemv (model.INT4_GEMV), against an eager forward of the prompt and history, whose
+    cuda_kernels.int4_gemv (model.INT4_GEMV), against an eager forward of the prompt and history, whose
     rows go through tinygemm. codes: its scales and zeros read as 8-bit codes (model.INT4_CODES)."""
-    import kernels
+    import cuda_kernels
     import model as model_module
     from quantize import quantize_model
 
     monkeypatch.setattr(model_module, "INT4_GEMV", int4_gemv)  # (read when the layers load)
     monkeypatch.setattr(model_module, "INT4_CODES", "1" if codes else "0")
-    monkeypatch.setattr(kernels, "INT4_DP4A", "1" if codes else kernels.INT4_DP4A)  # (codes are for integers)
+    monkeypatch.setattr(cuda_kernels, "INT4_DP4A", "1" if codes else cuda_kernels.INT4_DP4A)  # (codes are for integers)
     qmodel = quantize_model(model, mode, group)
     assert any(hasattr(m, "gemv_weight") for m in qmodel.modules()) == int4_gemv
     assert any(getattr(m, "gemv_units", None) is not None for m in qmodel.modules()) == codes
     wo, one_row = qmodel.layers[0].attention.wo, torch.zeros(1, 1, ARGS.dim, device="cuda", dtype=torch.bfloat16)
-    assert getattr(wo, "x_group", lambda x: 0)(one_row) == (16 if int4_gemv and kernels.int4_dp4a() and group == 32
+    assert getattr(wo, "x_group", lambda x: 0)(one_row) == (16 if int4_gemv and cuda_kernels.int4_dp4a() and group == 32
                                                             else 0)  # (wo reads the attention output in int8)
     gen = make_generator(qmodel, "graphs")
     gen.reserve(1, 128)
@@ -217,15 +217,15 @@ def test_quantized_decode_is_one_graph_and_matches_eager(model, mode, group, int
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, codes, monkeypatch):
-    """With model.INT4_GEMV (the default) an int4 model's one-row steps run kernels.int4_gemv (the
+    """With model.INT4_GEMV (the default) an int4 model's one-row steps run cuda_kernels.int4_gemv (the
     norm, SwiGLU and the residual fused): a decode step gives the logits of the same step through
     PyTorch's tinygemm (the layout dropped), both built from the same file tensors, within bf16
-    rounding, in either arithmetic (kernels.INT4_DP4A), and with the scales and zeros as codes
+    rounding, in either arithmetic (cuda_kernels.INT4_DP4A), and with the scales and zeros as codes
     (model.INT4_CODES: every layer, quantize.py's grid), whose step reads fewer bytes
     (generate.weight_bytes_per_step). `wide`: dims of 1024 and 2560, so that gate/up's loop runs
     two blocks (with PREFETCH in float16 pairs) and down's K ends in a partial block (2560 = 2048 +
     512), as at 7B and not in ARGS's model."""
-    import kernels
+    import cuda_kernels
     import model as model_module
     from generate import weight_bytes_per_step
     from quantize import quantize_model
@@ -235,7 +235,7 @@ def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, codes, m
         model = random_model(ModelArgs(dim=1024, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000,
                                        intermediate_size=2560, max_seq_len=256), torch.device("cuda"), torch.bfloat16)
     monkeypatch.setattr(model_module, "INT4_GEMV", True)  # (read when the layers load)
-    monkeypatch.setattr(kernels, "INT4_DP4A", dp4a)  # float16 pairs or integers everywhere
+    monkeypatch.setattr(cuda_kernels, "INT4_DP4A", dp4a)  # float16 pairs or integers everywhere
     monkeypatch.setattr(model_module, "INT4_CODES", "1" if codes else "0")
     qmodel = quantize_model(model, "int4", group)
     layers = [m for m in qmodel.modules() if isinstance(m, model_module.Int4Linear)]
@@ -261,22 +261,22 @@ def test_int4_one_row_kernel_matches_tinygemm(model, group, wide, dp4a, codes, m
 @pytest.mark.parametrize("group, x_group", [(32, "auto"), (32, "32"), (128, "8")])
 def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monkeypatch):
     """With an int4 wo in integers, the attention kernel also writes its output in int8 and wo reads
-    that (kernels.INT4_XQ; auto: groups of 16 at int4 groups of 32): a decode step's logits stay within bf16 rounding of
+    that (cuda_kernels.INT4_XQ; auto: groups of 16 at int4 groups of 32): a decode step's logits stay within bf16 rounding of
     the step with wo quantizing it itself (INT4_XQ 0), and equal them to float rounding where the
     groups are the int4 groups (32 at 32: the same quantization); graphed decode of it is one replay
     a token, and it picks eager decode's tokens."""
-    import kernels
+    import cuda_kernels
     from quantize import quantize_model
 
-    monkeypatch.setattr(kernels, "INT4_DP4A", "1")
+    monkeypatch.setattr(cuda_kernels, "INT4_DP4A", "1")
     qmodel = quantize_model(model, "int4", group)
     wo, one_row = qmodel.layers[0].attention.wo, torch.zeros(1, 1, ARGS.dim, device="cuda", dtype=torch.bfloat16)
     idx, pos = torch.tensor([PROMPT[0]], device="cuda"), torch.arange(8, device="cuda")
     logits, calls = {}, []
-    attention = kernels.decode_attention
-    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append(k.get("out_group", 0)) or attention(*a, **k))
+    attention = cuda_kernels.decode_attention
+    monkeypatch.setattr(cuda_kernels, "decode_attention", lambda *a, **k: calls.append(k.get("out_group", 0)) or attention(*a, **k))
     for setting in (x_group, "0"):
-        monkeypatch.setattr(kernels, "INT4_XQ", setting)
+        monkeypatch.setattr(cuda_kernels, "INT4_XQ", setting)
         expect = 0 if setting == "0" else 16 if setting == "auto" else int(setting)
         assert wo.x_group(one_row) == expect
         calls.clear()
@@ -287,7 +287,7 @@ def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monke
         assert calls == [expect] * ARGS.n_layers  # (the one-row step: every layer's attention)
     rel = ((logits[x_group] - logits["0"]).norm() / logits["0"].norm()).item()
     assert rel < (1e-3 if x_group == "32" else 0.02), rel
-    monkeypatch.setattr(kernels, "INT4_XQ", x_group)
+    monkeypatch.setattr(cuda_kernels, "INT4_XQ", x_group)
     torch._dynamo.reset()  # each case compiles afresh, as a run with one setting does (else: the recompile limit)
     assert_graphed_is_one_replay_and_picks_eager_tokens(qmodel)
 
@@ -295,7 +295,7 @@ def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monke
 def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
     """Turned on (int4_ring.ENABLED), one-token int4 g32 decode on sm_90 runs TransformerBlock.forward_int8: every
     GEMV but the first layer's wqkv by int4_ring.py's kernel, x handed from GEMV to GEMV in int8. A decode step's
-    logits stay within bf16 rounding of the step with kernels.int4_gemv everywhere (gemv_ring off); prefill never
+    logits stay within bf16 rounding of the step with cuda_kernels.int4_gemv everywhere (gemv_ring off); prefill never
     takes it; graphed decode of it is one replay a token and picks eager decode's tokens."""
     import model as model_module
     from quantize import quantize_model
@@ -344,6 +344,17 @@ def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
         gen.reserve(1, 128)
     assert tokens_of(manual, 12) == tokens_of(eager, 12)
     assert len(primes) == 2
+    # The prime's uncaptured step draws from the CUDA generator when sampling; capture_step puts it back, so a
+    # seeded sampler picks the same tokens with the prime as without it.
+    sampled = {}
+    for on in (True, False):
+        monkeypatch.setattr(generate, "PRIME_CAPTURE", on)
+        gen = make_generator(qmodel, "graphs", Sampling(temperature=1.0))
+        gen.reserve(1, 128)
+        torch.manual_seed(1)
+        sampled[on] = tokens_of(gen, 24)
+    assert len(primes) == 4 and len(set(sampled[True])) > 5
+    assert sampled[True] == sampled[False]
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -402,12 +413,12 @@ def test_generate_cli_check_graphs(tmp_path, capsys):
 
 
 def test_decode_attention_many_slices_repeated():
-    """kernels.decode_attention with many cache slices (merged by the last slice to finish, an
+    """cuda_kernels.decode_attention with many cache slices (merged by the last slice to finish, an
     atomic count), batch 8 and grouped heads on a long cache, launched again and again, eagerly
     and as replays of one captured graph: every output matches the PyTorch path and the counts are
     back at zero. (The CPU interpreter runs programs one after another, so only a GPU tests the
     merge's ordering.)"""
-    import kernels
+    import cuda_kernels
     from test_kernels import reference_attention
 
     B, H, Hkv, D, L, splits = 8, 32, 8, 128, 4096, 16
@@ -432,15 +443,15 @@ def test_decode_attention_many_slices_repeated():
     for p in (0, 255, 256, 1000, 4095):
         pos.fill_(p)
         for _ in range(20):
-            check(kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, splits), p)
+            check(cuda_kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, splits), p)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
+        cuda_kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        y = kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
+        y = cuda_kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
     for p in (17, 3000, 4000):
         pos.fill_(p)
         for _ in range(20):
@@ -450,12 +461,12 @@ def test_decode_attention_many_slices_repeated():
 
 
 def test_pdl_chain_of_dependent_kernels_equals_plain_launches(monkeypatch):
-    """kernels.py launches with programmatic dependent launch on sm_90+: each GEMV loads its first
+    """cuda_kernels.py launches with programmatic dependent launch on sm_90+: each GEMV loads its first
     weight block before it waits for the kernel that writes its input. A chain of GEMVs, each
     reading the one before's output (norm, SwiGLU and residual fused in, as in decode), with the
     attention kernel in between, gives bit for bit what plain launches give, eagerly and as replays
     of one captured graph."""
-    import kernels
+    import cuda_kernels
 
     torch.manual_seed(0)
     D, F = 1024, 2816
@@ -479,19 +490,19 @@ def test_pdl_chain_of_dependent_kernels_equals_plain_launches(monkeypatch):
         v_cache.copy_(caches[1])
         for i in range(12):
             j = i % 3
-            qkv = kernels.gemv(h, wqkv[j], norm_weight=g, eps=1e-5)  # (H + 2 Hkv) Dh = 3 D / 2
-            a = kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, 4)
-            h = kernels.gemv(a, wo[j], residual=h)
-            m = kernels.gemv(h, w13[j], norm_weight=g, eps=1e-5, swiglu=True)
-            h = kernels.gemv(m, w2[j], residual=h)
+            qkv = cuda_kernels.gemv(h, wqkv[j], norm_weight=g, eps=1e-5)  # (H + 2 Hkv) Dh = 3 D / 2
+            a = cuda_kernels.decode_attention(qkv, pos, cos, sin, k_cache, v_cache, counts, H, Hkv, 4)
+            h = cuda_kernels.gemv(a, wo[j], residual=h)
+            m = cuda_kernels.gemv(h, w13[j], norm_weight=g, eps=1e-5, swiglu=True)
+            h = cuda_kernels.gemv(m, w2[j], residual=h)
         return h
 
     if torch.cuda.get_device_capability()[0] >= 9:
-        assert kernels.pdl(x), "this GPU takes PDL: the suite should test it"
-    monkeypatch.setattr(kernels, "PDL", False)
+        assert cuda_kernels.pdl(x), "this GPU takes PDL: the suite should test it"
+    monkeypatch.setattr(cuda_kernels, "PDL", False)
     plain = chain(x).clone()
     assert plain.isfinite().all()
-    monkeypatch.setattr(kernels, "PDL", True)
+    monkeypatch.setattr(cuda_kernels, "PDL", True)
     for _ in range(5):
         assert torch.equal(chain(x), plain)
     stream = torch.cuda.Stream()

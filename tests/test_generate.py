@@ -99,7 +99,7 @@ def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
     """Compiled decode registers the graphdecode ops as Inductor fallbacks first (register_fallbacks),
     with the layout constraint Inductor itself would give them, so Inductor never takes its
     implicit-fallback path: on torch 2.11 that path formats the str() of every argument, which
-    grows ~2x a layer through the residual (a 32-layer int4 model with kernels.int4_gemv never
+    grows ~2x a layer through the residual (a 32-layer int4 model with cuda_kernels.int4_gemv never
     finished compiling). Here the CPU's int4 and int8 ops (cpu_kernels.py) stand for all of them."""
     import logging
 
@@ -206,11 +206,11 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tiny, tmp_path, monkeypat
 
 def test_ahead_of_time_key_follows_the_sources_the_cpu_step_runs(tiny, tmp_path, monkeypatch):
     """The compiled CPU step's package key changes with the sources it runs (cpu_kernels.py's ops,
-    model.py, ...) and not with kernels.py, which model.py calls for CUDA tensors only."""
+    model.py, ...) and not with cuda_kernels.py, which model.py calls for CUDA tensors only."""
     import shutil
 
     here = Path(generate.__file__).resolve().parent
-    for f in (*generate.AOT_SOURCES, "kernels.py"):
+    for f in (*generate.AOT_SOURCES, "cuda_kernels.py"):
         shutil.copy(here / f, tmp_path / f)
     monkeypatch.setattr(generate, "__file__", str(tmp_path / "generate.py"))
     token, tokens = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 64, dtype=torch.long)
@@ -219,7 +219,7 @@ def test_ahead_of_time_key_follows_the_sources_the_cpu_step_runs(tiny, tmp_path,
         return generate.AotStep.key(tiny, token, tokens, Sampling(temperature=0))
 
     before = key()
-    (tmp_path / "kernels.py").write_text("# a CUDA kernel edit\n" + (tmp_path / "kernels.py").read_text())
+    (tmp_path / "cuda_kernels.py").write_text("# a CUDA kernel edit\n" + (tmp_path / "cuda_kernels.py").read_text())
     assert key() == before
     (tmp_path / "cpu_kernels.py").write_text("# an edit of the CPU ops\n" + (tmp_path / "cpu_kernels.py").read_text())
     assert key() != before

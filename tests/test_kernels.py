@@ -1,4 +1,4 @@
-"""kernels.py's Triton GEMVs against float64 references: bf16 and int8 weights, one row and
+"""cuda_kernels.py's Triton GEMVs against float64 references: bf16 and int8 weights, one row and
 several, shapes that do and do not fill the blocks, with and without a split of K. Without a GPU
 they run in Triton's CPU interpreter (conftest.py sets TRITON_INTERPRET); `pytest -m cuda` also
 runs them on the GPU with the tuned launches."""
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+import cuda_kernels
 from model import int4_gemv_layout
 
 # (BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages): one that fits the shapes below exactly, one
@@ -30,10 +30,10 @@ def weights(kind, N, K):
 
 def half_slack(kind, M, norm=False) -> float:
     """What float16-pair arithmetic adds to bf16's rounding of the result, relative to the largest
-    output, where it runs (kernels.use_half: int8 weights, one row of bf16 x, the norm fused): its
+    output, where it runs (cuda_kernels.use_half: int8 weights, one row of bf16 x, the norm fused): its
     products carry 11 bits and each lane sums K / BLOCK_K of them in float16 (measured ~5e-4; an
     indexing error is ~1)."""
-    half = kind == "int8" and M == 1 and kernels.INT8_HALF and (norm or kernels.HALF_EVERYWHERE)
+    half = kind == "int8" and M == 1 and cuda_kernels.INT8_HALF and (norm or cuda_kernels.HALF_EVERYWHERE)
     return 2e-3 if half else 1e-5
 
 
@@ -45,11 +45,11 @@ def check(device, kind, M, N, K, launch):
     size = reference.abs().max().item()
     # float32 activations with bf16 values: every product is exact, so only the float32 sums err
     # (an indexing mistake would be off by the size of the result, not by 1e-4 of it)
-    y = kernels.gemv(x.float(), w, scales, launch=launch)
+    y = cuda_kernels.gemv(x.float(), w, scales, launch=launch)
     assert y.dtype == torch.float32 and y.shape == (M, N)
     assert (y.double().cpu() - reference).abs().max().item() <= 1e-4 * size
     # bf16 in, bf16 out: the result rounded once, to nearest (the interpreter truncates instead)
-    y = kernels.gemv(x.view(1, M, K), w, scales, launch=launch)
+    y = cuda_kernels.gemv(x.view(1, M, K), w, scales, launch=launch)
     assert y.dtype == torch.bfloat16 and y.shape == (1, M, N)
     rounding = 2**-8 if device == "cuda" else 2**-7
     assert ((y[0].double().cpu() - reference).abs() <= rounding * reference.abs() + half_slack(kind, M) * size).all()
@@ -74,24 +74,24 @@ def test_gemv_tuned_launches_on_decode_shapes(kind, M):
 
 def test_usable_only_on_cuda_with_a_contiguous_weight():
     w = torch.zeros(4, 8)
-    assert not kernels.usable(torch.zeros(1, 8), w, max_rows=16)
+    assert not cuda_kernels.usable(torch.zeros(1, 8), w, max_rows=16)
     if torch.cuda.is_available():
         x, w = torch.zeros(2, 3, 8, device="cuda"), w.cuda()
-        assert kernels.usable(x, w, max_rows=6) and not kernels.usable(x, w, max_rows=5)
-        assert not kernels.usable(x, w.t().contiguous().t(), max_rows=6)
+        assert cuda_kernels.usable(x, w, max_rows=6) and not cuda_kernels.usable(x, w, max_rows=5)
+        assert not cuda_kernels.usable(x, w.t().contiguous().t(), max_rows=6)
 
 
 def test_opaque_op_matches_and_compiles(monkeypatch):
-    """kernels.matmul through the custom op (the default; bench.py --traced-gemv: not): same numbers as gemv, and
+    """cuda_kernels.matmul through the custom op (the default; bench.py --traced-gemv: not): same numbers as gemv, and
     torch.compile(fullgraph=True) accepts it (its fake tells the compiler the output's shape)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     w, scales, _ = weights("int8", 64, 256)
     w, scales = w.to(device), scales.to(device)
     x = torch.randn(1, 3, 256).bfloat16().to(device)
-    monkeypatch.setattr(kernels, "OPAQUE", True)
-    expected = kernels.gemv(x, w, scales)
-    assert kernels.matmul(x, w, scales).equal(expected)
-    compiled = torch.compile(lambda x: kernels.matmul(x, w, scales) * 2, fullgraph=True)
+    monkeypatch.setattr(cuda_kernels, "OPAQUE", True)
+    expected = cuda_kernels.gemv(x, w, scales)
+    assert cuda_kernels.matmul(x, w, scales).equal(expected)
+    compiled = torch.compile(lambda x: cuda_kernels.matmul(x, w, scales) * 2, fullgraph=True)
     assert compiled(x).equal(expected * 2)
 
 
@@ -122,10 +122,10 @@ def test_fused_norm_and_residual_match_float64(kind, N, K, launch):
     for kwargs, reference in cases:
         size = reference.abs().max().item()
         # float32 in and out: only float32 arithmetic errs
-        y = kernels.gemv(x.float().to(device), w, scales, launch=launch,
+        y = cuda_kernels.gemv(x.float().to(device), w, scales, launch=launch,
                          **{k: v.float() if k == "residual" else v for k, v in kwargs.items()})
         assert (y.double().cpu() - reference).abs().max().item() <= 1e-4 * size, kwargs
-        y = kernels.gemv(x.to(device), w, scales, launch=launch, **kwargs)
+        y = cuda_kernels.gemv(x.to(device), w, scales, launch=launch, **kwargs)
         assert y.dtype == torch.bfloat16
         rounding = 2**-8 if device == "cuda" else 2**-7
         assert ((y.double().cpu() - reference).abs() <= rounding * reference.abs()
@@ -160,11 +160,11 @@ def test_fused_swiglu_matches_float64(kind, launch):
         ]
         for kwargs, reference in cases:
             size = reference.abs().max().item()
-            y = kernels.gemv(x.float().to(device), w, scales, swiglu=True, launch=launch,
+            y = cuda_kernels.gemv(x.float().to(device), w, scales, swiglu=True, launch=launch,
                              **{k: v.float() if k == "residual" else v for k, v in kwargs.items()})
             assert y.shape == (1, N // 2)
             assert (y.double().cpu() - reference).abs().max().item() <= 1e-4 * size, (N, kwargs)
-            y = kernels.gemv(x.to(device), w, scales, swiglu=True, launch=launch, **kwargs)  # bf16 (int8: HALF)
+            y = cuda_kernels.gemv(x.to(device), w, scales, swiglu=True, launch=launch, **kwargs)  # bf16 (int8: HALF)
             rounding = 2**-8 if device == "cuda" else 2**-7
             assert ((y.double().cpu() - reference).abs() <= rounding * reference.abs()
                     + half_slack(kind, 1, "norm_weight" in kwargs) * size).all(), (N, kwargs)
@@ -174,7 +174,7 @@ def test_fused_swiglu_matches_float64(kind, launch):
 @pytest.mark.parametrize("N, K, launch", [(64, 256, (16, 64, 1, 4, 2)), (44, 2080, (8, 1024, 1, 4, 2)),
                                           (48, 4096, (8, 1024, 1, 4, 4)), (40, 320, (16, 64, 3, 4, 2))])
 def test_int8_half_pairs_match_float64_in_float16(N, K, launch, fused, monkeypatch):
-    """kernels.INT8_HALF (one row of int8 weights in float16 pairs, here on every GEMV) against
+    """cuda_kernels.INT8_HALF (one row of int8 weights in float16 pairs, here on every GEMV) against
     float64, with fp16 x and output, so that the arithmetic's own error shows (bf16's rounding would
     hide it): within 2e-3 of the largest output, the float32 path within 1e-3 (fp16's rounding of the
     output), also with a K tail (2080 = 2 x 1024 + 32: clamped x loads there), a partial block of
@@ -198,10 +198,10 @@ def test_int8_half_pairs_match_float64_in_float16(N, K, launch, fused, monkeypat
         kwargs, reference = dict(residual=r.to(device)), reference + r.double()
     size = reference.abs().max().item()
     errors = {}
-    monkeypatch.setattr(kernels, "HALF_EVERYWHERE", True)  # (by default only with the norm: kernels.use_half)
+    monkeypatch.setattr(cuda_kernels, "HALF_EVERYWHERE", True)  # (by default only with the norm: cuda_kernels.use_half)
     for half in (True, False):
-        monkeypatch.setattr(kernels, "INT8_HALF", half)
-        y = kernels.gemv(x.to(device), w, scales, launch=launch, **kwargs)
+        monkeypatch.setattr(cuda_kernels, "INT8_HALF", half)
+        y = cuda_kernels.gemv(x.to(device), w, scales, launch=launch, **kwargs)
         assert y.dtype == torch.float16
         errors[half] = (y.double().cpu() - reference).abs().max().item() / size
     assert errors[True] <= 2e-3 and errors[False] <= 1e-3, errors
@@ -213,10 +213,10 @@ def test_int8_half_pairs_can_be_turned_off_from_the_environment():
     import subprocess
     import sys
 
-    code = "import kernels; print(kernels.INT8_HALF)"
+    code = "import cuda_kernels; print(cuda_kernels.INT8_HALF)"
     for value, expected in (("0", "False"), ("1", "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, "GRAPHDECODE_INT8_HALF": value}, cwd=Path(kernels.__file__).parent)
+                             env={**os.environ, "GRAPHDECODE_INT8_HALF": value}, cwd=Path(cuda_kernels.__file__).parent)
         assert out.stdout.strip() == expected
 
 
@@ -226,7 +226,7 @@ def test_int8_half_pairs_over_the_range_of_real_activations(scale, monkeypatch):
     the norm fused over the range the default model's norm inputs span (BENCHMARKS.md: median |x g|
     1e-3 at layer 0 to a largest |x g| of 1.3e4 at layer 28), against float64 and within 2e-3 of the
     largest output. (Far smaller inputs lose precision to subnormals, far larger overflow: the
-    kernels.py docstring of _half_block.)"""
+    cuda_kernels.py docstring of _half_block.)"""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     w, scales, reference_w = weights("int8", 64, 1024)
     x = torch.randn(1, 1024) * scale
@@ -235,8 +235,8 @@ def test_int8_half_pairs_over_the_range_of_real_activations(scale, monkeypatch):
     g = (0.2 + torch.rand(1024)).bfloat16()
     xd = x.double()
     reference = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * g.double()) @ reference_w.T
-    monkeypatch.setattr(kernels, "INT8_HALF", True)
-    y = kernels.gemv(x.to(device).half(), w.to(device), scales.to(device), norm_weight=g.to(device).half(), eps=1e-5,
+    monkeypatch.setattr(cuda_kernels, "INT8_HALF", True)
+    y = cuda_kernels.gemv(x.to(device).half(), w.to(device), scales.to(device), norm_weight=g.to(device).half(), eps=1e-5,
                      launch=(16, 256, 1, 4, 2))
     size = reference.abs().max().item()
     assert (y.double().cpu() - reference).abs().max().item() <= 2e-3 * size
@@ -294,7 +294,7 @@ INT4_TOLERANCE = {False: 2e-3, True: 2.5e-2}
                                              (64, 576, 32, (16, 16, 4, 2, 2)), (32, 256, 32, (8, 8, 4, 2, 2)),
                                              (40, 320, 32, (16, 4, 4, 2, 2)), (32, 256, 32, (16, 4, 4, 2, 2))])
 def test_int4_gemv_matches_float64(N, K, G, launch, fused, dp4a, codes):
-    """kernels.int4_gemv (one row, float16 pairs or dp4a, file layout repacked by int4_gemv_layout;
+    """cuda_kernels.int4_gemv (one row, float16 pairs or dp4a, file layout repacked by int4_gemv_layout;
     codes: scales and zeros on quantize.py's grid, read as int16 codes) against the float64 product
     of the dequantized weights: float32 x within INT4_TOLERANCE of the largest output, bf16 x also
     within bf16's rounding. Covers blocks that fit, a group size that does not divide K (576 = 4 x
@@ -312,7 +312,7 @@ def test_int4_gemv_matches_float64(N, K, G, launch, fused, dp4a, codes):
         x = torch.randn(1, K).bfloat16().to(dtype)
         kwargs, reference, size = int4_case(fused, x, N, W)
         kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-        y = kernels.int4_gemv(x.to(device), *layout, launch=launch, dp4a=dp4a, **kwargs)
+        y = cuda_kernels.int4_gemv(x.to(device), *layout, launch=launch, dp4a=dp4a, **kwargs)
         assert y.dtype == dtype and y.shape == reference.shape
         assert ((y.double().cpu() - reference).abs() <= rounding * reference.abs()
                 + INT4_TOLERANCE[dp4a] * size).all(), (dtype, fused)
@@ -358,7 +358,7 @@ def test_int4_gemv_dp4a_is_its_definition(fused, prefetch, codes):
         y_def = y_def + kwargs["residual"].double()
         scale = y_def.abs().max().item()
     kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    y = kernels.int4_gemv(x.to(device), *layout, launch=(16, 8, 4, 2, prefetch), dp4a=True, **kwargs)
+    y = cuda_kernels.int4_gemv(x.to(device), *layout, launch=(16, 8, 4, 2, prefetch), dp4a=True, **kwargs)
     atol = (1e-5 if device == "cpu" else 2e-3) * scale
     assert torch.allclose(y.double().cpu(), y_def, rtol=1e-5, atol=atol)
 
@@ -368,7 +368,7 @@ def test_int4_gemv_dp4a_is_its_definition(fused, prefetch, codes):
 @pytest.mark.parametrize("dp4a", [False, True])
 def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused, dp4a):
     """x enters float16 scaled by its first block's 1 / rms (dp4a: int8 scaled per group) and the
-    weights by a power of two (kernels.int4_layout), so neither's size matters: bf16 x from 1e-4 to 1e8 with an outlier 40 times the
+    weights by a power of two (cuda_kernels.int4_layout), so neither's size matters: bf16 x from 1e-4 to 1e8 with an outlier 40 times the
     rest, scales and zeros from ~1e-7 to ~1e2, within INT4_TOLERANCE of the largest output."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     packed, scales, zeros, W = int4_weights(32, 512, 32, w_scale)
@@ -382,22 +382,22 @@ def test_int4_gemv_over_wide_ranges_of_x_and_weights(x_scale, w_scale, fused, dp
         size = reference.abs().max().item()
     kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
     layout = int4_gemv_layout(packed.to(device), scales.to(device), zeros.to(device), 32, dp4a)
-    y = kernels.int4_gemv(x.to(device), *layout, launch=(16, 4, 4, 2, True), dp4a=dp4a, **kwargs)
+    y = cuda_kernels.int4_gemv(x.to(device), *layout, launch=(16, 4, 4, 2, True), dp4a=dp4a, **kwargs)
     assert torch.isfinite(y).all()
     assert ((y.double().cpu() - reference).abs() <= 2**-7 * reference.abs() + INT4_TOLERANCE[dp4a] * size).all()
 
 
 def test_int4_arithmetic_and_its_setting(monkeypatch):
-    """kernels.int4_dp4a: integers on every shape (auto), or by GRAPHDECODE_INT4_DP4A 0 / 1 everywhere;
+    """cuda_kernels.int4_dp4a: integers on every shape (auto), or by GRAPHDECODE_INT4_DP4A 0 / 1 everywhere;
     anything else is an error, not a silent choice."""
-    assert kernels.int4_dp4a()
-    monkeypatch.setattr(kernels, "INT4_DP4A", "0")
-    assert not kernels.int4_dp4a()
-    monkeypatch.setattr(kernels, "INT4_DP4A", "1")
-    assert kernels.int4_dp4a()
-    monkeypatch.setattr(kernels, "INT4_DP4A", "2")
+    assert cuda_kernels.int4_dp4a()
+    monkeypatch.setattr(cuda_kernels, "INT4_DP4A", "0")
+    assert not cuda_kernels.int4_dp4a()
+    monkeypatch.setattr(cuda_kernels, "INT4_DP4A", "1")
+    assert cuda_kernels.int4_dp4a()
+    monkeypatch.setattr(cuda_kernels, "INT4_DP4A", "2")
     with pytest.raises(ValueError, match="GRAPHDECODE_INT4_DP4A must be auto, 0 or 1"):
-        kernels.int4_dp4a()
+        cuda_kernels.int4_dp4a()
 
 
 def test_int4_codes_only_on_the_grid():
@@ -420,14 +420,14 @@ def test_int4_codes_only_on_the_grid():
     off[3, 5] = 1.5 * units[3, 0]  # (half a unit past one: bf16 holds it exactly)
     assert int4_grid_units(off, zeros) is None
     with pytest.raises(ValueError, match="not whole codes"):
-        kernels.int4_layout(torch.zeros(32, 256, dtype=torch.int64), off, zeros, True, units)
+        cuda_kernels.int4_layout(torch.zeros(32, 256, dtype=torch.int64), off, zeros, True, units)
     with pytest.raises(ValueError, match="integer kernel"):
-        kernels.int4_layout(torch.zeros(32, 256, dtype=torch.int64), scales, zeros, False, units)
+        cuda_kernels.int4_layout(torch.zeros(32, 256, dtype=torch.int64), scales, zeros, False, units)
     layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
     with pytest.raises(ValueError, match="go with their units"):
-        kernels.int4_gemv(torch.zeros(1, 256), *layout[:4], dp4a=True)
+        cuda_kernels.int4_gemv(torch.zeros(1, 256), *layout[:4], dp4a=True)
     with pytest.raises(ValueError, match=r"units must be float32 \[32, 2\]"):
-        kernels.int4_gemv(torch.zeros(1, 256), *layout[:4], layout[4].double(), dp4a=True)
+        cuda_kernels.int4_gemv(torch.zeros(1, 256), *layout[:4], layout[4].double(), dp4a=True)
 
 
 def test_int4_codes_setting_and_launch(monkeypatch):
@@ -444,8 +444,8 @@ def test_int4_codes_setting_and_launch(monkeypatch):
     monkeypatch.setattr(model_module, "INT4_CODES", "yes")
     with pytest.raises(ValueError, match="GRAPHDECODE_INT4_CODES must be auto, 0 or 1"):
         model_module.int4_codes(32)
-    assert kernels.int4_config(4096, 11008, 32, dp4a=True)[0] == 8
-    assert kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True)[0] == 16
+    assert cuda_kernels.int4_config(4096, 11008, 32, dp4a=True)[0] == 8
+    assert cuda_kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True)[0] == 16
 
 
 def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
@@ -454,7 +454,7 @@ def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
     import model as model_module
     from bench import main
 
-    for module, name in ((model_module, "INT4_CODES"), (kernels, "INT4_DP4A"), (kernels, "INT4_XQ")):
+    for module, name in ((model_module, "INT4_CODES"), (cuda_kernels, "INT4_DP4A"), (cuda_kernels, "INT4_XQ")):
         with monkeypatch.context() as m:
             m.setattr(module, name, "yes")
             assert main(["--device", "cpu", "--model", "smollm2-135m"]) == 1
@@ -462,7 +462,7 @@ def test_bench_refuses_bad_int4_settings(monkeypatch, capsys):
 
 
 def unpack_x_int8(xq, K, group):
-    """kernels.int4_quantize_x's layout -> (codes q [K], its numbers [4, K / group]: sx, sx sum(q),
+    """cuda_kernels.int4_quantize_x's layout -> (codes q [K], its numbers [4, K / group]: sx, sx sum(q),
     sum(u), sum(x^2))."""
     words = xq[:K // 4].cpu().long() & 0xFFFFFFFF
     q = (words[:, None] >> (8 * torch.arange(4))) & 255
@@ -476,7 +476,7 @@ def assert_x_int8(xq, x, g, group):
     a code by one and sx sum(q) by sx; the same numbers to float32 rounding (sums in another order)."""
     K = x.shape[-1]
     q, stats = unpack_x_int8(xq, K, group)
-    q_ref, ref = unpack_x_int8(kernels.int4_quantize_x(x.cpu(), None if g is None else g.cpu(), group), K, group)
+    q_ref, ref = unpack_x_int8(cuda_kernels.int4_quantize_x(x.cpu(), None if g is None else g.cpu(), group), K, group)
     off = 1
     assert (q - q_ref).abs().max().item() <= off and xq.numel() == K // 4 + 4 * K // group
     assert (q != q_ref).float().mean().item() < 0.01  # (ties only)
@@ -489,14 +489,14 @@ def assert_x_int8(xq, x, g, group):
 
 @pytest.mark.parametrize("group", [8, 16, 32])
 def test_int4_quantize_x_is_its_definition(group):
-    """kernels.int4_quantize_x: codes q = round(u / sx) of u = x g with sx = max|u| / 127 per group,
+    """cuda_kernels.int4_quantize_x: codes q = round(u / sx) of u = x g with sx = max|u| / 127 per group,
     in -127..127, four to a word; then sx, sx sum(q), sum(u), sum(x^2) per group; a group of zeros
     codes to zeros."""
     torch.manual_seed(group)
     x = torch.randn(1, 1, 256).bfloat16()
     x[..., :group] = 0
     g = (0.5 + torch.rand(256)).bfloat16()
-    q, stats = unpack_x_int8(kernels.int4_quantize_x(x, g, group), 256, group)
+    q, stats = unpack_x_int8(cuda_kernels.int4_quantize_x(x, g, group), 256, group)
     u = (x.double() * g.double()).view(-1, group)
     sx = u.abs().amax(1) / 127
     assert torch.allclose(stats[0].double(), sx, rtol=1e-6)
@@ -526,7 +526,7 @@ def test_int4_gemv_reads_x_in_int8(G, K, group, launch, fused, codes):
     assert kernel_g == G and (units is not None) == codes
     x = torch.randn(1, K)  # (float32: y unrounded, for the definition)
     kwargs, reference, size = int4_case(fused, x, N, W)
-    xq = kernels.int4_quantize_x(x, kwargs.get("norm_weight"), group)
+    xq = cuda_kernels.int4_quantize_x(x, kwargs.get("norm_weight"), group)
     q, (sx, qs, x_sum, squares) = unpack_x_int8(xq, K, group)
     per = kernel_g // group  # x groups in an int4 group
     q_w = torch.stack([packed & 15, packed >> 4], -1).view(N, K).double()
@@ -549,7 +549,7 @@ def test_int4_gemv_reads_x_in_int8(G, K, group, launch, fused, codes):
         y_def = y_def + kwargs["residual"].double()
         scale = y_def.abs().max().item()
     kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    y = kernels.int4_gemv(x.to(device), *layout, launch=launch, dp4a=True, xq=xq.to(device), **kwargs)
+    y = cuda_kernels.int4_gemv(x.to(device), *layout, launch=launch, dp4a=True, xq=xq.to(device), **kwargs)
     atol = (1e-5 if device == "cpu" else 2e-3) * scale
     assert torch.allclose(y.double().cpu(), y_def, rtol=1e-5 if device == "cpu" else 1e-2, atol=atol)
     assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
@@ -572,7 +572,7 @@ def ring_or_skip(monkeypatch):
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
 @pytest.mark.parametrize("N, K, per_sm", [(128, 512, 3), (1056, 2816, 1), (4096, 4096, 1)])
 def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused, monkeypatch):
-    """int4_ring.gemv (decode's int8 flow) gives kernels.int4_gemv's product with x in int8 (groups of 16, codes)
+    """int4_ring.gemv (decode's int8 flow) gives cuda_kernels.int4_gemv's product with x in int8 (groups of 16, codes)
     to float32 rounding of the sums, and so stays within INT4_TOLERANCE of the float64 product. K = 2816 ends
     in a partial box (2.75 boxes of 1024 columns); per_sm 1 makes programs take several tiles (4096 rows: 256
     tiles over the H200's 132 programs; 1056: 66 tiles, fewer programs than SMs)."""
@@ -584,8 +584,8 @@ def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused, monk
     x = torch.randn(1, K).bfloat16()
     kwargs, reference, size = int4_case(fused, x, N, W)
     kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    xq = kernels.int4_quantize_x(x.cuda(), kwargs.get("norm_weight"), 16)
-    expect = kernels.int4_gemv(x.cuda(), *layout, dp4a=True, xq=xq, **kwargs).double()
+    xq = cuda_kernels.int4_quantize_x(x.cuda(), kwargs.get("norm_weight"), 16)
+    expect = cuda_kernels.int4_gemv(x.cuda(), *layout, dp4a=True, xq=xq, **kwargs).double()
     y, yq = int4_ring.gemv(x.cuda(), xq, words, codes, units, w_unscale, norm="norm_weight" in kwargs,
                            eps=kwargs.get("eps", 0.0), residual=kwargs.get("residual"),
                            swiglu=kwargs.get("swiglu", False), per_sm=per_sm)
@@ -598,7 +598,7 @@ def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused, monk
 @pytest.mark.cuda
 @pytest.mark.parametrize("fused, norm_out", [("residual", True), ("swiglu", False), ("none", True)])
 def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
-    """out_q: int4_ring.gemv also writes y in int8, kernels.int4_quantize_x(y, g) of the y it returns (groups of
+    """out_q: int4_ring.gemv also writes y in int8, cuda_kernels.int4_quantize_x(y, g) of the y it returns (groups of
     16, each a tile of 16 rows: assert_x_int8's codes and numbers), times the next norm's weight g if given; and
     the next GEMV reading it gives what it gives reading int4_quantize_x's. Over several tiles a program."""
     int4_ring = ring_or_skip(monkeypatch)
@@ -606,7 +606,7 @@ def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
     packed, scales, zeros, _ = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
     words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
     x = torch.randn(1, K, device="cuda").bfloat16()
-    xq = kernels.int4_quantize_x(x, None, 16)
+    xq = cuda_kernels.int4_quantize_x(x, None, 16)
     g = (0.5 + torch.rand(N, device="cuda")).bfloat16() if norm_out else None
     residual = torch.randn(1, N, device="cuda").bfloat16() if fused == "residual" else None
     y, yq = int4_ring.gemv(x, xq, words, codes, units, w_unscale, residual=residual, swiglu=fused == "swiglu",
@@ -616,7 +616,7 @@ def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
     words2, codes2, unscale2, _, units2 = int4_gemv_layout(packed2.cuda(), scales2.cuda(), zeros2.cuda(), 32, True,
                                                            True)
     nxt = [int4_ring.gemv(y, q, words2, codes2, units2, unscale2, norm=True, eps=1e-5)[0].float()
-           for q in (yq, kernels.int4_quantize_x(y, g, 16))]
+           for q in (yq, cuda_kernels.int4_quantize_x(y, g, 16))]
     assert ((nxt[0] - nxt[1]).abs() <= 2e-2 * nxt[1].abs().max()).all()  # (codes may differ by 1 at ties)
 
 
@@ -632,7 +632,7 @@ def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
     packed, scales, zeros, _ = int4_weights(2 * N if swiglu else N, K, 32, grid=True)
     words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
     x = torch.randn(1, K, device="cuda").bfloat16()
-    xq = kernels.int4_quantize_x(x, None, 16)
+    xq = cuda_kernels.int4_quantize_x(x, None, 16)
 
     def run(**launch):
         return int4_ring.gemv(x, xq, words, codes, units, w_unscale, swiglu=swiglu, out_q=True, **launch)
@@ -641,7 +641,7 @@ def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
     for launch in ({"per_sm": 1, "stages": 2}, {"per_sm": 4, "stages": 5}, {"per_sm": 2, "stages": 9}):
         y2, yq2 = run(**launch)
         assert torch.equal(y2, y) and torch.equal(yq2, yq), launch
-    shape = kernels.int4_shape(N, K, swiglu)
+    shape = cuda_kernels.int4_shape(N, K, swiglu)
     monkeypatch.setattr(int4_ring, "LAUNCHES", {shape: (1, 3, 32, int4_ring.WARPS)})
     assert int4_ring.launch(N, K, swiglu) == (1, 3, 32, int4_ring.WARPS)
     y2, yq2 = run()  # (y in int8 keeps 16 rows a tile)
@@ -657,7 +657,7 @@ def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
 
 
 def test_int4_ring_launch_override(monkeypatch):
-    """GRAPHDECODE_INT4_RING_LAUNCH's form: SHAPE=PROGRAMS_AN_SM,BOXES by kernels.int4_shape's names, in place of
+    """GRAPHDECODE_INT4_RING_LAUNCH's form: SHAPE=PROGRAMS_AN_SM,BOXES by cuda_kernels.int4_shape's names, in place of
     int4_ring.LAUNCHES; anything else is a one-line error naming the form."""
     try:
         import int4_ring
@@ -677,7 +677,7 @@ def test_int4_ring_launch_override(monkeypatch):
     assert [int4_ring.launch(4096, 11008, False), int4_ring.launch(11008, 4096, True),
             int4_ring.launch(12288, 4096, False), int4_ring.launch(4096, 4096, False)] == \
         [(2, 8, 16, 4), (4, 5, *defaults), default, default]
-    assert [kernels.int4_shape(*s) for s in ((12288, 4096), (4096, 4096), (4096, 11008))] == ["wide", "square", "long"]
+    assert [cuda_kernels.int4_shape(*s) for s in ((12288, 4096), (4096, 4096), (4096, 11008))] == ["wide", "square", "long"]
 
 
 def test_int4_ring_refuses_what_it_cannot_run(monkeypatch):
@@ -713,10 +713,10 @@ def test_int4_launch_prefetch_values():
     packed, scales, zeros, _ = int4_weights(32, 576, 32, grid=True)
     layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
     x = torch.randn(1, 576)
-    y = kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, 2))
-    assert torch.allclose(y, kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, False)), rtol=1e-5, atol=1e-5)
+    y = cuda_kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, 2))
+    assert torch.allclose(y, cuda_kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, False)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="prefetch is 0, 1 or 2"):
-        kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, 3))
+        cuda_kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 4, 4, 2, 3))
 
 
 def test_int4_x_in_int8_errors_and_setting(monkeypatch):
@@ -726,71 +726,71 @@ def test_int4_x_in_int8_errors_and_setting(monkeypatch):
     packed, scales, zeros, _ = int4_weights(16, 64, 32, grid=True)
     layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
     x = torch.zeros(1, 64)
-    xq = kernels.int4_quantize_x(x, group=16)
+    xq = cuda_kernels.int4_quantize_x(x, group=16)
     with pytest.raises(ValueError, match="not 64 columns of int4_quantize_x"):
-        kernels.int4_gemv(x, *layout, dp4a=True, xq=xq[:-1])
+        cuda_kernels.int4_gemv(x, *layout, dp4a=True, xq=xq[:-1])
     with pytest.raises(ValueError, match="for integers"):
-        kernels.int4_gemv(x, *int4_gemv_layout(packed, scales, zeros, 32), xq=xq)
+        cuda_kernels.int4_gemv(x, *int4_gemv_layout(packed, scales, zeros, 32), xq=xq)
     with pytest.raises(ValueError, match="one row of whole groups"):
-        kernels.int4_quantize_x(torch.zeros(2, 64))
-    monkeypatch.setattr(kernels, "INT4_XQ", "auto")
-    assert kernels.int4_x_group(32) == 16 and kernels.int4_x_group(8) == kernels.int4_x_group(128) == 0
-    monkeypatch.setattr(kernels, "INT4_XQ", "0")
-    assert kernels.int4_x_group(32) == 0
-    monkeypatch.setattr(kernels, "INT4_XQ", "32")
-    assert kernels.int4_x_group(128) == 32 and kernels.int4_x_group(64) == 32
-    monkeypatch.setattr(kernels, "INT4_XQ", "64")
+        cuda_kernels.int4_quantize_x(torch.zeros(2, 64))
+    monkeypatch.setattr(cuda_kernels, "INT4_XQ", "auto")
+    assert cuda_kernels.int4_x_group(32) == 16 and cuda_kernels.int4_x_group(8) == cuda_kernels.int4_x_group(128) == 0
+    monkeypatch.setattr(cuda_kernels, "INT4_XQ", "0")
+    assert cuda_kernels.int4_x_group(32) == 0
+    monkeypatch.setattr(cuda_kernels, "INT4_XQ", "32")
+    assert cuda_kernels.int4_x_group(128) == 32 and cuda_kernels.int4_x_group(64) == 32
+    monkeypatch.setattr(cuda_kernels, "INT4_XQ", "64")
     with pytest.raises(ValueError, match="GRAPHDECODE_INT4_XQ must be auto, 0, 8, 16 or 32"):
-        kernels.int4_x_group(32)
+        cuda_kernels.int4_x_group(32)
 
 
 def test_int4_launch_setting(monkeypatch):
     """GRAPHDECODE_INT4_LAUNCH replaces a shape's launch for the integer kernel on x in bf16 (columns
     capped at K's groups, rounded up to a power of two), leaves the other shapes and x in int8 alone,
     and anything but SHAPE=ROWS,COLUMNS,WARPS in powers of two is an error."""
-    default_w2 = kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True)
-    default_wo = kernels.int4_config(4096, 4096, 32, dp4a=True, codes=True, xq=True)
-    monkeypatch.setattr(kernels, "INT4_LAUNCH", "gate/up=8,2048,4;square=4,65536,8")
-    assert kernels.int4_config(11008, 4096, 32, swiglu=True, dp4a=True, codes=True) == (8, 64, 4, 3, False)
-    assert kernels.int4_config(4096, 4096, 32, dp4a=True) == (4, 128, 8, 3, False)
-    assert kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True) == default_w2
-    assert kernels.int4_config(4096, 4096, 32, dp4a=True, codes=True, xq=True) == default_wo
+    default_w2 = cuda_kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True)
+    default_wo = cuda_kernels.int4_config(4096, 4096, 32, dp4a=True, codes=True, xq=True)
+    monkeypatch.setattr(cuda_kernels, "INT4_LAUNCH", "gate/up=8,2048,4;square=4,65536,8")
+    assert cuda_kernels.int4_config(11008, 4096, 32, swiglu=True, dp4a=True, codes=True) == (8, 64, 4, 3, False)
+    assert cuda_kernels.int4_config(4096, 4096, 32, dp4a=True) == (4, 128, 8, 3, False)
+    assert cuda_kernels.int4_config(4096, 11008, 32, dp4a=True, codes=True) == default_w2
+    assert cuda_kernels.int4_config(4096, 4096, 32, dp4a=True, codes=True, xq=True) == default_wo
     packed, scales, zeros, _ = int4_weights(8, 64, 32, grid=True)
     layout = int4_gemv_layout(packed, scales, zeros, 32, True, True)
     x = torch.randn(1, 64)
-    expect = kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 2, 4, 3, False))
-    assert torch.allclose(kernels.int4_gemv(x, *layout, dp4a=True), expect, rtol=1e-5, atol=1e-5)
+    expect = cuda_kernels.int4_gemv(x, *layout, dp4a=True, launch=(16, 2, 4, 3, False))
+    assert torch.allclose(cuda_kernels.int4_gemv(x, *layout, dp4a=True), expect, rtol=1e-5, atol=1e-5)
     for bad in ("gate/up=8,2048", "up=8,2048,4", "long=8,2048,3", "wide=0,1024,4", "square=a,b,c"):
-        monkeypatch.setattr(kernels, "INT4_LAUNCH", bad)
+        monkeypatch.setattr(cuda_kernels, "INT4_LAUNCH", bad)
         with pytest.raises(ValueError, match="GRAPHDECODE_INT4_LAUNCH: .* is not SHAPE=ROWS,COLUMNS,WARPS"):
-            kernels.int4_config(4096, 4096, 32, dp4a=True)
+            cuda_kernels.int4_config(4096, 4096, 32, dp4a=True)
 
 
 def test_int4_gemv_takes_one_row():
     packed, scales, zeros, _ = int4_weights(16, 64, 32)
     layout = int4_gemv_layout(packed, scales, zeros, 32)
     with pytest.raises(ValueError, match="one row"):
-        kernels.int4_gemv(torch.zeros(2, 64), *layout)
+        cuda_kernels.int4_gemv(torch.zeros(2, 64), *layout)
     with pytest.raises(ValueError, match="do not fit"):
-        kernels.int4_gemv(torch.zeros(1, 128), *layout)
+        cuda_kernels.int4_gemv(torch.zeros(1, 128), *layout)
 
 
 def test_fused_steps_take_one_row_or_a_few_of_bf16_weights():
     with pytest.raises(ValueError, match="one row"):
-        kernels.gemv(torch.zeros(17, 16).bfloat16(), torch.zeros(8, 16).bfloat16(),
+        cuda_kernels.gemv(torch.zeros(17, 16).bfloat16(), torch.zeros(8, 16).bfloat16(),
                      residual=torch.zeros(17, 8).bfloat16())
     with pytest.raises(ValueError, match="one row"):
-        kernels.gemv(torch.zeros(2, 16).bfloat16(), torch.zeros(8, 16, dtype=torch.int8),
+        cuda_kernels.gemv(torch.zeros(2, 16).bfloat16(), torch.zeros(8, 16, dtype=torch.int8),
                      torch.ones(8).bfloat16(), residual=torch.zeros(2, 8).bfloat16())
 
 
 def test_more_rows_than_the_several_row_kernel_takes_go_elsewhere(monkeypatch):
     """_rows_kernel computes 16 rows a program: 20 rows go to the other kernel, whatever MAX_ROWS says."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(kernels, "MAX_ROWS", 32)
+    monkeypatch.setattr(cuda_kernels, "MAX_ROWS", 32)
     w, _, reference_w = weights("bf16", 64, 256)
     x = torch.randn(20, 256).bfloat16()
-    y = kernels.gemv(x.to(device), w.to(device), launch=(16, 64, 1, 4, 2))
+    y = cuda_kernels.gemv(x.to(device), w.to(device), launch=(16, 64, 1, 4, 2))
     reference = x.double() @ reference_w.T
     assert (y.double().cpu() - reference).abs().max().item() <= 2e-2 * reference.abs().max().item()
 
@@ -798,7 +798,7 @@ def test_more_rows_than_the_several_row_kernel_takes_go_elsewhere(monkeypatch):
 @pytest.mark.parametrize("launch", [(16, 64, 1, 4, 2), (32, 128, 1, 4, 3), None])
 @pytest.mark.parametrize("M", [2, 8, 16])
 def test_several_rows_with_the_fusions_match_float64(M, launch):
-    """Batched decode (2-16 rows, bf16 weights: kernels._rows_kernel): each row's RMSNorm, SwiGLU
+    """Batched decode (2-16 rows, bf16 weights: cuda_kernels._rows_kernel): each row's RMSNorm, SwiGLU
     and residual against float64, on shapes with a K tail (320) and partial blocks of outputs; each
     row differs in scale, so a norm taken over the wrong row fails."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -826,7 +826,7 @@ def test_several_rows_with_the_fusions_match_float64(M, launch):
         ]
         for kwargs, reference in cases:
             kwargs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-            y = kernels.gemv(x.to(device), w, launch=launch, **kwargs)
+            y = cuda_kernels.gemv(x.to(device), w, launch=launch, **kwargs)
             assert y.dtype == torch.bfloat16 and y.shape == reference.shape
             err = (y.double().cpu() - reference).abs()
             # bf16: the output rounded once; with the norm, x * g also goes to the tensor cores in bf16
@@ -868,9 +868,9 @@ ATTENTION_CASES = [
 
 @pytest.mark.parametrize("B, rows, H, Hkv, D, L, pos, splits", ATTENTION_CASES)
 def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits, monkeypatch):
-    """kernels.decode_attention against the PyTorch ops it replaces: the output within bf16
+    """cuda_kernels.decode_attention against the PyTorch ops it replaces: the output within bf16
     rounding, the new k (RoPE'd) and v written at pos, every other cache entry untouched."""
-    monkeypatch.setattr(kernels, "ATTENTION_ONE", False)
+    monkeypatch.setattr(cuda_kernels, "ATTENTION_ONE", False)
     check_decode_attention(B, rows, H, Hkv, D, L, pos, splits)
 
 
@@ -878,20 +878,20 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits, mo
                          [c for c in ATTENTION_CASES if c[2] == c[3]]
                          + [(1, 1, 2, 2, 128, 224, 150, 4), (2, 2, 2, 2, 64, 300, 20, 5), (1, 1, 2, 2, 64, 300, 299, 5)])
 def test_one_head_attention_kernel_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits, monkeypatch):
-    """kernels._attention_one_kernel (kernels.ATTENTION_ONE: one query head a KV head) as above; and
+    """cuda_kernels._attention_one_kernel (cuda_kernels.ATTENTION_ONE: one query head a KV head) as above; and
     Llama-2-7B's head dim and bench.py's cache (224 positions, 4 slices); a position that leaves one slice of
     five with cached positions (no merge) and one that needs all five."""
-    monkeypatch.setattr(kernels, "ATTENTION_ONE", True)
+    monkeypatch.setattr(cuda_kernels, "ATTENTION_ONE", True)
     calls = []
-    one = kernels._attention_one_kernel
-    monkeypatch.setattr(kernels, "_attention_one_kernel", type("Spy", (), {
+    one = cuda_kernels._attention_one_kernel
+    monkeypatch.setattr(cuda_kernels, "_attention_one_kernel", type("Spy", (), {
         "__getitem__": lambda self, grid: calls.append(grid) or one[grid]})())
     check_decode_attention(B, rows, H, Hkv, D, L, pos, splits, monkeypatch, launches=[(16, 4), (32, 8), (128, 8)])
     assert calls  # (it ran)
 
 
 def check_decode_attention(B, rows, H, Hkv, D, L, pos, splits, monkeypatch=None, launches=()):
-    """(launches: also each of these kernels.ATTENTION_ONE_LAUNCH, the sums' order only)"""
+    """(launches: also each of these cuda_kernels.ATTENTION_ONE_LAUNCH, the sums' order only)"""
     import model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -907,22 +907,22 @@ def check_decode_attention(B, rows, H, Hkv, D, L, pos, splits, monkeypatch=None,
     expected = reference_attention(qkv, p, cos[p], sin[p], k_ref, v_ref, H, Hkv).float()
     counts = torch.zeros(rows * Hkv, dtype=torch.int32, device=device)
     before = (k_cache.clone(), v_cache.clone())
-    y = kernels.decode_attention(qkv, p, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
+    y = cuda_kernels.decode_attention(qkv, p, cos, sin, k_cache, v_cache, counts, H, Hkv, splits)
     assert not counts.any()  # left at zero for the next call
     for group in (8, 16, 32) if B == 1 and D & (D - 1) == 0 else ():  # y also in int8 for an int4 wo
         caches = tuple(t.clone() for t in before)
-        y_again, yq = kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, Hkv, splits, out_group=group)
+        y_again, yq = cuda_kernels.decode_attention(qkv, p, cos, sin, *caches, counts, H, Hkv, splits, out_group=group)
         assert torch.equal(y_again, y) and not counts.any()
         assert_x_int8(yq, y, None, group)
     assert y.shape == (B, 1, H * D) and y.dtype == torch.bfloat16
     assert (y.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
     for block_l in (16, 32):  # cache positions a loop step (the int8 flow asks for 32): the sums' order only
-        y_l = kernels.decode_attention(qkv, p, cos, sin, *(t.clone() for t in before), counts, H, Hkv, splits,
+        y_l = cuda_kernels.decode_attention(qkv, p, cos, sin, *(t.clone() for t in before), counts, H, Hkv, splits,
                                        block_l=block_l)
         assert (y_l.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item(), block_l
     for launch in launches:
-        monkeypatch.setattr(kernels, "ATTENTION_ONE_LAUNCH", launch)
-        y_l = kernels.decode_attention(qkv, p, cos, sin, *(t.clone() for t in before), counts, H, Hkv, splits)
+        monkeypatch.setattr(cuda_kernels, "ATTENTION_ONE_LAUNCH", launch)
+        y_l = cuda_kernels.decode_attention(qkv, p, cos, sin, *(t.clone() for t in before), counts, H, Hkv, splits)
         assert (y_l.float() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item(), launch
         assert not counts.any()
     rounding = 2**-8 if device == "cuda" else 2**-7  # the interpreter truncates to bf16
@@ -933,13 +933,13 @@ def check_decode_attention(B, rows, H, Hkv, D, L, pos, splits, monkeypatch=None,
 
 
 def test_attention_launch_rule():
-    """kernels.attention_launch: one query head a KV head at batch 1 of Llama-2-7B (32 KV heads, 4 slices,
+    """cuda_kernels.attention_launch: one query head a KV head at batch 1 of Llama-2-7B (32 KV heads, 4 slices,
     D = 128) runs 8 warps at 64 positions a step; at batch 8 (1024 programs) 4 warps at 32; grouped heads
     (Llama-3.1-8B: 4 a KV head) 8192 products a step; the settings override the rule."""
-    assert kernels.attention_launch(1, 32, 4, 1, 128) == (64, 8)
-    assert kernels.attention_launch(1, 4, 2, 1, 64) == (128, 8)  # (the attention test case above)
-    assert kernels.attention_launch(8, 32, 4, 1, 128) == (32, 4)
-    assert kernels.attention_launch(1, 8, 4, 4, 128) == (16, 4)
+    assert cuda_kernels.attention_launch(1, 32, 4, 1, 128) == (64, 8)
+    assert cuda_kernels.attention_launch(1, 4, 2, 1, 64) == (128, 8)  # (the attention test case above)
+    assert cuda_kernels.attention_launch(8, 32, 4, 1, 128) == (32, 4)
+    assert cuda_kernels.attention_launch(1, 8, 4, 4, 128) == (16, 4)
 
 
 def test_decode_attention_at_a_position_past_the_cache_touches_nothing():
@@ -954,7 +954,7 @@ def test_decode_attention_at_a_position_past_the_cache_touches_nothing():
     table = torch.randn(L, D).bfloat16().to(device)
     counts = torch.zeros(2 * H, dtype=torch.int32, device=device)
     for splits in (1, 3):
-        y = kernels.decode_attention(qkv, torch.tensor([L], device=device), table, table, k_cache, v_cache, counts,
+        y = cuda_kernels.decode_attention(qkv, torch.tensor([L], device=device), table, table, k_cache, v_cache, counts,
                                      H, H, splits)
         assert y.float().isfinite().all() and not counts.any()
         assert k_cache.equal(k_ref) and v_cache.equal(v_ref)
@@ -964,14 +964,14 @@ def test_decode_attention_rejects_what_it_cannot_run():
     qkv = torch.zeros(1, 2, 3 * 4 * 16).bfloat16()
     cache = torch.zeros(1, 4, 8, 16).bfloat16()
     with pytest.raises(ValueError, match="not one token"):
-        kernels.decode_attention(qkv, torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache, cache,
+        cuda_kernels.decode_attention(qkv, torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache, cache,
                                  torch.zeros(4, dtype=torch.int32), 4, 4)
     qkv, cache = torch.zeros(2, 1, 3 * 4 * 16).bfloat16(), torch.zeros(2, 4, 8, 16).bfloat16()
     with pytest.raises(ValueError, match="y in int8 takes one sequence"):
-        kernels.decode_attention(qkv, torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache, cache,
+        cuda_kernels.decode_attention(qkv, torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache, cache,
                                  torch.zeros(8, dtype=torch.int32), 4, 4, out_group=16)
     with pytest.raises(ValueError, match="power of two"):
-        kernels.decode_attention(qkv[:1], torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache[:1],
+        cuda_kernels.decode_attention(qkv[:1], torch.tensor([0]), torch.zeros(8, 16), torch.zeros(8, 16), cache[:1],
                                  cache[:1], torch.zeros(4, dtype=torch.int32), 4, 4, block_l=24)
 
 
@@ -987,15 +987,15 @@ def test_decode_attention_op_updates_the_cache_in_place_when_compiled():
     cos, sin = torch.ones(L, D).bfloat16().to(device), torch.zeros(L, D).bfloat16().to(device)
     pos = torch.tensor([0], device=device)
     counts = torch.zeros(H, dtype=torch.int32, device=device)
-    f = torch.compile(lambda qkv: kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H, 0)[0] * 1,
+    f = torch.compile(lambda qkv: cuda_kernels.decode_attention_op(qkv, pos, cos, sin, k_cache, v_cache, counts, H, H, 0)[0] * 1,
                       fullgraph=True)
     seen = []
-    attention = kernels.decode_attention
-    kernels.decode_attention = lambda *a, **k: seen.append((a[4].data_ptr(), a[5].data_ptr())) or attention(*a, **k)
+    attention = cuda_kernels.decode_attention
+    cuda_kernels.decode_attention = lambda *a, **k: seen.append((a[4].data_ptr(), a[5].data_ptr())) or attention(*a, **k)
     try:
         y, code = run_and_get_code(f, qkv)
     finally:
-        kernels.decode_attention = attention
+        cuda_kernels.decode_attention = attention
     assert seen == [(k_cache.data_ptr(), v_cache.data_ptr())]  # the kernel got the buffers themselves
     assert k_cache[0, :, 0].equal(qkv[0, 0, H * D:2 * H * D].view(H, D))  # RoPE by angle 0
     assert v_cache[0, :, 0].equal(qkv[0, 0, 2 * H * D:].view(H, D))
@@ -1027,7 +1027,7 @@ def test_no_custom_op_gives_a_mutated_argument_a_default():
     with FakeTensorMode():
         k_cache, v_cache = (torch.empty(1, H, L, D, dtype=torch.bfloat16) for _ in range(2))
         table = torch.empty(L, D, dtype=torch.bfloat16)
-        y, yq = kernels.decode_attention_op(torch.empty(1, 1, 3 * H * D, dtype=torch.bfloat16),
+        y, yq = cuda_kernels.decode_attention_op(torch.empty(1, 1, 3 * H * D, dtype=torch.bfloat16),
                                             torch.empty(1, dtype=torch.long), table, table, k_cache, v_cache,
                                             torch.empty(H, dtype=torch.int32), H, H, 16)
         assert y.shape == (1, 1, H * D) and yq.shape == (H * D // 4 + 4 * H * D // 16,)
@@ -1036,7 +1036,7 @@ def test_no_custom_op_gives_a_mutated_argument_a_default():
 @pytest.mark.parametrize("mode", ["eager", "compile"])
 def test_model_decode_with_the_attention_kernel_equals_pytorch(mode, monkeypatch):
     """A small model (grouped heads) generates the same greedy tokens, and near-identical logits, with
-    decode's attention in kernels.decode_attention as with the PyTorch ops; compiled, through the
+    decode's attention in cuda_kernels.decode_attention as with the PyTorch ops; compiled, through the
     custom op. (On the CPU the kernel runs in Triton's interpreter: forced on here.)"""
     import model as model_module
     from bench import make_generator, random_model
@@ -1047,11 +1047,11 @@ def test_model_decode_with_the_attention_kernel_equals_pytorch(mode, monkeypatch
     torch.manual_seed(0)
     m = random_model(args, device, torch.float32)
     m.setup_caches(1, 200)  # 4 cache slices, merged by the kernel
-    assert kernels.attention_splits(1, args.n_kv_heads, m.max_seq_length) == 4
+    assert cuda_kernels.attention_splits(1, args.n_kv_heads, m.max_seq_length) == 4
     calls = []
-    attention = kernels.decode_attention
-    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
-    monkeypatch.setattr(kernels, "attention_usable", lambda qkv, pos: pos.numel() == 1)
+    attention = cuda_kernels.decode_attention
+    monkeypatch.setattr(cuda_kernels, "decode_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
+    monkeypatch.setattr(cuda_kernels, "attention_usable", lambda qkv, pos: pos.numel() == 1)
 
     def run(fused):
         monkeypatch.setattr(model_module, "FUSE_ATTENTION", fused)

@@ -724,7 +724,7 @@ PDL = True
 
 def pdl(x: torch.Tensor) -> bool:
     """Whether kernels on x's device are launched with PDL: not in Triton's interpreter, not while
-    torch.compile traces into kernels.py (bench.py --traced-gemv: its kernel wrapper knows no such
+    torch.compile traces into cuda_kernels.py (bench.py --traced-gemv: its kernel wrapper knows no such
     launch option), and not if Inductor launches its own kernels with PDL (triton.enable_pdl), which
     would break the rule above (its kernels would no longer wait for ours)."""
     inductor = sys.modules.get("torch._inductor.config")  # (only if already imported: it is slow to import)
