@@ -150,10 +150,11 @@ def _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3: gl.constexpr, L4: gl.constexpr, LX:
 
 @gluon.jit
 def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: gl.constexpr, L4: gl.constexpr,
-                   BN: gl.constexpr, GC: gl.constexpr):
+                   BN: gl.constexpr, GC: gl.constexpr, ZEROS: gl.constexpr):
     """_chunk with fewer instructions (FAST), on _x_fast's x: the dp4a of an x group's two words summed in
     integers before one conversion, and the codes' units left for the end, once a row (acc_s: the sum over
-    groups of the scale code times (sum of sx dot - 8 sx sum(q)); acc_z: of the zero code times sum(x))."""
+    groups of the scale code times (sum of sx dot - 8 sx sum(q)); acc_z: of the zero code times sum(x)). Without
+    ZEROS the codes are one byte each, the scale's, and acc_z stays zero."""
     w = w_smem.load(L3)  # [BN, GC, 4]
     dot = _dp4a((w >> 4) & 0x0F0F0F0F, gl.expand_dims(x_hi, 0),
                 _dp4a(w & 0x0F0F0F0F, gl.expand_dims(x_lo, 0), gl.zeros_like(w)))
@@ -161,7 +162,8 @@ def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: 
     part = gl.sum(dot.to(gl.float32) * gl.expand_dims(sx, 0), axis=2)  # [BN, GC]
     codes = c_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, L4))).to(gl.int32)  # (sign-extended: >> 8 the zero's)
     acc_s += (part - gl.expand_dims(q8, 0)) * (codes & 255).to(gl.float32)
-    acc_z += (codes >> 8).to(gl.float32) * gl.expand_dims(x_sum, 0)
+    if ZEROS:
+        acc_z += (codes >> 8).to(gl.float32) * gl.expand_dims(x_sum, 0)
     return acc_s, acc_z
 
 
@@ -209,7 +211,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                            yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
-                           XQ_OUT: gl.constexpr, GO: gl.constexpr):
+                           XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (cuda_kernels.int4_layout
@@ -219,7 +221,8 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     STAGES boxes ahead of its products, the first STAGES before the PDL wait. Memory stays busy while the
     products run, and an SM's boxes stream without waves of programs. XQ_OUT (BN 16): y also in int8 for the
     next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
-    go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x."""
+    go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x. ZEROS off: codes [., K / 32]
+    in int8, the scale's alone, for layers whose zeros are all 0 (one code byte a group instead of two)."""
     GC: gl.constexpr = 32
     HALVES: gl.constexpr = 2 if SWIGLU else 1
     gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
@@ -238,7 +241,8 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     my_tiles = (gl.cdiv(N, BN) - pid + P - 1) // P
     total = my_tiles * (CHUNKS * HALVES)  # boxes
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4 * GC], w_desc.layout)
-    c_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BN, GC], c_desc.layout)
+    CT: gl.constexpr = gl.int16 if ZEROS else gl.int8
+    c_smem = gl.allocate_shared_memory(CT, [STAGES, BN, GC], c_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -284,11 +288,13 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             s = box % STAGES
             mbarrier.wait(bars.index(s), (box // STAGES) & 1)
             w_c = w_smem.index(s)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
-            c_c = c_smem.index(s)._reinterpret(gl.int16, [BN, GC], PLAIN2)
+            c_c = c_smem.index(s)._reinterpret(CT, [BN, GC], PLAIN2)
             if h == 0:
-                acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
+                acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC,
+                                              ZEROS)
             else:
-                up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC)
+                up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC,
+                                            ZEROS)
         gl.thread_barrier()  # every warp has read this step's stages before they are refilled
         for h in gl.static_range(HALVES):
             box = k * HALVES + h
@@ -336,10 +342,10 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
 
 
 def descriptors(words: torch.Tensor, codes: torch.Tensor, rows: int):
-    """TMA descriptors of a layer's words [R, K/8] int32 and codes [R, K/32] int16, a box of `rows` rows by
-    one chunk (128 words, 32 codes); reads past the end give zeros."""
+    """TMA descriptors of a layer's words [R, K/8] int32 and codes [R, K/32] int16 (or int8: scales only), a box of
+    `rows` rows by one chunk (128 words, 32 codes); reads past the end give zeros."""
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    c_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    c_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * codes.element_size(), rank=2)
     return (TensorDescriptor(words, list(words.shape), list(words.stride()), [rows, CHUNK], w_layout),
             TensorDescriptor(codes, list(codes.shape), list(codes.stride()), [rows, CHUNK // 4], c_layout))
 
@@ -356,6 +362,18 @@ def usable(words: torch.Tensor, codes: Optional[torch.Tensor], groupsize: int) -
             and words.shape[0] % 32 == 0 and codes.dtype == torch.int16 and codes.shape == (words.shape[0], K // G))
 
 
+def code_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """A layer's int16 codes [R, K/32] whose zeros' codes are all 0 -> the scales' codes alone, int8 (0..255 as
+    two's complement), each row padded to a multiple of 16 bytes for TMA (a view [R, K/32] of it). For layers
+    quantized without zeros (symmetric): one code byte a group of 32 weights instead of two."""
+    if codes.dtype != torch.int16 or bool((codes.int() >> 8).ne(0).any()):
+        raise ValueError("int4_ring.code_bytes: codes must be int16 with every zero's code 0")
+    R, n = codes.shape
+    padded = torch.zeros(R, -(-n // 16) * 16, dtype=torch.int8, device=codes.device)
+    padded[:, :n] = (codes.int() & 255).to(torch.uint8).view(torch.int8)
+    return padded[:, :n]
+
+
 @functools.cache
 def _sms(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -370,7 +388,9 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     `xq` (int4_quantize_x(x, norm's weight), groups of 16; norm: apply RMSNorm's scale, eps), x giving only
     the shape and dtype. out_q: y also in int8 (int4_quantize_x(y, out_norm_weight), groups of 16, as this
     kernel rounds it: codes within 1 of that function's). rows, stages, per_sm, warps: launch()'s where None
-    (rows 16 with out_q)."""
+    (rows 16 with out_q). codes: int16 (scale's code in the low byte, zero's in the high), or, for a layer whose
+    zeros are all 0, int8 scale codes (0..255 as two's complement), rows 16 bytes apart (TMA's rule), a view of a
+    padded tensor where K / 32 is not a multiple of 16 (code_bytes)."""
     K = x.shape[-1]
     R = words.shape[0]
     N = R // 2 if swiglu else R
@@ -391,6 +411,12 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     if K % 256 or K < 512 or (out_q and (rows != XG or N % XG)):
         raise ValueError(f"int4_ring.gemv takes K a multiple of 256 from 512 (got {K}), and for y in int8 "
                          f"16 rows a tile and N a multiple of 16 (got {rows}, {N})")
+    if codes.dtype not in (torch.int16, torch.int8) or codes.stride(1) != 1 or codes.stride(0) * codes.element_size() % 16:
+        raise ValueError(f"int4_ring.gemv takes codes in int16, or in int8 for scales alone, their rows 16 bytes apart "
+                         f"(got {codes.dtype}, strides {codes.stride()})")
+    if codes.dtype == torch.int8 and norm:  # (session 28, run 141: wrong y, from run to run; not yet found why)
+        raise ValueError("int4_ring.gemv: one-byte codes (int8) with the norm give wrong numbers on the H200 "
+                         "(BENCHMARKS.md, session 28): use int16 codes there")
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     yq = torch.empty(N // 2, device=x.device, dtype=torch.int32) if out_q else None
     programs = min(triton.cdiv(N, rows), per_sm * _sms(x.device.index or 0))
@@ -401,7 +427,7 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
-        num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
+        ZEROS=codes.dtype == torch.int16, num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
 

@@ -824,7 +824,15 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
-  z61) # planned after session 27 (not yet run): the speed table on ONE machine with generate.prime_capture: bf16, int4
+  z63) # session 28, runs 141 (every ring layer: the norm's GEMVs gave wrong numbers) and 142 (wo and w2 only): one
+      # code byte a group in the ring (int4_ring.code_bytes): its kernel tests, then the timing probe (manual and
+      # graphs, zeros dropped: time only), then bf16 on the same machine for the ratio
+      t 200 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k int4_ring | tail -4
+      TORCHINDUCTOR_CACHE_DIR=/tmp/z63/inductor TRITON_CACHE_DIR=/tmp/z63/triton t 300 python3 benchmarks/ring_codes.py \
+        --graphs --repeat 2 --json "$OUT/ring-codes-h200.json"
+      TORCHINDUCTOR_CACHE_DIR=/tmp/z63/inductor TRITON_CACHE_DIR=/tmp/z63/triton t 100 python3 bench.py \
+        --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 --json "$OUT/h200-z63.json" | grep "graphs  " ;;
+  z61) # session 28, run 140 (was planned after session 27): the speed table on ONE machine with generate.prime_capture: bf16, int4
       # g32, int8, int4 g128, bf16 and int4 g32 again (machine spread is +-5-10 tok/s, so the ratio needs one machine)
       for v in z611:"" z612:"--quantize int4-g32" z613:"--quantize int8" z614:"--quantize int4-g128" z615:"" \
                z616:"--quantize int4-g32"; do

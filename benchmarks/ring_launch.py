@@ -61,6 +61,13 @@ def apply(ring: str, attention: tuple | None) -> None:
         (v or None for v in (attention or (0, 0, 0)))
 
 
+def append_record(path: str, record: dict) -> None:
+    """Add record to the JSON list in path (made if missing)."""
+    old = json.loads(open(path).read()) if os.path.exists(path) else []
+    with open(path, "w") as f:
+        f.write(json.dumps(old + [record], indent=1) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-2-7b", choices=sorted(bench.PRESETS))
@@ -103,9 +110,7 @@ def main() -> int:
               f"(p99 {r['step_ms_p99']:.3f})  same logits: {same}"
               + ("" if same else f" (largest difference {(logits - reference).abs().max().item():.3g})"), flush=True)
         if a.json:
-            old = json.loads(open(a.json).read()) if os.path.exists(a.json) else []
-            with open(a.json, "w") as f:
-                f.write(json.dumps(old + [r], indent=1) + "\n")
+            append_record(a.json, r)
         if mode == "graphs":
             torch._dynamo.reset()
         if exact and not same:

@@ -524,3 +524,23 @@ def test_int4_scale_bits_rounds_scales_and_zeros_and_refits_the_levels():
     same = requantize(sd, 16, 0, 32)
     got = dequantize_int4(same["l.weight"], same["l.scales"].float(), same["l.zeros"].float(), 32)
     assert (got - original).abs().max() <= 1e-2 * original.abs().max()
+
+
+def test_int4_symmetric_values_are_scaled_levels_on_the_grid():
+    """benchmarks/int4_symmetric.py (BENCHMARKS.md session 28): each group of 32 is (q - 8) s with q in 0..15 and
+    s a whole number 1..255 of its row's power-of-two unit; its error on Gaussian weights (symmetric) is close
+    to the asymmetric format's, and on weights shifted off zero, which a zero fits, far larger."""
+    from benchmarks.int4_symmetric import asymmetric_int4, symmetric_int4, symmetric_values
+    torch.manual_seed(0)
+    w = torch.randn(16, 256)
+    levels, scales, units = symmetric_int4(w)
+    assert levels.shape == (16, 8, 32) and scales.shape == (16, 8, 1) and units.shape == (16, 1, 1)
+    assert levels.equal(levels.round()) and levels.min() >= -8 and levels.max() <= 7
+    codes = scales / units
+    assert codes.equal(codes.round()) and codes.min() >= 1 and codes.max() <= 255
+    assert codes.amax((1, 2)).ge(127).all()  # (the unit is the smallest that holds the row's largest)
+    assert symmetric_values(w).equal((levels * scales).view(16, 256))
+    err = lambda f, v: ((f(v) - v) ** 2).mean().item()  # noqa: E731
+    assert err(symmetric_values, w) < 1.6 * err(asymmetric_int4, w)
+    shifted = w + 2.0
+    assert err(symmetric_values, shifted) > 3 * err(asymmetric_int4, shifted)
