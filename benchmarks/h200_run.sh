@@ -824,6 +824,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
+  z64) # prepared in session 28, not yet run: the fix of one-byte codes with the norm (int4_ring._x_stage), its test
+      # (with int4_ring.BYTE_CODES_WITH_NORM on), then every ring layer with one-byte codes timed, then bf16 for the
+      # ratio; if the test passes, BYTE_CODES_WITH_NORM can go
+      t 200 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k int4_ring | tail -4
+      TORCHINDUCTOR_CACHE_DIR=/tmp/z64/inductor TRITON_CACHE_DIR=/tmp/z64/triton t 300 python3 benchmarks/ring_codes.py \
+        --graphs --all-layers --repeat 2 --json "$OUT/ring-codes-h200.json"
+      TORCHINDUCTOR_CACHE_DIR=/tmp/z64/inductor TRITON_CACHE_DIR=/tmp/z64/triton t 100 python3 bench.py \
+        --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 --json "$OUT/h200-z64.json" | grep "graphs  " ;;
   z63) # session 28, runs 141 (every ring layer: the norm's GEMVs gave wrong numbers) and 142 (wo and w2 only): one
       # code byte a group in the ring (int4_ring.code_bytes): its kernel tests, then the timing probe (manual and
       # graphs, zeros dropped: time only), then bf16 on the same machine for the ratio

@@ -14,7 +14,7 @@ Dropping the zeros changes the model (its tokens are not the shipped model's): o
 last two must give the same logits bit for bit (checked). Each variant is timed captured by hand (bench.py's
 manual mode) and through torch.compile's CUDA graphs (--graphs), each --repeat times in a row (the last reported).
 
-    python benchmarks/ring_codes.py [--model llama-2-7b] [--graphs] [--repeat 2] [--json FILE]
+    python benchmarks/ring_codes.py [--model llama-2-7b] [--graphs] [--all-layers] [--repeat 2] [--json FILE]
 """
 import argparse
 import os
@@ -30,18 +30,23 @@ from benchmarks.ring_launch import append_record, first_logits  # noqa: E402
 from model import Int4Linear  # noqa: E402
 
 
-def ring_layers(model) -> list[Int4Linear]:
-    """The int4 layers the ring's kernel runs without the norm in one-token decode: every layer's wo and w2.
-    (wqkv and w13 take RMSNorm's scale in the kernel, where one-byte codes gave wrong numbers: int4_ring.gemv
-    refuses them there; BENCHMARKS.md, session 28.)"""
-    return [m for block in model.layers for m in (block.attention.wo, block.feed_forward.w2)
-            if isinstance(m, Int4Linear) and getattr(m, "gemv_ring", False)]
+def ring_layers(model, all_layers: bool = False) -> list[Int4Linear]:
+    """The int4 layers the ring's kernel runs without the norm in one-token decode: every layer's wo and w2; or
+    (all_layers) every layer it runs, wqkv and w13 too, which take RMSNorm's scale in the kernel (where one-byte
+    codes gave wrong numbers before the fix of session 28: int4_ring.BYTE_CODES_WITH_NORM)."""
+    first = model.layers[0].attention.wqkv  # (cuda_kernels.int4_gemv's: x comes in bf16)
+    parts = (lambda b: (b.attention.wqkv, b.attention.wo, b.feed_forward.w13, b.feed_forward.w2)) if all_layers \
+        else (lambda b: (b.attention.wo, b.feed_forward.w2))
+    return [m for block in model.layers for m in parts(block)
+            if isinstance(m, Int4Linear) and getattr(m, "gemv_ring", False) and m is not first]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-2-7b", choices=sorted(bench.PRESETS))
     p.add_argument("--graphs", action="store_true", help="also time each variant through torch.compile's graphs")
+    p.add_argument("--all-layers", action="store_true", help="one-byte codes in wqkv and w13 too (their norm: "
+                   "int4_ring.BYTE_CODES_WITH_NORM turned on, the fix of session 28, unchecked until run)")
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--json", help="append each record to this file")
@@ -49,13 +54,15 @@ def main() -> int:
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = bench.quantized(bench.random_model(bench.PRESETS[a.model], device, torch.bfloat16), "int4-g32")
-    layers = ring_layers(model)
+    layers = ring_layers(model, a.all_layers)
+    int4_ring.BYTE_CODES_WITH_NORM = a.all_layers
     if not layers:
         print("error: no layer runs int4_ring.py's kernel here (sm_90 and Triton's Gluon needed)", file=sys.stderr)
         return 1
     ceiling = bench.copy_bandwidth(device)
     print(f"{a.model} int4-g32 on {torch.cuda.get_device_name(device)}, torch {torch.__version__}; copy ceiling "
-          f"{ceiling:.0f} GB/s; one-byte codes in {len(layers)} layers (wo, w2)", flush=True)
+          f"{ceiling:.0f} GB/s; one-byte codes in {len(layers)} layers ({'all the ring runs' if a.all_layers else 'wo, w2'})",
+          flush=True)
     shipped = [m.gemv_sz for m in layers]
     no_zeros = [c & 255 for c in shipped]
     variants = {"int16": shipped, "int16, no zeros": no_zeros, "int8": [int4_ring.code_bytes(c) for c in no_zeros]}
