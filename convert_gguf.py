@@ -15,6 +15,7 @@ SmolLM2, TinyLlama), qwen2 and qwen3. The embedded vocabulary is rebuilt as a Hu
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import warnings
@@ -488,7 +489,7 @@ class GGUFSource:
 
     def _build_tokenizer_files(self) -> dict[str, bytes]:
         try:
-            import tokenizers  # noqa: F401
+            importlib.import_module("tokenizers")  # (checked up front: the builders below import from it)
         except ImportError as e:
             raise ConversionError(f"converting a GGUF vocabulary needs the tokenizers package: {e}") from None
         meta = self._tokenizer_meta
