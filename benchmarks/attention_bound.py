@@ -30,7 +30,7 @@ def no_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=
 
 def floor_attention(self, qkv, input_pos, rope_cos, rope_sin, out_group=0, block_l=0):
     cache = self.kv_cache
-    return model.kernels.attention(qkv, model.torch.zeros_like(input_pos), rope_cos, rope_sin, cache.k_cache,
+    return model.cuda_kernels.attention(qkv, model.torch.zeros_like(input_pos), rope_cos, rope_sin, cache.k_cache,
                                    cache.v_cache, cache.counts, self.n_heads, self.n_kv_heads, out_group=out_group,
                                    block_l=block_l)
 

@@ -5,6 +5,7 @@
 # device sessions ran them, each part on the code of its own commit.
 # Usage: OUT=dir bash benchmarks/h200_run.sh [a|b|c1|c2|d|e|f|g|h|i|j|k|l|m|n|p|q|r|s|...|x]...
 # Cold first calls use fresh Inductor/Triton cache directories; a second run on the same directory is warm.
+# (kernels.py is cuda_kernels.py since session 28; the parts before it keep the name they ran with.)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
@@ -84,7 +85,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       gpu_tests 200
       variants g1:"--kernels"
       t 330 python3 benchmarks/int8_variants.py --budget-s 290 --json "$OUT/int8_variants.json" | tail -40 ;;
-  h)  # GEMV launches with the fusions in place (-> cuda_kernels.config)
+  h)  # GEMV launches with the fusions in place (-> kernels.config)
       t 280 python3 benchmarks/gemv.py --model llama-2-7b --kinds bf16,int8 --rows 1 --fused --tune --json "$OUT/tune_fused.json" ;;
   i)  # run 15 (final code of session 4): GPU tests, 7B bf16 cold, 8B, batch 8, int8, int4; then 7B warm
       gpu_tests 200
@@ -129,16 +130,16 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   r)  # run 23 (the session's final code): GPU tests, 7B batch 1 and 8
       gpu_tests 240
       variants r1:"--batch-sizes 1,8" ;;
-  s)  # run 24 (int8 one-row GEMVs in float16 pairs, cuda_kernels.INT8_HALF): the kernel tests, the int8 launches
+  s)  # run 24 (int8 one-row GEMVs in float16 pairs, kernels.INT8_HALF): the kernel tests, the int8 launches
       # tuned with the fusions (and the float32 arithmetic at its tuned launches for the A/B), 7B int8 and bf16.
-      # (Run 24 predates cuda_kernels.use_half: float16 pairs ran on every one-row int8 GEMV, which
+      # (Run 24 predates kernels.use_half: float16 pairs ran on every one-row int8 GEMV, which
       # --half-everywhere now asks for; s1's bench, on later code, would take use_half's choice.)
       t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py | tail -5
       t 300 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --tune --half-everywhere \
         --json "$OUT/tune_half.json"
       t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --int8-float32 --json "$OUT/f32.json"
       variants s1:"--quantize int8" s2:"--quantize int8 --int8-float32" s3:"" ;;
-  t)  # run 25 (float16 pairs only where they won in run 24, cuda_kernels.use_half, at their tuned launches): GPU
+  t)  # run 25 (float16 pairs only where they won in run 24, kernels.use_half, at their tuned launches): GPU
       # tests, the int8 GEMVs at their launches, 7B int8 (and with float32 arithmetic), bf16, int8 warm
       gpu_tests 240
       t 60 python3 benchmarks/gemv.py --model llama-2-7b --kinds int8 --rows 1 --fused --json "$OUT/gemv_int8.json"
@@ -158,7 +159,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/tune_narrow.json" ;;
   w)  # run 28 (wqkv's launch from run 27): 7B int8, bf16, int8 again
       variants w1:"--quantize int8" w2:"" w1:"--quantize int8" ;;
-  x)  # run 29 (session 8: the int4 one-row kernel, cuda_kernels.int4_gemv; float16 pairs scaled by the first
+  x)  # run 29 (session 8: the int4 one-row kernel, kernels.int4_gemv; float16 pairs scaled by the first
       # block's rms): the kernel tests of both on the GPU, the int4 model test, int4 GEMV launches tuned at
       # group 32 (and group 128 at its first launches). (Its first attempt failed to compile on Triton 3.6.)
       t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "int4 or half or range" | tail -8
@@ -181,7 +182,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       gpu_tests 150
       t 60 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -3
       variants z3:"--quantize int4-g128" ;;
-  za) # run 32 (session 9: the 7B int4 bench with cuda_kernels.int4_gemv, which did not finish in runs 30-31;
+  za) # run 32 (session 9: the 7B int4 bench with kernels.int4_gemv, which did not finish in runs 30-31;
       # --int4-gemv turned it on then, the default since and dropped after run 37):
       # the int4 GPU tests; then eager and graphed 7B int4 g32 with the kernel, output unfiltered into
       # $OUT/za-*.log, Python's stacks every 40 s (faulthandler), recompiles logged
@@ -200,7 +201,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --model llama-2-7b --modes graphs --batch-sizes 1 --quantize int4-g32 --int4-gemv --new-tokens 64 \
         > "$OUT/zb.log" 2>&1; echo "rc $?"; grep -v -E "Warning|warn\(" "$OUT/zb.log" | tail -60 ;;
   zc) # run 34 (generate.register_fallbacks: za-zb's compile was Inductor formatting the str() of a 32-layer
-      # IR for a log line, torch 2.11): 7B int4 g32 with cuda_kernels.int4_gemv, bf16, int4 g128 with it,
+      # IR for a log line, torch 2.11): 7B int4 g32 with kernels.int4_gemv, bf16, int4 g128 with it,
       # int4 g32 through tinygemm; cold caches, each one process
       for v in zc1:"--quantize int4-g32 --int4-gemv" zc2:"" zc3:"--quantize int4-g128 --int4-gemv" \
                zc4:"--quantize int4-g32"; do
@@ -210,7 +211,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 $f --json "$OUT/$d.json" > "$OUT/$d.log" 2>&1
         echo "rc $? after $(( $(date +%s) - s )) s"; grep -E "graphs  |Error|error" "$OUT/$d.log" | head -5
       done ;;
-  zd) # run 35 (cuda_kernels.int4_gemv in integers, dp4a, x in one or two int8 parts per group: GRAPHDECODE_INT4_DP4A):
+  zd) # run 35 (kernels.int4_gemv in integers, dp4a, x in one or two int8 parts per group: GRAPHDECODE_INT4_DP4A):
       # the int4 kernel tests, 7B int4 g32 with each (at the float16 pairs' launches), then the launches of
       # the integer forms tuned at group 32 (GRAPHDECODE_INT4_DP4A=2, two parts, and --dp4a 2 exist no more)
       t 150 python3 -m pytest -q -x -p no:warnings --tb=short tests/test_kernels.py -k "int4" | tail -4
@@ -222,7 +223,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       done
       t 330 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1,2 --tune --grid 32:8,32:16,64:8 \
         --warps 4,8 --prefetch 0,1 --json "$OUT/tune_dp4a.json" ;;
-  ze) # run 36 (int4 one-row arithmetic by shape, cuda_kernels.int4_dp4a: integers below 8192 columns at run 35's
+  ze) # run 36 (int4 one-row arithmetic by shape, kernels.int4_dp4a: integers below 8192 columns at run 35's
       # launches, float16 pairs for the down projection): 7B int4 g32 and g128 (auto), g32 in float16
       # pairs alone, bf16; then the GPU tests
       logged_variants 150 0 ze1:"--quantize int4-g32" ze2:"--quantize int4-g128" ze3:"--quantize int4-g32 --int4-dp4a 0" ze4:""
@@ -231,7 +232,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # 7B int4 g32 by shape and in float16 pairs alone; the int4 GPU tests
       logged_variants 150 0 zf1:"--quantize int4-g32" zf2:"--quantize int4-g32 --int4-dp4a 0"
       t 150 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py -k "int4" | tail -3 ;;
-  zg) # run 38 (session 10: x in int8 once, cuda_kernels.int4_quantize_x, read by int4_gemv(xq=...)): the 7B GEMVs in
+  zg) # run 38 (session 10: x in int8 once, kernels.int4_quantize_x, read by int4_gemv(xq=...)): the 7B GEMVs in
       # integers with and without it, tuned; then the GPU tests (the dp4a definition test's GPU form first runs here)
       t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32 --dp4a 1 --xq --tune \
         --grid 32:16,16:32,64:8,32:8 --warps 4,8 --prefetch 0 --json "$OUT/gemv-int4-xq.json"
@@ -247,7 +248,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --grid 32:16,16:32 --warps 8 --stages 1,2,3,4 --prefetch 0
       logged_variants 150 0 zi1:"--quantize int4-g32 --int4-dp4a 1" zi2:"--quantize int4-g128 --int4-dp4a 1"
       t 240 python3 -m pytest -q -p no:warnings --tb=short tests/test_cuda.py tests/test_kernels.py | tail -8 ;;
-  zj) # run 41 (session 10's final code = session 9's kernels, commit 6a7fb6d's cuda_kernels.py): the 7B int4 g32 step with
+  zj) # run 41 (session 10's final code = session 9's kernels, commit 6a7fb6d's kernels.py): the 7B int4 g32 step with
       # its costliest kernels (bench.py --kernels), g128 on the final code; then every test of test_cuda.py and
       # test_kernels.py on the GPU
       logged_variants 170 24 zj1:"--quantize int4-g32 --kernels" zj2:"--quantize int4-g128"
@@ -325,7 +326,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --json "$OUT/gemv-int4-codes-g64.json"
       JSON=$OUT/h200-g64.json logged_variants 75 0 zx1:"--quantize int4-g64 --int4-codes 0" \
         zx2:"--quantize int4-g64 --int4-codes 1" ;;
-  zy) # run 57 (session 13): x in int8 between decode's int4 kernels (cuda_kernels.INT4_XQ): the new kernels' tests,
+  zy) # run 57 (session 13): x in int8 between decode's int4 kernels (kernels.INT4_XQ): the new kernels' tests,
       # the GEMVs with x in int8 per 8, 16, 32 columns against x in bf16, and the 7B step at group 32
       t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
         -k "int8 or quantize_x or attention_matches" | tail -6
@@ -401,7 +402,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --layers w13,w2,wqkv --dp4a 1 --codes 1 --persistent 0,264,396 --json "$OUT/gemv-int4-persistent.json" \
         | grep -v "^$" ;;
   z7) # prepared in session 14, not yet run: the int4 GEMVs with two blocks of weights loaded before the PDL wait
-      # (launch prefetch 2: cuda_kernels._int4_gemv_kernel EARLY; offline, sm_90: w13 80 -> 94 registers, wqkv
+      # (launch prefetch 2: kernels._int4_gemv_kernel EARLY; offline, sm_90: w13 80 -> 94 registers, wqkv
       # 152 -> 162, w2 95 -> 118): its kernel tests, then tuned beside the default launches (a winner goes into
       # INT4_LAUNCHES, then the 7B step)
       t 90 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
@@ -409,7 +410,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 300 python3 benchmarks/gemv_int4.py --model llama-2-7b --groupsizes 32,128 --layers wqkv,w13,w2 --dp4a 1 \
         --codes 1 --tune --grid 8:16,16:16,32:16,8:32,16:32,16:64 --warps 4,8 --prefetch 0,2 \
         --json "$OUT/gemv-int4-early.json" | grep -v "^$" ;;
-  z8) # run 67 (session 15; needs commit 636e968, the L2 prefetch's code, removed after run 69): the attention kernel prefetching the next GEMVs' weights into L2 (cuda_kernels.L2_PREFETCH):
+  z8) # run 67 (session 15; needs commit 636e968, the L2 prefetch's code, removed after run 69): the attention kernel prefetching the next GEMVs' weights into L2 (kernels.L2_PREFETCH):
       # its GPU tests; the 7B step at batch 1, int4 g32 at 0, 9 (wo alone), 18 and 28 MB a layer, then bf16 at 0 and
       # 28 MB, each dtype in one cache directory (first calls after the first warm)
       t 150 python3 -m pytest -q -p no:logging -p no:warnings --tb=short tests/test_cuda.py -k "l2_prefetch or pdl_chain" | tail -3
@@ -540,7 +541,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --layers wqkv,w13,w2 --split-k $s --tune --grid 8:32,16:16,16:32,16:64,32:16 --warps 4,8 --prefetch 0,1 \
           --json "$OUT/gemv-int4-z20-$s.json" | grep -E "g32|Error|error"
       done ;;
-  z21) # run 81 (session 17), on commit 652008d (K split in halves for gate/up: cuda_kernels.int4_split and the kernel's SPLIT;
+  z21) # run 81 (session 17), on commit 652008d (K split in halves for gate/up: kernels.int4_split and the kernel's SPLIT;
       # reverted in 267f881 after this run): the GEMV with the rule and without, a small tuning of the split launch,
       # the 7B step both ways, then the GPU tests (41 passed). Lost: w13 17.7 us split against 15.8, the step 631.4 tok/s
       # against 663.7
@@ -566,7 +567,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 60 python3 benchmarks/boundaries.py --early 1,2,4 --programs-per-sm 0 --json "$OUT/boundaries-z24-64k.json"
       t 60 python3 benchmarks/boundaries.py --program-kb 128 --early 1,2,4,8 --programs-per-sm 0 \
         --json "$OUT/boundaries-z24-128k.json" ;;
-  z25) # prepared in session 17, not run (no device time left); needs commit a0ee0b9's cuda_kernels.py (taken out again after it):
+  z25) # prepared in session 17, not run (no device time left); needs commit a0ee0b9's kernels.py (taken out again after it):
       # each int4 GEMV program asks L2 for all of its own weights before its
       # PDL wait (GRAPHDECODE_INT4_L2_OWN=1, a scratch switch: cp.async.bulk.prefetch.L2 of its rows' words and codes),
       # after runs 82-84 found streaming at the ceiling when a program's bytes are all requested before its wait
@@ -600,8 +601,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         GRAPHDECODE_INT4_LAUNCH="$l" JSON=$OUT/h200-z28.json logged_variants 75 0 "z28-${l//[^a-z0-9]/_}":"--quantize int4-g32"
       done ;;
   z29) # session 18: the int4 g32 GEMV in Gluon, each program's words and codes copied into shared memory by TMA
-      # before its PDL wait, then computed in cuda_kernels.int4_gemv's small blocks (x in int8): checked against
-      # cuda_kernels.int4_gemv, then the step's chain of 128 GEMVs against cuda_kernels.int4_gemv's
+      # before its PDL wait, then computed in kernels.int4_gemv's small blocks (x in int8): checked against
+      # kernels.int4_gemv, then the step's chain of 128 GEMVs against kernels.int4_gemv's
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4,8 --json "$OUT/gluon-z29.json" ;;
   z31) # each shape alone (its 32 layers chained)
       t 300 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --by-shape --json "$OUT/gluon-z31.json" ;;
@@ -614,7 +615,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   z35) # prepared in session 18 and never run (no device time left); session 19 ran z36, which covers it: --fast 1
       # (_x_fast/_products_fast: fewer instructions after the wait; offline, 16 rows, 4 warps: w13 2160 -> 1984 a
       # thread, wqkv 1192 -> 1024, w2 2952 -> 2128) and --fast 2 (also each chunk's x loaded a chunk ahead, the units
-      # before the PDL wait, the residual right after it), each checked against cuda_kernels.int4_gemv before it is timed
+      # before the PDL wait, the residual right after it), each checked against kernels.int4_gemv before it is timed
       t 300 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,1,2 --by-shape \
         --json "$OUT/gluon-z35.json"
       t 200 python3 benchmarks/gluon_gemv.py --rows 8 --warps 2 --fast 2 --by-shape --json "$OUT/gluon-z35-8.json" ;;
@@ -623,7 +624,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # one mbarrier a program or a box, against run 88-93's form (--fast 0) and the copies alone (--load-only);
       # with FAST the boxes are issued chunk by chunk, gate and up together (the order the products take them);
       # --fast 4: as 3, but x in bf16 where decode has it so (all but wo), rounded to int8 by each program, as the
-      # Triton kernel does it (the form that could replace cuda_kernels.int4_gemv in decode as it stands)
+      # Triton kernel does it (the form that could replace kernels.int4_gemv in decode as it stands)
       t 330 python3 benchmarks/gluon_gemv.py --rows 16 --warps 4 --each 0,1 --fast 0,2,3,4 --by-shape --load-only \
         --json "$OUT/gluon-z36.json"
       t 240 python3 benchmarks/gluon_gemv.py --rows 8 --warps 2,4 --each 0,1 --fast 3,4 --by-shape \
@@ -690,14 +691,14 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow" | tail -8 ;;
   z48) # run 102 (session 21; --int4-ring-no-wqkv needs commit 5026ada, taken out after): the 7B int4 g32 step with the ring for wo, w13 and w2 only (--int4-ring-no-wqkv: wqkv
-      # by cuda_kernels.int4_gemv reading the ring's int8 x, so that the attention kernel follows a Triton kernel), the
+      # by kernels.int4_gemv reading the ring's int8 x, so that the attention kernel follows a Triton kernel), the
       # ring everywhere, and neither; cold caches, one process each; then the ring's GPU tests (z47's, and the new case)
       JSON=$OUT/h200-z48.json logged_variants 170 0 z481:"--quantize int4-g32 --int4-ring --int4-ring-no-wqkv" \
         z482:"--quantize int4-g32 --int4-ring" z483:"--quantize int4-g32 --no-int4-ring"
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py tests/test_cuda.py \
         -k "ring or int8_flow" | tail -8 ;;
   z49) # run 103 (session 21; the runs without the ring now say --no-int4-ring, on by default since run 106): bf16, then the int4 g32 step's kernels with PDL off (--no-pdl --kernels: each
-      # kernel's own time), the ring (int8 flow) against cuda_kernels.int4_gemv; then the whole GPU suite
+      # kernel's own time), the ring (int8 flow) against kernels.int4_gemv; then the whole GPU suite
       JSON=$OUT/h200-z49.json logged_variants 170 0 z491:""
       for v in z492:"--quantize int4-g32 --int4-ring --no-pdl --kernels" z493:"--quantize int4-g32 --no-int4-ring --no-pdl --kernels"; do
         d=${v%%:*}; f=${v#*:}; echo "== $d [$f]"
@@ -762,7 +763,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       JSON=$OUT/h200-z55.json logged_variants 170 0 z551:"--quantize int4-g32 --attention-splits 1" \
         z552:"--quantize int4-g32 --attention-splits 2" z553:"--quantize int4-g32 --attention-splits 2 --attention-block-l 64" \
         z554:"--quantize int4-g32" ;;
-  z56) # run 111 (session 23): cuda_kernels._attention_one_kernel (one query head a KV head, [positions, D] tiles, 64
+  z56) # run 111 (session 23): kernels._attention_one_kernel (one query head a KV head, [positions, D] tiles, 64
       # registers at 4 warps offline) against the grouped kernel in the ring's flow; its floor (attention_bound.py
       # --floor: the kernel at position 0, no cached positions); one warm inductor cache for all (same graph)
       for v in z561:"" z562:"--attention-one 1" floor:"" \
@@ -826,7 +827,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
   z64) # prepared in session 28, not yet run: the fix of one-byte codes with the norm (int4_ring._x_stage), its test
       # (with int4_ring.BYTE_CODES_WITH_NORM on), then every ring layer with one-byte codes timed, then bf16 for the
-      # ratio; if the test passes, BYTE_CODES_WITH_NORM can go
+      # ratio; if the test passes, BYTE_CODES_WITH_NORM can go. First the layout under the GPU's own Triton (3.6)
+      t 120 python3 benchmarks/ring_smem.py --variants int16,int8 --norm 0,1 --swiglu 0,1 | tail -40
       t 200 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k int4_ring | tail -4
       TORCHINDUCTOR_CACHE_DIR=/tmp/z64/inductor TRITON_CACHE_DIR=/tmp/z64/triton t 300 python3 benchmarks/ring_codes.py \
         --graphs --all-layers --repeat 2 --json "$OUT/ring-codes-h200.json"

@@ -5,7 +5,8 @@ Each block layer's weight of a float checkpoint is replaced by its symmetric int
 best of several clipped absolute maxima, each refitted by least squares for its levels, then the scale moved
 onto quantize.py's 8-bit grid (a power-of-two unit a row, 1..255 units; the better of the two codes around
 it). The same for quantize.quantize_int4 (asymmetric, the shipped format) as the control. Then eval.py's
-perplexity of each, on the CPU in float32.
+perplexity of each, on the CPU in float32. (The default model's weights come from a Q4_1 file, asymmetric g32,
+which the shipped format holds almost exactly: a model with float weights would lose less to symmetric.)
 
     python benchmarks/int4_symmetric.py [--checkpoint DIR]    (default: the default model, converted in bf16
         from its GGUF into a temporary directory) [--text tests/data/eval_text.txt] [--json FILE]

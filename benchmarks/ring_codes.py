@@ -8,7 +8,8 @@ ring layers without the norm: 31% of the weights; with the norm, one-byte codes 
 
   int16            as quantized (the shipped step)
   int16, no zeros  the zeros' codes set to 0: the numbers of the next line
-  int8             int4_ring.code_bytes of those: the scales' codes alone, one byte a group
+  int8             int4_ring.code_bytes of those: the scales' codes alone, one byte a group (the kernel then
+                   also skips the zeros' products and x's sums: not bytes alone)
 
 Dropping the zeros changes the model (its tokens are not the shipped model's): only the time means anything. The
 last two must give the same logits bit for bit (checked). Each variant is timed captured by hand (bench.py's

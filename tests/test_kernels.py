@@ -687,11 +687,15 @@ def test_int4_ring_reads_scale_codes_alone_where_zeros_are_zero(fused, monkeypat
             int4_ring.gemv(x, xq, words, one, units, w_unscale, norm=True, eps=1e-5)
         monkeypatch.setattr(int4_ring, "BYTE_CODES_WITH_NORM", True)
     for per_sm in (1, 3):  # (several tiles a program; the default)
-        two, one_byte = (int4_ring.gemv(x, xq, words, c, units, w_unscale, norm=norm, eps=kwargs.get("eps", 0.0),
-                                        residual=kwargs.get("residual"), swiglu=kwargs.get("swiglu", False),
-                                        out_q=True, per_sm=per_sm) for c in (codes, one))
-        assert torch.equal(two[0], one_byte[0]) and torch.equal(two[1], one_byte[1])  # (y, and y in int8)
+        two = int4_ring.gemv(x, xq, words, codes, units, w_unscale, norm=norm, eps=kwargs.get("eps", 0.0),
+                             residual=kwargs.get("residual"), swiglu=kwargs.get("swiglu", False), out_q=True,
+                             per_sm=per_sm)
         assert two[0].float().abs().max() > 0
+        for _ in range(25):  # (the bug of session 28 was a race: wrong in some calls only)
+            one_byte = int4_ring.gemv(x, xq, words, one, units, w_unscale, norm=norm, eps=kwargs.get("eps", 0.0),
+                                      residual=kwargs.get("residual"), swiglu=kwargs.get("swiglu", False),
+                                      out_q=True, per_sm=per_sm)
+            assert torch.equal(two[0], one_byte[0]) and torch.equal(two[1], one_byte[1])  # (y, and y in int8)
     with pytest.raises(ValueError, match="rows 16 bytes apart"):
         int4_ring.gemv(x, xq, words, one.contiguous(), units, w_unscale)
 
@@ -1112,7 +1116,8 @@ def test_model_decode_with_the_attention_kernel_equals_pytorch(mode, monkeypatch
 
 def test_int4_ring_scratch_never_overlaps_its_buffers():
     """benchmarks/ring_smem.py, compiled here for sm_90 without a GPU: no scratch of the ring kernel (the norm's sum, a
-    layout change) shares shared memory with one of its buffers, with int16 or one-byte codes and the norm. Before
+    layout change) shares shared memory with one of its buffers, with int16 or one-byte codes and the norm, with and
+    without SwiGLU. Before
     session 28's fix (_x_stage copied x's sums, which nothing read without zeros) the norm's sum lay over them while
     the copy landed, and the GEMV gave wrong numbers on the H200; the tool reported that overlap (exit 1)."""
     try:
@@ -1120,9 +1125,10 @@ def test_int4_ring_scratch_never_overlaps_its_buffers():
             importlib.import_module(module)
     except (ImportError, AttributeError) as e:
         pytest.skip(f"no Gluon to compile int4_ring.py's kernel with here: {e}")
-    run = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "ring_smem.py"), "--variants", "int16,int8",
-                          "--norm", "1", "--k", "2816", "--stages", "5"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "ring_smem.py"),
+                          "--variants", "int16,int8", "--norm", "1", "--swiglu", "0,1", "--k", "2816", "--stages", "5"],
+                         capture_output=True, text=True, timeout=900)
     if run.returncode == 2:  # (this Triton cannot compile it offline: a renamed API, no ptxas)
         pytest.skip(f"ring_smem.py could not compile the kernel here: {run.stderr.strip().splitlines()[-1:]}")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("scratch of tt.reduce") == 2 and "no scratch overlaps a buffer" in run.stdout
+    assert run.returncode == 0, run.stdout + run.stderr  # (1: an overlap; 3: no offsets found in the IR)
+    assert run.stdout.count("scratch of tt.reduce") == 4 and "no scratch overlaps a buffer" in run.stdout
