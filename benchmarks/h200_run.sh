@@ -830,8 +830,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       # ratio; if the test passes, BYTE_CODES_WITH_NORM can go. First the layout under the GPU's own Triton (3.6)
       t 120 python3 benchmarks/ring_smem.py --variants int16,int8 --norm 0,1 --swiglu 0,1 | tail -40
       t 200 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k int4_ring | tail -4
-      TORCHINDUCTOR_CACHE_DIR=/tmp/z64/inductor TRITON_CACHE_DIR=/tmp/z64/triton t 300 python3 benchmarks/ring_codes.py \
-        --graphs --all-layers --repeat 2 --json "$OUT/ring-codes-h200.json"
+      TORCHINDUCTOR_CACHE_DIR=/tmp/z64/inductor TRITON_CACHE_DIR=/tmp/z64/triton t 400 python3 benchmarks/ring_codes.py \
+        --graphs --all-layers --repeat 2 --cycles 2 --json "$OUT/ring-codes-h200.json"
       TORCHINDUCTOR_CACHE_DIR=/tmp/z64/inductor TRITON_CACHE_DIR=/tmp/z64/triton t 100 python3 bench.py \
         --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 --json "$OUT/h200-z64.json" | grep "graphs  " ;;
   z63) # session 28, runs 141 (every ring layer: the norm's GEMVs gave wrong numbers) and 142 (wo and w2 only): one

@@ -15,7 +15,8 @@ Dropping the zeros changes the model (its tokens are not the shipped model's): o
 last two must give the same logits bit for bit (checked). Each variant is timed captured by hand (bench.py's
 manual mode) and through torch.compile's CUDA graphs (--graphs), each --repeat times in a row (the last reported).
 
-    python benchmarks/ring_codes.py [--model llama-2-7b] [--graphs] [--all-layers] [--repeat 2] [--json FILE]
+    python benchmarks/ring_codes.py [--model llama-2-7b] [--graphs] [--all-layers] [--repeat 2] [--cycles 2]
+        [--json FILE]
 """
 import argparse
 import os
@@ -50,6 +51,8 @@ def main() -> int:
                    "int4_ring.BYTE_CODES_WITH_NORM turned on, the fix of session 28, unchecked until run)")
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--cycles", type=int, default=1, help="times through the variants in each mode (2: ABCABC, so "
+                   "that an order effect shows)")
     p.add_argument("--json", help="append each record to this file")
     a = p.parse_args()
     device = torch.device("cuda")
@@ -70,7 +73,7 @@ def main() -> int:
     saved = {k: sum(c.numel() * c.element_size() for c in v) for k, v in variants.items()}
     logits = {}
     for mode in ("manual", "graphs") if a.graphs else ("manual",):
-        for name, codes in variants.items():
+        for name, codes in list(variants.items()) * a.cycles:
             for m, c in zip(layers, codes):
                 m.gemv_sz = c
             if mode == "manual":
