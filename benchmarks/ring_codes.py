@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import bench  # noqa: E402
 import int4_ring  # noqa: E402
-from benchmarks.ring_launch import append_record, first_logits  # noqa: E402
+from benchmarks.ring_launch import append_record, first_logits, quantized_preset  # noqa: E402
 from model import Int4Linear  # noqa: E402
 
 
@@ -55,15 +55,12 @@ def main() -> int:
                    "that an order effect shows)")
     p.add_argument("--json", help="append each record to this file")
     a = p.parse_args()
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = bench.quantized(bench.random_model(bench.PRESETS[a.model], device, torch.bfloat16), "int4-g32")
+    model, device, ceiling = quantized_preset(a.model, "int4-g32")
     layers = ring_layers(model, a.all_layers)
     int4_ring.BYTE_CODES_WITH_NORM = a.all_layers
     if not layers:
         print("error: no layer runs int4_ring.py's kernel here (sm_90 and Triton's Gluon needed)", file=sys.stderr)
         return 1
-    ceiling = bench.copy_bandwidth(device)
     print(f"{a.model} int4-g32 on {torch.cuda.get_device_name(device)}, torch {torch.__version__}; copy ceiling "
           f"{ceiling:.0f} GB/s; one-byte codes in {len(layers)} layers ({'all the ring runs' if a.all_layers else 'wo, w2'})",
           flush=True)

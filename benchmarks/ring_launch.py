@@ -68,6 +68,15 @@ def append_record(path: str, record: dict) -> None:
         f.write(json.dumps(old + [record], indent=1) + "\n")
 
 
+def quantized_preset(name: str, quantize: str):
+    """(model, device, copy ceiling in GB/s): bench.py's preset `name` with random weights (seed 0) on CUDA,
+    quantized in memory as bench.py does (`quantize`: one of its --quantize choices)."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = bench.quantized(bench.random_model(bench.PRESETS[name], device, torch.bfloat16), quantize)
+    return model, device, bench.copy_bandwidth(device)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-2-7b", choices=sorted(bench.PRESETS))
@@ -79,10 +88,7 @@ def main() -> int:
                    "launch captured in a process runs 5-11 tok/s low: BENCHMARKS.md, sessions 25-26)")
     p.add_argument("--json", help="append each record to this file")
     a = p.parse_args()
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = bench.quantized(bench.random_model(bench.PRESETS[a.model], device, torch.bfloat16), a.quantize)
-    ceiling = bench.copy_bandwidth(device)
+    model, device, ceiling = quantized_preset(a.model, a.quantize)
     print(f"{a.model} {a.quantize} on {torch.cuda.get_device_name(device)}, torch {torch.__version__}; "
           f"copy ceiling {ceiling:.0f} GB/s; int4_ring.LAUNCHES {int4_ring.LAUNCHES}", flush=True)
     plan = [(launch, "manual") for launch in a.launches.split("|")] + \
