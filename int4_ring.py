@@ -70,10 +70,7 @@ LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 # traced or captured.
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
 MAX_BOX_ROWS = 256  # rows x boxes in flight at most: 147 KB of shared memory a program, beside x's
-# One-byte codes (code_bytes) in a GEMV with the norm: wrong numbers in session 28's run 141 (x's sums copied into a
-# buffer nothing read, which the compiler then shared with the norm's sum: _x_stage). Fixed offline, not yet run on a
-# GPU: gemv refuses them until tests/test_kernels.py's one-byte test passes there with this on.
-BYTE_CODES_WITH_NORM = False
+UNIT_BLOCKS = (8, 16, 32)  # groups a unit block of nibble codes can take (a chunk's 32 groups hold whole blocks)
 
 
 @functools.lru_cache(maxsize=16)
@@ -158,22 +155,41 @@ def _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3: gl.constexpr, L4: gl.constexpr, LX:
 
 
 @gluon.jit
-def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: gl.constexpr, L4: gl.constexpr,
-                   BN: gl.constexpr, GC: gl.constexpr, ZEROS: gl.constexpr):
+def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, us, uz, L3: gl.constexpr,
+                   L4: gl.constexpr, BN: gl.constexpr, GC: gl.constexpr, ZEROS: gl.constexpr, NIBBLES: gl.constexpr):
     """_chunk with fewer instructions (FAST), on _x_fast's x: the dp4a of an x group's two words summed in
     integers before one conversion, and the codes' units left for the end, once a row (acc_s: the sum over
     groups of the scale code times (sum of sx dot - 8 sx sum(q)); acc_z: of the zero code times sum(x)). Without
-    ZEROS the codes are one byte each, the scale's, and acc_z stays zero."""
+    ZEROS the codes are one byte each, the scale's, and acc_z stays zero. NIBBLES: one byte a group, the scale's
+    code in the low 4 bits (0..15) and the zero's in the high 4 (-8..7), of the units us, uz [BN, GC] of the
+    group's block (_block_units), applied here."""
     w = w_smem.load(L3)  # [BN, GC, 4]
     dot = _dp4a((w >> 4) & 0x0F0F0F0F, gl.expand_dims(x_hi, 0),
                 _dp4a(w & 0x0F0F0F0F, gl.expand_dims(x_lo, 0), gl.zeros_like(w)))
     dot = gl.sum(gl.convert_layout(gl.reshape(dot, [BN, GC, 2, 2]), L4), axis=3)  # [BN, GC, 2]: an x group's
     part = gl.sum(dot.to(gl.float32) * gl.expand_dims(sx, 0), axis=2)  # [BN, GC]
     codes = c_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, L4))).to(gl.int32)  # (sign-extended: >> 8 the zero's)
-    acc_s += (part - gl.expand_dims(q8, 0)) * (codes & 255).to(gl.float32)
-    if ZEROS:
-        acc_z += (codes >> 8).to(gl.float32) * gl.expand_dims(x_sum, 0)
+    if NIBBLES:
+        acc_s += (part - gl.expand_dims(q8, 0)) * ((codes & 15).to(gl.float32) * us)
+        acc_z += ((codes >> 4).to(gl.float32) * uz) * gl.expand_dims(x_sum, 0)
+    else:
+        acc_s += (part - gl.expand_dims(q8, 0)) * (codes & 255).to(gl.float32)
+        if ZEROS:
+            acc_z += (codes >> 8).to(gl.float32) * gl.expand_dims(x_sum, 0)
     return acc_s, acc_z
+
+
+@gluon.jit
+def _block_units(b_ptr, k, pid, P, N, NB, h: gl.constexpr, CHUNKS: gl.constexpr, BN: gl.constexpr,
+                 GC: gl.constexpr, UB: gl.constexpr, LG: gl.constexpr):
+    """NIBBLES: the units (scale's, zero's) [BN, GC] in layout LG of chunk step k's groups, half h (gate 0, up 1),
+    from b_ptr [R, NB, 2] (a pair a row and block of UB groups). Rows and blocks past the end read the last."""
+    t = k // CHUNKS
+    c = k % CHUNKS
+    rows = gl.minimum((pid + t * P) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LG)), N - 1) + h * N
+    b = gl.minimum((c * GC + gl.arange(0, GC, layout=gl.SliceLayout(0, LG))) // UB, NB - 1)
+    at = (gl.expand_dims(rows, 1) * NB + gl.expand_dims(b, 0)) * 2
+    return gl.load(b_ptr + at).to(gl.float32), gl.load(b_ptr + at + 1).to(gl.float32)
 
 
 @gluon.jit
@@ -220,7 +236,8 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                            yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
-                           XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr):
+                           XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr, NIBBLES: gl.constexpr,
+                           UB: gl.constexpr, NB: gl.constexpr):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (cuda_kernels.int4_layout
@@ -231,7 +248,9 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     products run, and an SM's boxes stream without waves of programs. XQ_OUT (BN 16): y also in int8 for the
     next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
     go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x. ZEROS off: codes [., K / 32]
-    in int8, the scale's alone, for layers whose zeros are all 0 (one code byte a group instead of two)."""
+    in int8, the scale's alone, for layers whose zeros are all 0 (one code byte a group instead of two). NIBBLES:
+    codes [., K / 32] in int8, a 4-bit scale code and a 4-bit zero code a group (_products_fast), of units
+    u_ptr [., NB, 2] (bf16) a block of UB groups, in place of a row's units."""
     GC: gl.constexpr = 32
     HALVES: gl.constexpr = 2 if SWIGLU else 1
     gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
@@ -250,7 +269,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     my_tiles = (gl.cdiv(N, BN) - pid + P - 1) // P
     total = my_tiles * (CHUNKS * HALVES)  # boxes
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4 * GC], w_desc.layout)
-    CT: gl.constexpr = gl.int16 if ZEROS else gl.int8
+    CT: gl.constexpr = gl.int16 if ZEROS and not NIBBLES else gl.int8
     c_smem = gl.allocate_shared_memory(CT, [STAGES, BN, GC], c_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -289,8 +308,22 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     acc_z = gl.zeros([BN, GC], gl.float32, LG)
     up_s = gl.zeros([BN, GC], gl.float32, LG)
     up_z = gl.zeros([BN, GC], gl.float32, LG)
+    us0 = gl.zeros([BN, GC], gl.float32, LG)  # NIBBLES: this chunk step's units (gate's or the only half's)
+    uz0 = us0
+    us1 = us0  # (up's)
+    uz1 = us0
+    if NIBBLES:
+        us0, uz0 = _block_units(u_ptr, 0, pid, P, N, NB, 0, CHUNKS, BN, GC, UB, LG)
+        if SWIGLU:
+            us1, uz1 = _block_units(u_ptr, 0, pid, P, N, NB, 1, CHUNKS, BN, GC, UB, LG)
     for k in range(my_tiles * CHUNKS):  # chunk steps
         c = k % CHUNKS
+        if NIBBLES:  # the next step's units asked for now, used a step later (the load's latency under this step)
+            next_us0, next_uz0 = _block_units(u_ptr, k + 1, pid, P, N, NB, 0, CHUNKS, BN, GC, UB, LG)
+            next_us1 = next_us0
+            next_uz1 = next_uz0
+            if SWIGLU:
+                next_us1, next_uz1 = _block_units(u_ptr, k + 1, pid, P, N, NB, 1, CHUNKS, BN, GC, UB, LG)
         x_lo, x_hi, sx, q8, x_sum = _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3, L4, LX, GC)
         for h in gl.static_range(HALVES):
             box = k * HALVES + h
@@ -299,11 +332,13 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             w_c = w_smem.index(s)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
             c_c = c_smem.index(s)._reinterpret(CT, [BN, GC], PLAIN2)
             if h == 0:
-                acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC,
-                                              ZEROS)
+                acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, us0, uz0, L3, L4,
+                                              BN, GC, ZEROS, NIBBLES)
             else:
-                up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC,
-                                            ZEROS)
+                up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, us1, uz1, L3, L4, BN,
+                                            GC, ZEROS, NIBBLES)
+        if NIBBLES:
+            us0, uz0, us1, uz1 = next_us0, next_uz0, next_us1, next_uz1
         gl.thread_barrier()  # every warp has read this step's stages before they are refilled
         for h in gl.static_range(HALVES):
             box = k * HALVES + h
@@ -312,11 +347,17 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                             GC)
         if c == CHUNKS - 1:  # the tile's last chunk: its rows out, then the next tile's inputs asked for
             t = k // CHUNKS
-            out = gl.convert_layout(gl.convert_layout(units[0], RG) * gl.sum(acc_s, axis=1)
-                                    + gl.convert_layout(units[1], RG) * gl.sum(acc_z, axis=1), RL) * unscale
+            if NIBBLES:  # (the units were applied a group at a time)
+                out = gl.convert_layout(gl.sum(acc_s, axis=1) + gl.sum(acc_z, axis=1), RL) * unscale
+            else:
+                out = gl.convert_layout(gl.convert_layout(units[0], RG) * gl.sum(acc_s, axis=1)
+                                        + gl.convert_layout(units[1], RG) * gl.sum(acc_z, axis=1), RL) * unscale
             if SWIGLU:
-                up = gl.convert_layout(gl.convert_layout(units[2], RG) * gl.sum(up_s, axis=1)
-                                       + gl.convert_layout(units[3], RG) * gl.sum(up_z, axis=1), RL) * unscale
+                if NIBBLES:
+                    up = gl.convert_layout(gl.sum(up_s, axis=1) + gl.sum(up_z, axis=1), RL) * unscale
+                else:
+                    up = gl.convert_layout(gl.convert_layout(units[2], RG) * gl.sum(up_s, axis=1)
+                                           + gl.convert_layout(units[3], RG) * gl.sum(up_z, axis=1), RL) * unscale
                 out = out / (1 + gl.exp(-out)) * up
             if RESIDUAL:
                 out += r
@@ -368,7 +409,8 @@ def usable(words: torch.Tensor, codes: Optional[torch.Tensor], groupsize: int) -
         return False
     K = words.shape[1] * 8
     return (torch.cuda.get_device_capability(words.device)[0] == 9 and K % 256 == 0 and K >= 512
-            and words.shape[0] % 32 == 0 and codes.dtype == torch.int16 and codes.shape == (words.shape[0], K // G))
+            and words.shape[0] % 32 == 0 and codes.dtype in (torch.int16, torch.int8)
+            and codes.shape == (words.shape[0], K // G))
 
 
 def code_bytes(codes: torch.Tensor) -> torch.Tensor:
@@ -380,6 +422,24 @@ def code_bytes(codes: torch.Tensor) -> torch.Tensor:
     R, n = codes.shape
     padded = torch.zeros(R, -(-n // 16) * 16, dtype=torch.int8, device=codes.device)
     padded[:, :n] = (codes.int() & 255).to(torch.uint8).view(torch.int8)
+    return padded[:, :n]
+
+
+def unit_block(groups: int, blocks: int) -> Optional[int]:
+    """The groups a unit block of UNIT_BLOCKS that splits a row of `groups` groups into `blocks` (the last one
+    short), or None."""
+    return next((b for b in UNIT_BLOCKS if -(-groups // b) == blocks), None)
+
+
+def nibble_codes(scale_codes: torch.Tensor, zero_codes: torch.Tensor) -> torch.Tensor:
+    """A layer's codes [R, K/32] (scale 0..15, zero -8..7, integers) -> int8 [R, K/32], the scale's in the low 4 bits
+    and the zero's in the high 4, each row padded to a multiple of 16 bytes for TMA (a view of it)."""
+    s, z = scale_codes.int(), zero_codes.int()
+    if bool(((s < 0) | (s > 15) | (z < -8) | (z > 7)).any()):
+        raise ValueError("int4_ring.nibble_codes: scale codes must be 0..15 and zero codes -8..7")
+    R, n = s.shape
+    padded = torch.zeros(R, -(-n // 16) * 16, dtype=torch.int8, device=s.device)
+    padded[:, :n] = (s | (z & 15) << 4).to(torch.uint8).view(torch.int8)
     return padded[:, :n]
 
 
@@ -399,7 +459,9 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     kernel rounds it: codes within 1 of that function's). rows, stages, per_sm, warps: launch()'s where None
     (rows 16 with out_q). codes: int16 (scale's code in the low byte, zero's in the high), or, for a layer whose
     zeros are all 0, int8 scale codes (0..255 as two's complement), rows 16 bytes apart (TMA's rule), a view of a
-    padded tensor where K / 32 is not a multiple of 16 (code_bytes)."""
+    padded tensor where K / 32 is not a multiple of 16 (code_bytes); units float32 [R, 2], a row's. Or nibble codes
+    (nibble_codes): int8, a 4-bit scale code (low) and zero code (high, signed) a group, with units bf16
+    [R, blocks, 2], a pair a row and block of UNIT_BLOCKS groups (the block size from their count)."""
     K = x.shape[-1]
     R = words.shape[0]
     N = R // 2 if swiglu else R
@@ -414,18 +476,21 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     if x.numel() != K or xq.dtype != torch.int32 or xq.numel() != K // 2 or not xq.is_contiguous():
         raise ValueError(f"int4_ring.gemv takes one row of x and its int8 form in groups of 16 "
                          f"(got x {tuple(x.shape)}, xq {xq.dtype} {xq.numel()})")
-    if words.shape[1] * 8 != K or codes.shape != (R, K // G) or units.shape != (R, 2) or units.dtype != torch.float32:
-        raise ValueError(f"int4_ring.gemv: words {tuple(words.shape)}, codes {tuple(codes.shape)} and units "
-                         f"{tuple(units.shape)} do not fit K={K} at group {G}")
+    nibbles = units.dim() == 3  # (a unit pair a row and block of groups)
+    ub = unit_block(K // G, units.shape[1]) if nibbles else G
+    if (words.shape[1] * 8 != K or codes.shape != (R, K // G) or ub is None
+            or (nibbles and (units.shape != (R, -(-(K // G) // ub), 2) or units.dtype != torch.bfloat16
+                             or codes.dtype != torch.int8 or not units.is_contiguous()))
+            or (not nibbles and (units.shape != (R, 2) or units.dtype != torch.float32))):
+        raise ValueError(f"int4_ring.gemv: words {tuple(words.shape)}, codes {tuple(codes.shape)} {codes.dtype} and "
+                         f"units {tuple(units.shape)} {units.dtype} do not fit K={K} at group {G} (units: float32 "
+                         f"[R, 2] a row, or bf16 [R, blocks, 2] for nibble codes)")
     if K % 256 or K < 512 or (out_q and (rows != XG or N % XG)):
         raise ValueError(f"int4_ring.gemv takes K a multiple of 256 from 512 (got {K}), and for y in int8 "
                          f"16 rows a tile and N a multiple of 16 (got {rows}, {N})")
     if codes.dtype not in (torch.int16, torch.int8) or codes.stride(1) != 1 or codes.stride(0) * codes.element_size() % 16:
         raise ValueError(f"int4_ring.gemv takes codes in int16, or in int8 for scales alone, their rows 16 bytes apart "
                          f"(got {codes.dtype}, strides {codes.stride()})")
-    if codes.dtype == torch.int8 and norm and not BYTE_CODES_WITH_NORM:
-        raise ValueError("int4_ring.gemv: one-byte codes (int8) with the norm gave wrong numbers on the H200 and "
-                         "their fix is not yet checked there (BENCHMARKS.md, session 28): use int16 codes")
     y = torch.empty(N, device=x.device, dtype=x.dtype)
     yq = torch.empty(N // 2, device=x.device, dtype=torch.int32) if out_q else None
     programs = min(triton.cdiv(N, rows), per_sm * _sms(x.device.index or 0))
@@ -436,7 +501,8 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
-        ZEROS=codes.dtype == torch.int16, num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
+        ZEROS=nibbles or codes.dtype == torch.int16, NIBBLES=nibbles, UB=ub, NB=units.shape[1] if nibbles else 1,
+        num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
 

@@ -28,7 +28,7 @@ from eval import perplexity  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
-def round_relative(v: torch.Tensor, bits: int, block: int, signed: bool) -> torch.Tensor:
+def round_relative(v: torch.Tensor, bits: int, block: int, signed: bool, pow2: bool = False) -> torch.Tensor:
     """v [N, G] rounded to `bits` bits a value relative to the largest |v| of each block of `block`
     groups in a row (0: the row); unsigned values keep at least one step (a scale of 0 would lose
     the group)."""
@@ -38,20 +38,22 @@ def round_relative(v: torch.Tensor, bits: int, block: int, signed: bool) -> torc
     vb = torch.nn.functional.pad(v, (0, pad)).view(N, -1, block)
     levels = 2 ** (bits - 1) - 1 if signed else 2 ** bits - 1
     step = vb.abs().amax(-1, keepdim=True).clamp(min=1e-30) / levels
+    if pow2:  # the smallest power of two that keeps the block's largest within the levels
+        step = torch.exp2(torch.log2(step).ceil())
     k = (vb / step).round()
     if not signed:
         k = k.clamp(min=1)
     return (k * step).view(N, -1)[:, :G]
 
 
-def requantize(sd: dict, bits: int, block: int, groupsize: int) -> dict:
+def requantize(sd: dict, bits: int, block: int, groupsize: int, pow2: bool = False) -> dict:
     """The state dict with every int4 layer's scales and zeros rounded (round_relative) and its
     levels re-rounded against them."""
     out = dict(sd)
     for name in [k[:-len(".zeros")] for k in sd if k.endswith(".zeros")]:  # (int8 layers have scales only)
         packed, s, z = sd[name + ".weight"], sd[name + ".scales"].float(), sd[name + ".zeros"].float()
         W = M.dequantize_int4(packed, s, z, groupsize)
-        s2, z2 = round_relative(s, bits, block, False), round_relative(z, bits, block, True)
+        s2, z2 = round_relative(s, bits, block, False, pow2), round_relative(z, bits, block, True, pow2)
         group = torch.arange(W.shape[1]) // groupsize  # column -> its group, as dequantize_int4's
         q2 = ((W - z2[:, group]) / s2[:, group] + 8).round().clamp(0, 15).to(torch.uint8)
         out[name + ".weight"] = (q2[:, ::2] | q2[:, 1::2] << 4).contiguous()
@@ -67,6 +69,7 @@ def main():
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--bits", default="8,6,5")
     p.add_argument("--blocks", default="0,6", help="groups a block of the relative rounding (0: the whole row)")
+    p.add_argument("--pow2", action="store_true", help="each block's unit a power of two (exact in bf16)")
     a = p.parse_args()
     tokens = load_tokenizer(a.checkpoint).encode(a.text.read_text(encoding="utf-8"))
     files = sorted(a.checkpoint.glob("*.safetensors"))
@@ -88,9 +91,9 @@ def main():
                 shutil.copy(f, variant / f.name)
         for bits in (int(b) for b in a.bits.split(",")):
             for block in (int(b) for b in a.blocks.split(",")):
-                save_file(requantize(sd, bits, block, groupsize), str(variant / files[0].name))
+                save_file(requantize(sd, bits, block, groupsize, a.pow2), str(variant / files[0].name))
                 v = ppl(variant)
-                where = "the row" if block == 0 else f"{block} groups"
+                where = ("the row" if block == 0 else f"{block} groups") + (", power-of-two units" if a.pow2 else "")
                 print(f"  {bits}-bit scales and zeros, relative to the largest of {where}: perplexity {v:.4f} "
                       f"({v / base:.4f}x)", flush=True)
 

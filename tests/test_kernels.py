@@ -665,8 +665,8 @@ def test_int4_ring_reads_scale_codes_alone_where_zeros_are_zero(fused, monkeypat
     """For a layer whose zeros are all 0 (symmetric int4), int4_ring.code_bytes keeps the scales' codes alone, one
     byte a group (rows padded to 16 bytes where K / 32 is not a multiple of 16: K = 2816, 88 codes a row), and the
     kernel reading them gives the int16 codes' y and y in int8 bit for bit. Codes with a zero are refused. With the
-    norm (and SwiGLU, which takes it here) they gave wrong numbers in session 28, before _x_stage's fix: refused
-    unless int4_ring.BYTE_CODES_WITH_NORM, which this test turns on to check the fix."""
+    norm (and SwiGLU, which takes it here) they gave wrong numbers in session 28, before _x_stage's fix (checked on
+    the H200 in session 29: each call 25 times)."""
     int4_ring = ring_or_skip(monkeypatch)
     N, K = 1056, 2816
     packed, scales, zeros, W = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
@@ -682,10 +682,6 @@ def test_int4_ring_reads_scale_codes_alone_where_zeros_are_zero(fused, monkeypat
     kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
     xq = cuda_kernels.int4_quantize_x(x, kwargs.get("norm_weight"), 16)
     norm = "norm_weight" in kwargs
-    if norm:
-        with pytest.raises(ValueError, match="fix is not yet checked"):
-            int4_ring.gemv(x, xq, words, one, units, w_unscale, norm=True, eps=1e-5)
-        monkeypatch.setattr(int4_ring, "BYTE_CODES_WITH_NORM", True)
     for per_sm in (1, 3):  # (several tiles a program; the default)
         two = int4_ring.gemv(x, xq, words, codes, units, w_unscale, norm=norm, eps=kwargs.get("eps", 0.0),
                              residual=kwargs.get("residual"), swiglu=kwargs.get("swiglu", False), out_q=True,
@@ -698,6 +694,72 @@ def test_int4_ring_reads_scale_codes_alone_where_zeros_are_zero(fused, monkeypat
             assert torch.equal(two[0], one_byte[0]) and torch.equal(two[1], one_byte[1])  # (y, and y in int8)
     with pytest.raises(ValueError, match="rows 16 bytes apart"):
         int4_ring.gemv(x, xq, words, one.contiguous(), units, w_unscale)
+
+
+def nibble_weights(R, K, block, row_units):
+    """Random int4 weights of 4-bit codes (model.int4_code_block's file layout): (packed, codes, units, scales, zeros,
+    W float64). row_units: each row's units the same in all its blocks, powers of two, so that quantize.py's 8-bit
+    grid (int16 codes a row) holds the same weights; else random bf16 units of 4 significant bits a block."""
+    from model import dequantize_int4, int4_code_params
+
+    torch.manual_seed(R + K + block)
+    q = torch.randint(0, 16, (R, K))
+    packed = (q[:, ::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+    G = K // 32
+    nb = -(-G // block)
+    codes = (torch.randint(1, 16, (R, G)) | (torch.randint(-8, 8, (R, G)) & 15) << 4).to(torch.uint8)
+    if row_units:
+        units = torch.exp2(-torch.randint(9, 13, (R, 1, 2)).float()).expand(R, nb, 2)
+    else:
+        m, e = torch.frexp(torch.rand(R, nb, 2) * torch.tensor([1e-3, 4e-4]) + 1e-5)
+        units = torch.ldexp(torch.ceil(m * 16) / 16, e)
+    units = units.bfloat16().contiguous()
+    scales, zeros = int4_code_params(codes, units, block)
+    return packed, codes, units, scales, zeros, dequantize_int4(packed, scales.double(), zeros.double(), 32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
+@pytest.mark.parametrize("block", [8, 32])
+def test_int4_ring_reads_4_bit_codes(fused, block, monkeypatch):
+    """4-bit codes (int4_ring.nibble_codes: a group's scale and zero code in one byte, units a row and block of
+    `block` groups, NIBBLES): where the same weights also lie on quantize.py's 8-bit grid (a row's units the same in
+    every block), the kernel gives the int16 codes' y to float32 rounding (the units applied a group at a time, not
+    a row at a time), and y in int8 within a code; with units that differ block to block, y stays within
+    INT4_TOLERANCE of the float64 product. K = 2816: 88 groups, a short last block (11 of 8; 2.75 of 32) and box;
+    per_sm 1: several tiles a program, so the units' prefetch crosses tiles. Each call twice: the same numbers."""
+    int4_ring = ring_or_skip(monkeypatch)
+    N, K = 1056, 2816
+    R = 2 * N if fused == "swiglu" else N
+    x = torch.randn(1, K).bfloat16()
+    for row_units in (True, False):
+        packed, codes, units, scales, zeros, W = nibble_weights(R, K, block, row_units)
+        kwargs, reference, size = int4_case(fused, x, N, W)
+        kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        xq = cuda_kernels.int4_quantize_x(x.cuda(), kwargs.get("norm_weight"), 16)
+        c = codes.int()
+        nibbles = int4_ring.nibble_codes(c & 15, ((c >> 4) ^ 8) - 8).cuda()
+        assert nibbles.dtype == torch.int8 and nibbles.shape == (R, K // 32) and nibbles.stride() == (96, 1)
+        assert torch.equal(nibbles.view(torch.uint8).cpu(), codes)
+        words = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)[0]
+        assert int4_ring.usable(words, nibbles, 32)
+        run = dict(norm="norm_weight" in kwargs, eps=kwargs.get("eps", 0.0), residual=kwargs.get("residual"),
+                   swiglu=kwargs.get("swiglu", False), out_q=True, per_sm=1)
+        y, yq = int4_ring.gemv(x.cuda(), xq, words, nibbles, units.cuda(), 1.0, **run)
+        y2, yq2 = int4_ring.gemv(x.cuda(), xq, words, nibbles, units.cuda(), 1.0, **run)
+        assert torch.equal(y, y2) and torch.equal(yq, yq2)
+        assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
+        if row_units:
+            layout = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
+            assert layout[4] is not None  # (on the 8-bit grid too)
+            y16, yq16 = int4_ring.gemv(x.cuda(), xq, layout[0], layout[1], layout[4], layout[2], **run)
+            scale = size if fused == "swiglu" else y16.double().abs().max().item()
+            assert ((y.double() - y16.double()).abs() <= 1e-2 * y16.double().abs() + 1e-3 * scale).all()
+            assert (yq[:N // 4].view(torch.int8).int() - yq16[:N // 4].view(torch.int8).int()).abs().max() <= 1
+    with pytest.raises(ValueError, match="nibble codes"):  # (units a block want int8 codes)
+        int4_ring.gemv(x.cuda(), xq, words, layout[1], units.cuda(), 1.0)
+    with pytest.raises(ValueError, match="scale codes must be 0..15"):
+        int4_ring.nibble_codes(c & 15, (c & 15) + 1)
 
 
 def test_int4_ring_launch_override(monkeypatch):
@@ -1126,7 +1188,7 @@ def test_int4_ring_scratch_never_overlaps_its_buffers():
     except (ImportError, AttributeError) as e:
         pytest.skip(f"no Gluon to compile int4_ring.py's kernel with here: {e}")
     run = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "ring_smem.py"),
-                          "--variants", "int16,int8", "--norm", "1", "--swiglu", "0,1", "--k", "2816", "--stages", "5"],
+                          "--variants", "int16,int8,nibble", "--norm", "1", "--swiglu", "0,1", "--k", "2816", "--stages", "5"],
                          capture_output=True, text=True, timeout=900)
     if run.returncode == 2:  # (this Triton cannot compile it offline: a renamed API, no ptxas)
         pytest.skip(f"ring_smem.py could not compile the kernel here: {run.stderr.strip().splitlines()[-1:]}")
