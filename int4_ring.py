@@ -70,7 +70,6 @@ LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 # traced or captured.
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
 MAX_BOX_ROWS = 256  # rows x boxes in flight at most: 147 KB of shared memory a program, beside x's
-UNIT_BLOCKS = (8, 16, 32)  # groups a unit block of nibble codes can take (a chunk's 32 groups hold whole blocks)
 
 
 @functools.lru_cache(maxsize=16)
@@ -161,8 +160,8 @@ def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, us, 
     integers before one conversion, and the codes' units left for the end, once a row (acc_s: the sum over
     groups of the scale code times (sum of sx dot - 8 sx sum(q)); acc_z: of the zero code times sum(x)). Without
     ZEROS the codes are one byte each, the scale's, and acc_z stays zero. NIBBLES: one byte a group, the scale's
-    code in the low 4 bits (0..15) and the zero's in the high 4 (-8..7), of the units us, uz [BN, GC] of the
-    group's block (_block_units), applied here."""
+    code in the low 4 bits (0..15) and the zero's in the high 4 (-8..7), of the units us, uz [BN, 1] of each row's
+    block of 32 groups (this chunk: _chunk_units), applied here."""
     w = w_smem.load(L3)  # [BN, GC, 4]
     dot = _dp4a((w >> 4) & 0x0F0F0F0F, gl.expand_dims(x_hi, 0),
                 _dp4a(w & 0x0F0F0F0F, gl.expand_dims(x_lo, 0), gl.zeros_like(w)))
@@ -180,16 +179,23 @@ def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, us, 
 
 
 @gluon.jit
-def _block_units(b_ptr, k, pid, P, N, NB, h: gl.constexpr, CHUNKS: gl.constexpr, BN: gl.constexpr,
-                 GC: gl.constexpr, UB: gl.constexpr, LG: gl.constexpr):
-    """NIBBLES: the units (scale's, zero's) [BN, GC] in layout LG of chunk step k's groups, half h (gate 0, up 1),
-    from b_ptr [R, NB, 2] (a pair a row and block of UB groups). Rows and blocks past the end read the last."""
-    t = k // CHUNKS
-    c = k % CHUNKS
-    rows = gl.minimum((pid + t * P) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LG)), N - 1) + h * N
-    b = gl.minimum((c * GC + gl.arange(0, GC, layout=gl.SliceLayout(0, LG))) // UB, NB - 1)
-    at = (gl.expand_dims(rows, 1) * NB + gl.expand_dims(b, 0)) * 2
-    return gl.load(b_ptr + at).to(gl.float32), gl.load(b_ptr + at + 1).to(gl.float32)
+def _tile_units(u_ptr, t, pid, P, N, h: gl.constexpr, CHUNKS: gl.constexpr, CP2: gl.constexpr, BN: gl.constexpr,
+                LU: gl.constexpr):
+    """NIBBLES: local tile t's units, half h (gate 0, up 1), [CP2, BN] int32 in layout LU (chunks past the end 0):
+    u_ptr [R, CHUNKS] int32, a row and block of 32 groups (a chunk) each, the scale's bf16 in the low 16 bits and
+    the zero's in the high 16. Rows past the end read the last."""
+    rows = gl.minimum((pid + t * P) * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, LU)), N - 1) + h * N
+    c = gl.arange(0, CP2, layout=gl.SliceLayout(1, LU))
+    at = gl.expand_dims(rows, 0) * CHUNKS + gl.expand_dims(c, 1)
+    return gl.load(u_ptr + at, mask=gl.expand_dims(c, 1) < CHUNKS, other=0)
+
+
+@gluon.jit
+def _chunk_units(u_smem, c, CP2: gl.constexpr, BN: gl.constexpr, LG: gl.constexpr, PLAIN2: gl.constexpr):
+    """NIBBLES: chunk c's units of the tile's rows (of one half) from _tile_units' values in shared memory: (scale's,
+    zero's) [BN, 1] float32 in layout LG, a row's in each of its threads (a bf16 is the high half of a float32)."""
+    v = u_smem._reinterpret(gl.int32, [CP2, BN, 1], PLAIN2).index(c).load(LG)
+    return (v << 16).to(gl.float32, bitcast=True), (v & -65536).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -237,7 +243,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
                            XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr, NIBBLES: gl.constexpr,
-                           UB: gl.constexpr, NB: gl.constexpr):
+                           ):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (cuda_kernels.int4_layout
@@ -250,7 +256,9 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x. ZEROS off: codes [., K / 32]
     in int8, the scale's alone, for layers whose zeros are all 0 (one code byte a group instead of two). NIBBLES:
     codes [., K / 32] in int8, a 4-bit scale code and a 4-bit zero code a group (_products_fast), of units
-    u_ptr [., NB, 2] (bf16) a block of UB groups, in place of a row's units."""
+    u_ptr [., CHUNKS] (int32: a pair of bf16) a row and block of 32 groups, in place of a row's units: each tile's
+    read into registers a tile ahead (_tile_units), put in shared memory as the tile starts, read a chunk step
+    at a time (_chunk_units)."""
     GC: gl.constexpr = 32
     HALVES: gl.constexpr = 2 if SWIGLU else 1
     gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
@@ -295,6 +303,19 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     go = gl.zeros([4, 4], gl.float32, LA)
     if GO:
         go = _ring_tile_go(go_ptr, 0, pid, P, N, LA)
+    # NIBBLES: the tile's units a chunk (_tile_units) in shared memory, and the next tile's in registers
+    LU: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[2, 16], warps_per_cta=[gl.num_warps(), 1],
+                                        order=[1, 0])
+    u_smem0 = gl.allocate_shared_memory(gl.int32, [CHUNKS4 if NIBBLES else 1, BN], PLAIN2)  # (gate's; up's)
+    u_smem1 = gl.allocate_shared_memory(gl.int32, [CHUNKS4 if NIBBLES and SWIGLU else 1, BN], PLAIN2)
+    next_u0 = gl.zeros([CHUNKS4, BN], gl.int32, LU)
+    next_u1 = next_u0
+    if NIBBLES:
+        u_smem0.store(_tile_units(u_ptr, 0, pid, P, N, 0, CHUNKS, CHUNKS4, BN, LU))
+        next_u0 = _tile_units(u_ptr, gl.minimum(1, my_tiles - 1), pid, P, N, 0, CHUNKS, CHUNKS4, BN, LU)
+        if SWIGLU:
+            u_smem1.store(_tile_units(u_ptr, 0, pid, P, N, 1, CHUNKS, CHUNKS4, BN, LU))
+            next_u1 = _tile_units(u_ptr, gl.minimum(1, my_tiles - 1), pid, P, N, 1, CHUNKS, CHUNKS4, BN, LU)
     unscale = w_unscale
     if NORM:  # RMSNorm's scale, from x's sums of squares (x was rounded times the norm's weight already)
         SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
@@ -303,27 +324,21 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
         sq = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
         unscale = unscale * gl.rsqrt(gl.sum(sq, axis=0) / K + eps)
     async_copy.wait_group(0)
-    gl.thread_barrier()  # x in shared memory, for every warp
+    gl.thread_barrier()  # x in shared memory, for every warp (and NIBBLES' first units)
     acc_s = gl.zeros([BN, GC], gl.float32, LG)
     acc_z = gl.zeros([BN, GC], gl.float32, LG)
     up_s = gl.zeros([BN, GC], gl.float32, LG)
     up_z = gl.zeros([BN, GC], gl.float32, LG)
-    us0 = gl.zeros([BN, GC], gl.float32, LG)  # NIBBLES: this chunk step's units (gate's or the only half's)
+    us0 = gl.zeros([BN, 1], gl.float32, LG)  # NIBBLES: this chunk step's units (gate's or the only half's; up's)
     uz0 = us0
-    us1 = us0  # (up's)
+    us1 = us0
     uz1 = us0
-    if NIBBLES:
-        us0, uz0 = _block_units(u_ptr, 0, pid, P, N, NB, 0, CHUNKS, BN, GC, UB, LG)
-        if SWIGLU:
-            us1, uz1 = _block_units(u_ptr, 0, pid, P, N, NB, 1, CHUNKS, BN, GC, UB, LG)
     for k in range(my_tiles * CHUNKS):  # chunk steps
         c = k % CHUNKS
-        if NIBBLES:  # the next step's units asked for now, used a step later (the load's latency under this step)
-            next_us0, next_uz0 = _block_units(u_ptr, k + 1, pid, P, N, NB, 0, CHUNKS, BN, GC, UB, LG)
-            next_us1 = next_us0
-            next_uz1 = next_uz0
+        if NIBBLES:
+            us0, uz0 = _chunk_units(u_smem0, c, CHUNKS4, BN, LG, PLAIN2)
             if SWIGLU:
-                next_us1, next_uz1 = _block_units(u_ptr, k + 1, pid, P, N, NB, 1, CHUNKS, BN, GC, UB, LG)
+                us1, uz1 = _chunk_units(u_smem1, c, CHUNKS4, BN, LG, PLAIN2)
         x_lo, x_hi, sx, q8, x_sum = _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3, L4, LX, GC)
         for h in gl.static_range(HALVES):
             box = k * HALVES + h
@@ -337,8 +352,6 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             else:
                 up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, us1, uz1, L3, L4, BN,
                                             GC, ZEROS, NIBBLES)
-        if NIBBLES:
-            us0, uz0, us1, uz1 = next_us0, next_uz0, next_us1, next_uz1
         gl.thread_barrier()  # every warp has read this step's stages before they are refilled
         for h in gl.static_range(HALVES):
             box = k * HALVES + h
@@ -381,6 +394,15 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                 gl.store(ys_ptr + 3 * n_y + tile, gl.sum(gl.sum(yv * yv, axis=1), axis=0))
             units, r = _ring_tile_inputs(u_ptr, r_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, RL, BN, HALVES,
                                          RESIDUAL)
+            if NIBBLES:  # the next tile's units in (every warp is past this tile's last read), the one after asked for
+                u_smem0.store(next_u0)
+                if SWIGLU:
+                    u_smem1.store(next_u1)
+                gl.thread_barrier()
+                next_u0 = _tile_units(u_ptr, gl.minimum(t + 2, my_tiles - 1), pid, P, N, 0, CHUNKS, CHUNKS4, BN, LU)
+                if SWIGLU:
+                    next_u1 = _tile_units(u_ptr, gl.minimum(t + 2, my_tiles - 1), pid, P, N, 1, CHUNKS, CHUNKS4, BN,
+                                          LU)
             if GO:
                 go = _ring_tile_go(go_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, LA)
             acc_s = gl.zeros([BN, GC], gl.float32, LG)
@@ -425,10 +447,13 @@ def code_bytes(codes: torch.Tensor) -> torch.Tensor:
     return padded[:, :n]
 
 
-def unit_block(groups: int, blocks: int) -> Optional[int]:
-    """The groups a unit block of UNIT_BLOCKS that splits a row of `groups` groups into `blocks` (the last one
-    short), or None."""
-    return next((b for b in UNIT_BLOCKS if -(-groups // b) == blocks), None)
+def nibble_units(units: torch.Tensor) -> torch.Tensor:
+    """A layer's units of 4-bit codes [R, blocks of 32 groups, 2] (bf16: the scale's, the zero's) -> int32 [R, blocks],
+    the scale's bits in the low 16 and the zero's in the high 16, as the kernel reads them (NIBBLES)."""
+    if units.dim() != 3 or units.shape[2] != 2:
+        raise ValueError(f"int4_ring.nibble_units takes units [R, blocks, 2] (got {tuple(units.shape)})")
+    bits = units.to(torch.bfloat16).contiguous().view(torch.int16).int()
+    return ((bits[..., 0] & 0xFFFF) | (bits[..., 1] << 16)).contiguous()
 
 
 def nibble_codes(scale_codes: torch.Tensor, zero_codes: torch.Tensor) -> torch.Tensor:
@@ -460,8 +485,8 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     (rows 16 with out_q). codes: int16 (scale's code in the low byte, zero's in the high), or, for a layer whose
     zeros are all 0, int8 scale codes (0..255 as two's complement), rows 16 bytes apart (TMA's rule), a view of a
     padded tensor where K / 32 is not a multiple of 16 (code_bytes); units float32 [R, 2], a row's. Or nibble codes
-    (nibble_codes): int8, a 4-bit scale code (low) and zero code (high, signed) a group, with units bf16
-    [R, blocks, 2], a pair a row and block of UNIT_BLOCKS groups (the block size from their count)."""
+    (nibble_codes): int8, a 4-bit scale code (low) and zero code (high, signed) a group, with units int32
+    [R, K / 1024 rounded up] (nibble_units), a pair a row and block of 32 groups (a chunk)."""
     K = x.shape[-1]
     R = words.shape[0]
     N = R // 2 if swiglu else R
@@ -476,15 +501,14 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     if x.numel() != K or xq.dtype != torch.int32 or xq.numel() != K // 2 or not xq.is_contiguous():
         raise ValueError(f"int4_ring.gemv takes one row of x and its int8 form in groups of 16 "
                          f"(got x {tuple(x.shape)}, xq {xq.dtype} {xq.numel()})")
-    nibbles = units.dim() == 3  # (a unit pair a row and block of groups)
-    ub = unit_block(K // G, units.shape[1]) if nibbles else G
-    if (words.shape[1] * 8 != K or codes.shape != (R, K // G) or ub is None
-            or (nibbles and (units.shape != (R, -(-(K // G) // ub), 2) or units.dtype != torch.bfloat16
-                             or codes.dtype != torch.int8 or not units.is_contiguous()))
+    chunks = -(-(K // 8) // CHUNK)
+    nibbles = units.dtype == torch.int32  # (a unit pair a row and chunk: nibble_units)
+    if (words.shape[1] * 8 != K or codes.shape != (R, K // G)
+            or (nibbles and (units.shape != (R, chunks) or codes.dtype != torch.int8 or not units.is_contiguous()))
             or (not nibbles and (units.shape != (R, 2) or units.dtype != torch.float32))):
         raise ValueError(f"int4_ring.gemv: words {tuple(words.shape)}, codes {tuple(codes.shape)} {codes.dtype} and "
                          f"units {tuple(units.shape)} {units.dtype} do not fit K={K} at group {G} (units: float32 "
-                         f"[R, 2] a row, or bf16 [R, blocks, 2] for nibble codes)")
+                         f"[R, 2] a row, or for nibble codes int32 [R, {chunks}], nibble_units)")
     if K % 256 or K < 512 or (out_q and (rows != XG or N % XG)):
         raise ValueError(f"int4_ring.gemv takes K a multiple of 256 from 512 (got {K}), and for y in int8 "
                          f"16 rows a tile and N a multiple of 16 (got {rows}, {N})")
@@ -501,8 +525,7 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
-        ZEROS=nibbles or codes.dtype == torch.int16, NIBBLES=nibbles, UB=ub, NB=units.shape[1] if nibbles else 1,
-        num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
+        ZEROS=nibbles or codes.dtype == torch.int16, NIBBLES=nibbles, num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
 

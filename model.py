@@ -497,7 +497,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # here syncs with the host: all of it can be captured in a CUDA graph.
 
 INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
-INT4_CODE_BLOCKS = (8, 16, 32)  # groups a block of units of 4-bit codes (int4_code_block; int4_ring.UNIT_BLOCKS)
+INT4_CODE_BLOCKS = (32,)  # groups a block of units of 4-bit codes (int4_code_block): int4_ring.py's chunk
 # One row of int4 x on CUDA runs cuda_kernels.int4_gemv (its layout built at load time, beside tinygemm's,
 # which prefill and batches use; in integers unless cuda_kernels.int4_dp4a says float16 pairs) instead of
 # tinygemm: the 7B step 1.86x faster at group 32 (runs 34 and 53, BENCHMARKS.md), for a second copy of the
@@ -780,7 +780,7 @@ class Int4Linear(nn.Module):
                 c = codes.int()
                 ring_codes = int4_ring.nibble_codes(c & 15, ((c >> 4) ^ 8) - 8)
                 self.register_buffer("ring_codes", ring_codes, persistent=False)
-                self.register_buffer("ring_units", units.to(torch.bfloat16).contiguous(), persistent=False)
+                self.register_buffer("ring_units", int4_ring.nibble_units(units), persistent=False)
         if not hasattr(self, "scales") or any(t.is_meta for t in (self.weight, self.scales, self.zeros)):
             return  # not (fully) loaded: load_state_dict reports what is missing
         if self.weight.is_cpu and self.weight.shape[1] % 32 == 0 and cpu_kernels.available():  # (K % 64)

@@ -40,7 +40,7 @@ from convert_hf_checkpoint import write_safetensors
 from model import (INT4_CODE_BLOCKS, INT4_GROUPSIZES, ModelArgs, Transformer, check_quantization, int4_units,
                    quantized_constructor, read_config)
 
-DEFAULT_CODE_BLOCK = 8  # --code-bits 4: groups a block of units (quality and speed: BENCHMARKS.md, session 29)
+CODE_BLOCK = 32  # --code-bits 4: groups a block of units, one a chunk of int4_ring.py (BENCHMARKS.md, session 29)
 SCALE_DTYPE = torch.bfloat16  # the kernels' dtype: scales are fitted to the values they will have
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
@@ -373,7 +373,7 @@ def split_fused(state: dict, args: ModelArgs) -> dict:
 # -- the checkpoint directory ---------------------------------------------------------------------
 
 def default_out(checkpoint: Path, mode: str, groupsize: int | None, code_block: int | None = None) -> Path:
-    suffix = "int8" if mode == "int8" else f"int4-g{groupsize}" + (f"-c4b{code_block}" if code_block else "")
+    suffix = "int8" if mode == "int8" else f"int4-g{groupsize}" + ("-c4" if code_block else "")
     return checkpoint.parent / f"{checkpoint.resolve().name}-{suffix}"
 
 
@@ -399,7 +399,7 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
         if mode != "int4" or groupsize not in (None, 32):
             raise QuantizeError("--code-bits 4 applies to --mode int4 at --groupsize 32")
         if code_block not in INT4_CODE_BLOCKS:
-            raise QuantizeError(f"--code-block must be one of {INT4_CODE_BLOCKS} (got {code_block})")
+            raise QuantizeError(f"4-bit codes take units a block of {INT4_CODE_BLOCKS} groups (got {code_block})")
         if calibration is not None:
             raise QuantizeError("--calibration (GPTQ) does not make 4-bit codes yet: leave one of them out")
     try:
@@ -496,16 +496,12 @@ def main(argv=None) -> int:
                         "tests/data/calibration_text.txt); loads the float model in float32")
     p.add_argument("--code-bits", type=int, choices=[4, 8], default=8,
                    help="int4 at group 32 only: bits of each group's scale and zero code (8: bf16 values on a grid "
-                        "a row, the default; 4: one byte a group, units a block of --code-block groups, faster "
-                        "decode on the H200 at some quality: BENCHMARKS.md)")
-    p.add_argument("--code-block", type=int, choices=INT4_CODE_BLOCKS, default=None,
-                   help=f"with --code-bits 4: groups a block of units (default {DEFAULT_CODE_BLOCK})")
+                        "a row, the default; 4: one byte a group of 32 weights, units a block of 32 groups: faster "
+                        "decode on the H200 for some quality, BENCHMARKS.md)")
     args = p.parse_args(argv)
     if args.mode == "int8" and args.groupsize is not None:
         p.error("--groupsize applies to --mode int4 only (int8 has one scale per output channel)")
-    if args.code_block is not None and args.code_bits != 4:
-        p.error("--code-block goes with --code-bits 4")
-    code_block = (args.code_block or DEFAULT_CODE_BLOCK) if args.code_bits == 4 else None
+    code_block = CODE_BLOCK if args.code_bits == 4 else None
     try:
         print(quantize_checkpoint(args.checkpoint, args.mode, args.groupsize, args.out, args.calibration, code_block))
     except (QuantizeError, OSError) as e:

@@ -143,11 +143,11 @@ def test_int4_layer_with_codes_is_its_dequantized_weight(rows):
     """An Int4Linear of 4-bit codes (code_block), loaded from quantize_int4_codes' tensors, computes with exactly
     the weight they stand for: through cpu_kernels.cpp's decode (x rounded to int8 a block) or dequantized."""
     w = weights(256, 576, seed=5)
-    packed, codes, units = quantize_int4_codes(w, 8)
-    layer = Int4Linear(576, 256, 32, code_block=8)
+    packed, codes, units = quantize_int4_codes(w, 32)
+    layer = Int4Linear(576, 256, 32, code_block=32)
     layer.load_state_dict({"weight": packed, "codes": codes, "units": units.float()}, assign=True)
     assert not hasattr(layer, "codes") and not hasattr(layer, "units")
-    deq = dequantize_int4(packed, *int4_code_params(codes, units, 8), 32)
+    deq = dequantize_int4(packed, *int4_code_params(codes, units, 32), 32)
     torch.manual_seed(rows)
     x = torch.randn(1, rows, 576)
     ours = hasattr(layer, "block_scales")
@@ -357,7 +357,7 @@ def logits(model, idx):
 
 
 @pytest.mark.parametrize("mode,groupsize,code_block", [("int8", None, None), ("int4", 32, None), ("int4", 64, None),
-                                                       ("int4", 128, None), ("int4", 32, 8), ("int4", 32, 32)])
+                                                       ("int4", 128, None), ("int4", 32, 32)])
 def test_quantized_checkpoint_loads_like_quantizing_in_memory(tiny_ckpt, tmp_path, mode, groupsize, code_block):
     out = quantize_checkpoint(tiny_ckpt, mode, groupsize, tmp_path / "q", code_block=code_block)
     config = json.loads((out / "config.json").read_text())
@@ -452,8 +452,6 @@ def test_cli_errors(tmp_path):
                        "--calibration needs the checkpoint's tokenizer")
     assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int4", "--calibration", tmp_path / "none.txt"),
                        "cannot read it as text")
-    assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int4", "--code-block", "8"),
-                       "--code-block goes with --code-bits 4")
     assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int4", "--groupsize", "64", "--code-bits", "4"),
                        "--code-bits 4 applies to --mode int4 at --groupsize 32")
     assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int8", "--code-bits", "4"), "--code-bits 4 applies")
@@ -485,10 +483,10 @@ def test_loading_rejects_a_bad_quantization_entry(tiny_ckpt, tmp_path):
     config = json.loads((out / "config.json").read_text())
     for bad, words in [({"mode": "int2"}, "unknown quantization"),
                        ({"mode": "int4", "groupsize": 48}, "groupsize must be one of"),
-                       ({"mode": "int4", "groupsize": 64, "code_bits": 4, "code_block": 8}, "4-bit codes take"),
-                       ({"mode": "int4", "groupsize": 32, "code_bits": 4, "code_block": 12}, "4-bit codes take"),
-                       ({"mode": "int4", "groupsize": 32, "code_bits": 3, "code_block": 8}, "4-bit codes take"),
-                       ({"mode": "int4", "groupsize": 32, "code_block": 8}, "code_bits, code_block together"),
+                       ({"mode": "int4", "groupsize": 64, "code_bits": 4, "code_block": 32}, "4-bit codes take"),
+                       ({"mode": "int4", "groupsize": 32, "code_bits": 4, "code_block": 8}, "4-bit codes take"),
+                       ({"mode": "int4", "groupsize": 32, "code_bits": 3, "code_block": 32}, "4-bit codes take"),
+                       ({"mode": "int4", "groupsize": 32, "code_block": 32}, "code_bits, code_block together"),
                        ({"mode": "int4", "groupsize": 32}, "do not match")]:  # int8 weights, int4 config
         (out / "config.json").write_text(json.dumps(dict(config, quantization=bad)))
         with pytest.raises(ValueError, match=words):
@@ -528,8 +526,8 @@ def test_perplexity_on_the_default_model(default_ckpt, default_float, default_in
     calibration = load_tokenizer(default_ckpt).encode(CALIBRATION.read_text())  # not the evaluated text
     gptq = quantize_model(default_float, "int4", 128, calibration=calibration)
     ratios["int4 g128 GPTQ"] = perplexity(gptq, tokens, 256, 192) / base
-    ratios["int4 g32 4-bit codes"] = perplexity(quantize_model(default_float, "int4", 32, code_block=8), tokens, 256,
-                                                192) / base
+    ratios["int4 g32 4-bit codes"] = perplexity(quantize_model(default_float, "int4", 32, code_block=32), tokens,
+                                                256, 192) / base
     print(f"\nperplexity {base:.3f} float; ratios " + ", ".join(f"{k} {v:.4f}" for k, v in ratios.items()))
     assert ratios["int8"] <= 1.01  # measured 1.005 (shorter texts: up to 1.010)
     assert ratios["int4 g32"] <= 1.10  # the default model is Q4_1 (blocks of 32) at heart: ~1.00
