@@ -298,18 +298,15 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     return record
 
 
-# (int4-g32-c4: 4-bit codes, quantize.py --code-bits 4)
-QUANTIZE_CHOICES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "int4-g32-c4"]
+QUANTIZE_CHOICES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"]
 
 
 def quantized(model: Transformer, spec: str) -> Transformer:
     """The model quantized in memory as quantize.py would: spec is one of QUANTIZE_CHOICES."""
-    from quantize import CODE_BLOCK, quantize_model
+    from quantize import quantize_model
 
-    spec, four_bit_codes, _ = spec.partition("-c4")
     mode, _, group = spec.partition("-g")
-    return quantize_model(model, mode, int(group) if group else None,
-                          code_block=CODE_BLOCK if four_bit_codes else None)
+    return quantize_model(model, mode, int(group) if group else None)
 
 
 def main(argv=None) -> int:

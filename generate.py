@@ -491,10 +491,8 @@ def weight_bytes_per_step(model: Transformer, rows: int = 1) -> int:
             if getattr(module, "gemv_weight", None) is not None:
                 for kind in ("weight", "scales_and_zeros"):
                     tensors.pop(f"{name}.{kind}")
-                # (4-bit codes: what int4_ring.py's kernel reads, one byte a group and a unit pair a block)
-                kinds = ("gemv_weight", "ring_codes", "ring_units") if getattr(module, "ring_codes", None) is not None \
-                    and module.gemv_ring else ("gemv_weight", "gemv_sz", "gemv_units")
-                tensors.update((f"{name}.{kind}", t) for kind in kinds if (t := getattr(module, kind)) is not None)
+                tensors.update((f"{name}.{kind}", t) for kind in ("gemv_weight", "gemv_sz", "gemv_units")
+                               if (t := getattr(module, kind)) is not None)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -154,48 +154,22 @@ def _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3: gl.constexpr, L4: gl.constexpr, LX:
 
 
 @gluon.jit
-def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, us, uz, L3: gl.constexpr,
-                   L4: gl.constexpr, BN: gl.constexpr, GC: gl.constexpr, ZEROS: gl.constexpr, NIBBLES: gl.constexpr):
+def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: gl.constexpr, L4: gl.constexpr,
+                   BN: gl.constexpr, GC: gl.constexpr, ZEROS: gl.constexpr):
     """_chunk with fewer instructions (FAST), on _x_fast's x: the dp4a of an x group's two words summed in
     integers before one conversion, and the codes' units left for the end, once a row (acc_s: the sum over
     groups of the scale code times (sum of sx dot - 8 sx sum(q)); acc_z: of the zero code times sum(x)). Without
-    ZEROS the codes are one byte each, the scale's, and acc_z stays zero. NIBBLES: one byte a group, the scale's
-    code in the low 4 bits (0..15) and the zero's in the high 4 (-8..7), of the units us, uz [BN, 1] of each row's
-    block of 32 groups (this chunk: _chunk_units), applied here."""
+    ZEROS the codes are one byte each, the scale's, and acc_z stays zero."""
     w = w_smem.load(L3)  # [BN, GC, 4]
     dot = _dp4a((w >> 4) & 0x0F0F0F0F, gl.expand_dims(x_hi, 0),
                 _dp4a(w & 0x0F0F0F0F, gl.expand_dims(x_lo, 0), gl.zeros_like(w)))
     dot = gl.sum(gl.convert_layout(gl.reshape(dot, [BN, GC, 2, 2]), L4), axis=3)  # [BN, GC, 2]: an x group's
     part = gl.sum(dot.to(gl.float32) * gl.expand_dims(sx, 0), axis=2)  # [BN, GC]
     codes = c_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, L4))).to(gl.int32)  # (sign-extended: >> 8 the zero's)
-    if NIBBLES:
-        acc_s += (part - gl.expand_dims(q8, 0)) * ((codes & 15).to(gl.float32) * us)
-        acc_z += ((codes >> 4).to(gl.float32) * uz) * gl.expand_dims(x_sum, 0)
-    else:
-        acc_s += (part - gl.expand_dims(q8, 0)) * (codes & 255).to(gl.float32)
-        if ZEROS:
-            acc_z += (codes >> 8).to(gl.float32) * gl.expand_dims(x_sum, 0)
+    acc_s += (part - gl.expand_dims(q8, 0)) * (codes & 255).to(gl.float32)
+    if ZEROS:
+        acc_z += (codes >> 8).to(gl.float32) * gl.expand_dims(x_sum, 0)
     return acc_s, acc_z
-
-
-@gluon.jit
-def _tile_units(u_ptr, t, pid, P, N, h: gl.constexpr, CHUNKS: gl.constexpr, CP2: gl.constexpr, BN: gl.constexpr,
-                LU: gl.constexpr):
-    """NIBBLES: local tile t's units, half h (gate 0, up 1), [CP2, BN] int32 in layout LU (chunks past the end 0):
-    u_ptr [R, CHUNKS] int32, a row and block of 32 groups (a chunk) each, the scale's bf16 in the low 16 bits and
-    the zero's in the high 16. Rows past the end read the last."""
-    rows = gl.minimum((pid + t * P) * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, LU)), N - 1) + h * N
-    c = gl.arange(0, CP2, layout=gl.SliceLayout(1, LU))
-    at = gl.expand_dims(rows, 0) * CHUNKS + gl.expand_dims(c, 1)
-    return gl.load(u_ptr + at, mask=gl.expand_dims(c, 1) < CHUNKS, other=0)
-
-
-@gluon.jit
-def _chunk_units(u_smem, c, CP2: gl.constexpr, BN: gl.constexpr, LG: gl.constexpr, PLAIN2: gl.constexpr):
-    """NIBBLES: chunk c's units of the tile's rows (of one half) from _tile_units' values in shared memory: (scale's,
-    zero's) [BN, 1] float32 in layout LG, a row's in each of its threads (a bf16 is the high half of a float32)."""
-    v = u_smem._reinterpret(gl.int32, [CP2, BN, 1], PLAIN2).index(c).load(LG)
-    return (v << 16).to(gl.float32, bitcast=True), (v & -65536).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -242,8 +216,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                            yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
-                           XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr, NIBBLES: gl.constexpr,
-                           ):
+                           XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (cuda_kernels.int4_layout
@@ -254,11 +227,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     products run, and an SM's boxes stream without waves of programs. XQ_OUT (BN 16): y also in int8 for the
     next int4 GEMV (int4_quantize_x's layout, groups of 16, at yw_ptr and ys_ptr), each tile one group, of y times
     go_ptr's norm weight (GO) with y's squares, as the attention kernel writes wo's x. ZEROS off: codes [., K / 32]
-    in int8, the scale's alone, for layers whose zeros are all 0 (one code byte a group instead of two). NIBBLES:
-    codes [., K / 32] in int8, a 4-bit scale code and a 4-bit zero code a group (_products_fast), of units
-    u_ptr [., CHUNKS] (int32: a pair of bf16) a row and block of 32 groups, in place of a row's units: each tile's
-    read into registers a tile ahead (_tile_units), put in shared memory as the tile starts, read a chunk step
-    at a time (_chunk_units)."""
+    in int8, the scale's alone, for layers whose zeros are all 0 (one code byte a group instead of two)."""
     GC: gl.constexpr = 32
     HALVES: gl.constexpr = 2 if SWIGLU else 1
     gl.static_assert(STAGES >= HALVES)  # (a chunk step waits for gate and up at once)
@@ -277,7 +246,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     my_tiles = (gl.cdiv(N, BN) - pid + P - 1) // P
     total = my_tiles * (CHUNKS * HALVES)  # boxes
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 4 * GC], w_desc.layout)
-    CT: gl.constexpr = gl.int16 if ZEROS and not NIBBLES else gl.int8
+    CT: gl.constexpr = gl.int16 if ZEROS else gl.int8
     c_smem = gl.allocate_shared_memory(CT, [STAGES, BN, GC], c_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -303,19 +272,6 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
     go = gl.zeros([4, 4], gl.float32, LA)
     if GO:
         go = _ring_tile_go(go_ptr, 0, pid, P, N, LA)
-    # NIBBLES: the tile's units a chunk (_tile_units) in shared memory, and the next tile's in registers
-    LU: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[2, 16], warps_per_cta=[gl.num_warps(), 1],
-                                        order=[1, 0])
-    u_smem0 = gl.allocate_shared_memory(gl.int32, [CHUNKS4 if NIBBLES else 1, BN], PLAIN2)  # (gate's; up's)
-    u_smem1 = gl.allocate_shared_memory(gl.int32, [CHUNKS4 if NIBBLES and SWIGLU else 1, BN], PLAIN2)
-    next_u0 = gl.zeros([CHUNKS4, BN], gl.int32, LU)
-    next_u1 = next_u0
-    if NIBBLES:
-        u_smem0.store(_tile_units(u_ptr, 0, pid, P, N, 0, CHUNKS, CHUNKS4, BN, LU))
-        next_u0 = _tile_units(u_ptr, gl.minimum(1, my_tiles - 1), pid, P, N, 0, CHUNKS, CHUNKS4, BN, LU)
-        if SWIGLU:
-            u_smem1.store(_tile_units(u_ptr, 0, pid, P, N, 1, CHUNKS, CHUNKS4, BN, LU))
-            next_u1 = _tile_units(u_ptr, gl.minimum(1, my_tiles - 1), pid, P, N, 1, CHUNKS, CHUNKS4, BN, LU)
     unscale = w_unscale
     if NORM:  # RMSNorm's scale, from x's sums of squares (x was rounded times the norm's weight already)
         SL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
@@ -324,21 +280,13 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
         sq = gl.load(xs_ptr + 3 * n_x + xg, mask=xg < n_x, other=0)
         unscale = unscale * gl.rsqrt(gl.sum(sq, axis=0) / K + eps)
     async_copy.wait_group(0)
-    gl.thread_barrier()  # x in shared memory, for every warp (and NIBBLES' first units)
+    gl.thread_barrier()  # x in shared memory, for every warp
     acc_s = gl.zeros([BN, GC], gl.float32, LG)
     acc_z = gl.zeros([BN, GC], gl.float32, LG)
     up_s = gl.zeros([BN, GC], gl.float32, LG)
     up_z = gl.zeros([BN, GC], gl.float32, LG)
-    us0 = gl.zeros([BN, 1], gl.float32, LG)  # NIBBLES: this chunk step's units (gate's or the only half's; up's)
-    uz0 = us0
-    us1 = us0
-    uz1 = us0
     for k in range(my_tiles * CHUNKS):  # chunk steps
         c = k % CHUNKS
-        if NIBBLES:
-            us0, uz0 = _chunk_units(u_smem0, c, CHUNKS4, BN, LG, PLAIN2)
-            if SWIGLU:
-                us1, uz1 = _chunk_units(u_smem1, c, CHUNKS4, BN, LG, PLAIN2)
         x_lo, x_hi, sx, q8, x_sum = _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3, L4, LX, GC)
         for h in gl.static_range(HALVES):
             box = k * HALVES + h
@@ -347,11 +295,11 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             w_c = w_smem.index(s)._reinterpret(gl.int32, [BN, GC, 4], PLAIN3)
             c_c = c_smem.index(s)._reinterpret(CT, [BN, GC], PLAIN2)
             if h == 0:
-                acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, us0, uz0, L3, L4,
-                                              BN, GC, ZEROS, NIBBLES)
+                acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC,
+                                              ZEROS)
             else:
-                up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, us1, uz1, L3, L4, BN,
-                                            GC, ZEROS, NIBBLES)
+                up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC,
+                                            ZEROS)
         gl.thread_barrier()  # every warp has read this step's stages before they are refilled
         for h in gl.static_range(HALVES):
             box = k * HALVES + h
@@ -360,17 +308,11 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                             GC)
         if c == CHUNKS - 1:  # the tile's last chunk: its rows out, then the next tile's inputs asked for
             t = k // CHUNKS
-            if NIBBLES:  # (the units were applied a group at a time)
-                out = gl.convert_layout(gl.sum(acc_s, axis=1) + gl.sum(acc_z, axis=1), RL) * unscale
-            else:
-                out = gl.convert_layout(gl.convert_layout(units[0], RG) * gl.sum(acc_s, axis=1)
-                                        + gl.convert_layout(units[1], RG) * gl.sum(acc_z, axis=1), RL) * unscale
+            out = gl.convert_layout(gl.convert_layout(units[0], RG) * gl.sum(acc_s, axis=1)
+                                    + gl.convert_layout(units[1], RG) * gl.sum(acc_z, axis=1), RL) * unscale
             if SWIGLU:
-                if NIBBLES:
-                    up = gl.convert_layout(gl.sum(up_s, axis=1) + gl.sum(up_z, axis=1), RL) * unscale
-                else:
-                    up = gl.convert_layout(gl.convert_layout(units[2], RG) * gl.sum(up_s, axis=1)
-                                           + gl.convert_layout(units[3], RG) * gl.sum(up_z, axis=1), RL) * unscale
+                up = gl.convert_layout(gl.convert_layout(units[2], RG) * gl.sum(up_s, axis=1)
+                                       + gl.convert_layout(units[3], RG) * gl.sum(up_z, axis=1), RL) * unscale
                 out = out / (1 + gl.exp(-out)) * up
             if RESIDUAL:
                 out += r
@@ -394,15 +336,6 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                 gl.store(ys_ptr + 3 * n_y + tile, gl.sum(gl.sum(yv * yv, axis=1), axis=0))
             units, r = _ring_tile_inputs(u_ptr, r_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, RL, BN, HALVES,
                                          RESIDUAL)
-            if NIBBLES:  # the next tile's units in (every warp is past this tile's last read), the one after asked for
-                u_smem0.store(next_u0)
-                if SWIGLU:
-                    u_smem1.store(next_u1)
-                gl.thread_barrier()
-                next_u0 = _tile_units(u_ptr, gl.minimum(t + 2, my_tiles - 1), pid, P, N, 0, CHUNKS, CHUNKS4, BN, LU)
-                if SWIGLU:
-                    next_u1 = _tile_units(u_ptr, gl.minimum(t + 2, my_tiles - 1), pid, P, N, 1, CHUNKS, CHUNKS4, BN,
-                                          LU)
             if GO:
                 go = _ring_tile_go(go_ptr, gl.minimum(t + 1, my_tiles - 1), pid, P, N, LA)
             acc_s = gl.zeros([BN, GC], gl.float32, LG)
@@ -431,8 +364,7 @@ def usable(words: torch.Tensor, codes: Optional[torch.Tensor], groupsize: int) -
         return False
     K = words.shape[1] * 8
     return (torch.cuda.get_device_capability(words.device)[0] == 9 and K % 256 == 0 and K >= 512
-            and words.shape[0] % 32 == 0 and codes.dtype in (torch.int16, torch.int8)
-            and codes.shape == (words.shape[0], K // G))
+            and words.shape[0] % 32 == 0 and codes.dtype == torch.int16 and codes.shape == (words.shape[0], K // G))
 
 
 def code_bytes(codes: torch.Tensor) -> torch.Tensor:
@@ -444,27 +376,6 @@ def code_bytes(codes: torch.Tensor) -> torch.Tensor:
     R, n = codes.shape
     padded = torch.zeros(R, -(-n // 16) * 16, dtype=torch.int8, device=codes.device)
     padded[:, :n] = (codes.int() & 255).to(torch.uint8).view(torch.int8)
-    return padded[:, :n]
-
-
-def nibble_units(units: torch.Tensor) -> torch.Tensor:
-    """A layer's units of 4-bit codes [R, blocks of 32 groups, 2] (bf16: the scale's, the zero's) -> int32 [R, blocks],
-    the scale's bits in the low 16 and the zero's in the high 16, as the kernel reads them (NIBBLES)."""
-    if units.dim() != 3 or units.shape[2] != 2:
-        raise ValueError(f"int4_ring.nibble_units takes units [R, blocks, 2] (got {tuple(units.shape)})")
-    bits = units.to(torch.bfloat16).contiguous().view(torch.int16).int()
-    return ((bits[..., 0] & 0xFFFF) | (bits[..., 1] << 16)).contiguous()
-
-
-def nibble_codes(scale_codes: torch.Tensor, zero_codes: torch.Tensor) -> torch.Tensor:
-    """A layer's codes [R, K/32] (scale 0..15, zero -8..7, integers) -> int8 [R, K/32], the scale's in the low 4 bits
-    and the zero's in the high 4, each row padded to a multiple of 16 bytes for TMA (a view of it)."""
-    s, z = scale_codes.int(), zero_codes.int()
-    if bool(((s < 0) | (s > 15) | (z < -8) | (z > 7)).any()):
-        raise ValueError("int4_ring.nibble_codes: scale codes must be 0..15 and zero codes -8..7")
-    R, n = s.shape
-    padded = torch.zeros(R, -(-n // 16) * 16, dtype=torch.int8, device=s.device)
-    padded[:, :n] = (s | (z & 15) << 4).to(torch.uint8).view(torch.int8)
     return padded[:, :n]
 
 
@@ -484,9 +395,7 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     kernel rounds it: codes within 1 of that function's). rows, stages, per_sm, warps: launch()'s where None
     (rows 16 with out_q). codes: int16 (scale's code in the low byte, zero's in the high), or, for a layer whose
     zeros are all 0, int8 scale codes (0..255 as two's complement), rows 16 bytes apart (TMA's rule), a view of a
-    padded tensor where K / 32 is not a multiple of 16 (code_bytes); units float32 [R, 2], a row's. Or nibble codes
-    (nibble_codes): int8, a 4-bit scale code (low) and zero code (high, signed) a group, with units int32
-    [R, K / 1024 rounded up] (nibble_units), a pair a row and block of 32 groups (a chunk)."""
+    padded tensor where K / 32 is not a multiple of 16 (code_bytes)."""
     K = x.shape[-1]
     R = words.shape[0]
     N = R // 2 if swiglu else R
@@ -501,14 +410,9 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
     if x.numel() != K or xq.dtype != torch.int32 or xq.numel() != K // 2 or not xq.is_contiguous():
         raise ValueError(f"int4_ring.gemv takes one row of x and its int8 form in groups of 16 "
                          f"(got x {tuple(x.shape)}, xq {xq.dtype} {xq.numel()})")
-    chunks = -(-(K // 8) // CHUNK)
-    nibbles = units.dtype == torch.int32  # (a unit pair a row and chunk: nibble_units)
-    if (words.shape[1] * 8 != K or codes.shape != (R, K // G)
-            or (nibbles and (units.shape != (R, chunks) or codes.dtype != torch.int8 or not units.is_contiguous()))
-            or (not nibbles and (units.shape != (R, 2) or units.dtype != torch.float32))):
-        raise ValueError(f"int4_ring.gemv: words {tuple(words.shape)}, codes {tuple(codes.shape)} {codes.dtype} and "
-                         f"units {tuple(units.shape)} {units.dtype} do not fit K={K} at group {G} (units: float32 "
-                         f"[R, 2] a row, or for nibble codes int32 [R, {chunks}], nibble_units)")
+    if words.shape[1] * 8 != K or codes.shape != (R, K // G) or units.shape != (R, 2) or units.dtype != torch.float32:
+        raise ValueError(f"int4_ring.gemv: words {tuple(words.shape)}, codes {tuple(codes.shape)} and units "
+                         f"{tuple(units.shape)} do not fit K={K} at group {G}")
     if K % 256 or K < 512 or (out_q and (rows != XG or N % XG)):
         raise ValueError(f"int4_ring.gemv takes K a multiple of 256 from 512 (got {K}), and for y in int8 "
                          f"16 rows a tile and N a multiple of 16 (got {rows}, {N})")
@@ -525,7 +429,7 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
-        ZEROS=nibbles or codes.dtype == torch.int16, NIBBLES=nibbles, num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
+        ZEROS=codes.dtype == torch.int16, num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
 

@@ -497,7 +497,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # here syncs with the host: all of it can be captured in a CUDA graph.
 
 INT4_GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
-INT4_CODE_BLOCKS = (32,)  # groups a block of units of 4-bit codes (int4_code_block): int4_ring.py's chunk
 # One row of int4 x on CUDA runs cuda_kernels.int4_gemv (its layout built at load time, beside tinygemm's,
 # which prefill and batches use; in integers unless cuda_kernels.int4_dp4a says float16 pairs) instead of
 # tinygemm: the 7B step 1.86x faster at group 32 (runs 34 and 53, BENCHMARKS.md), for a second copy of the
@@ -525,42 +524,16 @@ CPU_KERNEL_MAX_ROWS = 32  # up to this many tokens the CPU int8 kernel beats deq
 
 
 def check_quantization(quantization) -> tuple[str, int | None]:
-    """(mode, groupsize) of a config's "quantization" entry; ValueError on anything else. int4 at group 32
-    may also say "code_bits": 4 and "code_block": B (int4_code_block)."""
+    """(mode, groupsize) of a config's "quantization" entry; ValueError on anything else."""
     mode = quantization.get("mode") if isinstance(quantization, dict) else None
     if mode not in ("int8", "int4"):
         raise ValueError(f"unknown quantization {quantization!r} (mode must be int8 or int4)")
     keys = {"mode", "groupsize"} if mode == "int4" else {"mode"}
-    if mode == "int4" and set(quantization) == keys | {"code_bits", "code_block"}:
-        if (quantization["groupsize"], quantization["code_bits"]) != (32, 4) or \
-                quantization["code_block"] not in INT4_CODE_BLOCKS:
-            raise ValueError(f"quantization {quantization}: 4-bit codes take groupsize 32, code_bits 4 and a "
-                             f"code_block of {INT4_CODE_BLOCKS}")
-    elif set(quantization) != keys:
-        raise ValueError(f"quantization {quantization}: {mode} takes exactly the keys {sorted(keys)}"
-                         + (" (and code_bits, code_block together)" if mode == "int4" else ""))
+    if set(quantization) != keys:
+        raise ValueError(f"quantization {quantization}: {mode} takes exactly the keys {sorted(keys)}")
     if mode == "int4" and quantization["groupsize"] not in INT4_GROUPSIZES:
         raise ValueError(f"quantization {quantization}: groupsize must be one of {INT4_GROUPSIZES}")
     return mode, quantization.get("groupsize")
-
-
-def int4_code_block(quantization: dict) -> int | None:
-    """The groups a block of units of a checkpoint whose int4 scales and zeros are 4-bit codes, or None (scales and
-    zeros as bf16 values). Such a layer's file holds, beside its weight, `codes` uint8 [N, G] (a group's scale code
-    0..15 in the low 4 bits, its zero code -8..7 in the high 4) and `units` [N, ceil(G / B), 2] in bf16 (the scale's
-    and the zero's unit of each block of B groups of a row): scale = code x unit. One byte a group of 32 weights
-    instead of two, which decode on the H200 reads (int4_ring.py's NIBBLES)."""
-    return quantization.get("code_block") if isinstance(quantization, dict) else None
-
-
-def int4_code_params(codes: torch.Tensor, units: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's 4-bit codes [N, G] uint8 and units [N, NB, 2] (int4_code_block) -> its scales and zeros [N, G] in
-    float32, exactly (a bf16 unit times a 4-bit integer)."""
-    group_block = torch.arange(codes.shape[1], device=codes.device) // block
-    c = codes.int()
-    scale_codes, zero_codes = c & 15, ((c >> 4) ^ 8) - 8  # (the high 4 bits as a signed number)
-    u = units.float()[:, group_block]  # [N, G, 2]
-    return scale_codes * u[..., 0], zero_codes * u[..., 1]
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -708,23 +681,17 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False,
-                 code_block: int | None = None):
+    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
         super().__init__()
         if in_features % 32 or out_features % 16:
             raise ValueError(f"int4 needs an input dim that is a multiple of 32 and an output dim that is a "
                              f"multiple of 16 (got {in_features} -> {out_features})")
         self.groupsize = groupsize
         self.kernel_groupsize = math.gcd(groupsize, in_features)
-        self.code_block = code_block  # (int4_code_block: the file holds codes and units instead of scales and zeros)
         groups = -(-in_features // groupsize)
         self.weight = _int_parameter(out_features, in_features // 2, dtype=torch.uint8)
-        if code_block:
-            self.codes = _int_parameter(out_features, groups, dtype=torch.uint8)
-            self.units = _int_parameter(out_features, -(-groups // code_block), 2, dtype=torch.get_default_dtype())
-        else:
-            self.scales = _int_parameter(out_features, groups, dtype=torch.get_default_dtype())
-            self.zeros = _int_parameter(out_features, groups, dtype=torch.get_default_dtype())
+        self.scales = _int_parameter(out_features, groups, dtype=torch.get_default_dtype())
+        self.zeros = _int_parameter(out_features, groups, dtype=torch.get_default_dtype())
         self.bias = _int_parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
         self.register_load_state_dict_post_hook(Int4Linear._after_load)
 
@@ -741,10 +708,7 @@ class Int4Linear(nn.Module):
         """forward in decode's int8 flow (TransformerBlock.forward_int8; gemv_ring): (y, y in int8 or None) by
         int4_ring.py's kernel, which reads x in int8 only (xq: cuda_kernels.int4_quantize_x(x, norm's weight), groups
         of 16; x gives the shape); out_q: y also in int8, times out_norm's weight if given."""
-        # (4-bit codes: their own codes and units, whose products need no unscale; gemv_sz may be float16 pairs)
-        codes, units, unscale = ((self.ring_codes, self.ring_units, 1.0) if self.code_block
-                                 else (self.gemv_sz, self.gemv_units, self.gemv_unscale))
-        return int4_ring.matmul(x, xq, self.gemv_weight, codes, units, unscale,
+        return int4_ring.matmul(x, xq, self.gemv_weight, self.gemv_sz, self.gemv_units, self.gemv_unscale,
                                 norm is not None, 0.0 if norm is None else norm.eps, residual, swiglu, out_q,
                                 None if out_norm is None else out_norm.weight)
 
@@ -766,21 +730,7 @@ class Int4Linear(nn.Module):
     def _after_load(self, incompatible_keys):
         """Repack the loaded file layout for the kernel. On a CPU that runs cpu_kernels.cpp,
         `weight` stays as it is and `scales`, `zeros` become `block_scales`, `block_zeros`;
-        elsewhere `weight` becomes PyTorch's packed weight and `scales`, `zeros` `scales_and_zeros`. 4-bit codes
-        (code_block) become float32 scales and zeros first (the same numbers, exactly), and on CUDA stay codes for
-        int4_ring.py's kernel too (ring_codes, ring_units)."""
-        ring_codes = None
-        if self.code_block and hasattr(self, "codes"):
-            if any(t.is_meta for t in (self.weight, self.codes, self.units)):
-                return
-            codes, units = self.codes, self.units
-            del self.codes, self.units
-            self.scales, self.zeros = int4_code_params(codes, units, self.code_block)
-            if self.weight.is_cuda and int4_ring is not None:
-                c = codes.int()
-                ring_codes = int4_ring.nibble_codes(c & 15, ((c >> 4) ^ 8) - 8)
-                self.register_buffer("ring_codes", ring_codes, persistent=False)
-                self.register_buffer("ring_units", int4_ring.nibble_units(units), persistent=False)
+        elsewhere `weight` becomes PyTorch's packed weight and `scales`, `zeros` `scales_and_zeros`."""
         if not hasattr(self, "scales") or any(t.is_meta for t in (self.weight, self.scales, self.zeros)):
             return  # not (fully) loaded: load_state_dict reports what is missing
         if self.weight.is_cpu and self.weight.shape[1] % 32 == 0 and cpu_kernels.available():  # (K % 64)
@@ -803,11 +753,8 @@ class Int4Linear(nn.Module):
             self.register_buffer("gemv_ones", torch.ones(weight.shape[1] * 8, device=weight.device, dtype=torch.bfloat16),
                                  persistent=False)  # (bf16: the kernel build benchmarks/gemv_int4.py timed)
             # decode's int8 flow (TransformerBlock.forward_int8) runs this layer by int4_ring.py's kernel
-            if self.code_block:  # (the ring reads the codes; int4_gemv, for the first wqkv, float16 pairs or codes)
-                self.gemv_ring = ring_codes is not None and int4_ring.usable(weight, ring_codes, self.kernel_groupsize)
-            else:
-                self.gemv_ring = int4_ring is not None and units is not None and int4_ring.usable(
-                    weight, sz, self.kernel_groupsize)
+            self.gemv_ring = int4_ring is not None and units is not None and int4_ring.usable(
+                weight, sz, self.kernel_groupsize)
         packed, scales_and_zeros = pack_int4(self.weight, self.scales, self.zeros, self.groupsize)
         del self.scales, self.zeros
         self.weight = nn.Parameter(packed, requires_grad=False)
@@ -818,13 +765,12 @@ def quantized_constructor(quantization: dict):
     """For from_checkpoint: a function ModelArgs -> Transformer whose linear layers are the
     quantized modules above (int4 mode: int8 output head), ready to load a quantized state dict."""
     mode, groupsize = check_quantization(quantization)
-    code_block = int4_code_block(quantization)
 
     def quantized_linear(linear: nn.Linear, mode: str) -> nn.Module:
         bias = linear.bias is not None
         if mode == "int8":
             return Int8Linear(linear.in_features, linear.out_features, bias)
-        return Int4Linear(linear.in_features, linear.out_features, groupsize, bias, code_block)
+        return Int4Linear(linear.in_features, linear.out_features, groupsize, bias)
 
     def build(args: ModelArgs) -> Transformer:
         if args.tie_embeddings:
@@ -847,7 +793,7 @@ def _fuse_quantized(state, prefix, *args):
     Transformer._load_hook fuses their weights."""
     for key in [k for k in state if k.startswith(prefix)]:
         head, _, suffix = key.rpartition(".")  # "...layers.3.attention.wq", "scales"
-        if suffix not in ("scales", "zeros", "codes", "units"):
+        if suffix not in ("scales", "zeros"):
             continue
         for fused, parts in (("wqkv", ("wq", "wk", "wv")), ("w13", ("w1", "w3"))):
             if head.endswith("." + parts[0]):

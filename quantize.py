@@ -37,10 +37,9 @@ import torch
 from safetensors import safe_open
 
 from convert_hf_checkpoint import write_safetensors
-from model import (INT4_CODE_BLOCKS, INT4_GROUPSIZES, ModelArgs, Transformer, check_quantization, int4_units,
-                   quantized_constructor, read_config)
+from model import (INT4_GROUPSIZES, ModelArgs, Transformer, check_quantization, int4_units, quantized_constructor,
+                   read_config)
 
-CODE_BLOCK = 32  # --code-bits 4: groups a block of units, one a chunk of int4_ring.py (BENCHMARKS.md, session 29)
 SCALE_DTYPE = torch.bfloat16  # the kernels' dtype: scales are fitted to the values they will have
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
@@ -69,7 +68,7 @@ def quantize_int4(w: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.
     pieces = _group_pieces(w, groupsize)
     fits = [_fit_int4(piece) for piece in pieces]
     units = _fit_units(fits)
-    parts = [_grid_fit(piece, fit[1], fit[2], units[:, None, :1], units[:, None, 1:]) for piece, fit in zip(pieces, fits)]
+    parts = [_grid_fit(piece, fit[1], fit[2], units) for piece, fit in zip(pieces, fits)]
     q = torch.cat([p[0].flatten(1) for p in parts], dim=1).to(torch.uint8)  # [N, K] in 0..15
     scales, zeros = (torch.cat([p[i] for p in parts], dim=1) for i in (1, 2))
     return q[:, ::2] | q[:, 1::2] << 4, scales, zeros
@@ -102,63 +101,24 @@ def on_grid(scales: torch.Tensor, zeros: torch.Tensor, units: torch.Tensor) -> t
     return s.to(SCALE_DTYPE), z.to(SCALE_DTYPE)
 
 
-def _grid_fit(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, unit_s: torch.Tensor, unit_z: torch.Tensor,
-              s_codes=(1, 255), z_codes=(-127, 127), codes: bool = False) -> tuple[torch.Tensor, ...]:
-    """A fit of groups w [N, G, g] (scale, zero [N, G]) moved onto the grid of units unit_s, unit_z ([N, 1, 1]
-    a row's, or [N, G, 1] a group's) with codes in the ranges given: of the four grid points around it (each
-    code rounded down and up), the one whose levels, rounded again, leave the least squared error ->
-    (levels [N, G, g] in 0..15, scale, zero in SCALE_DTYPE), or with `codes` (levels, scale codes, zero codes
-    [N, G] as integers in float32). (Nearest rounding alone, on_grid, cost the default model 0.7% perplexity
-    at group 128.)"""
+def _grid_fit(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fit of groups w [N, G, g] (scale, zero [N, G]) moved onto the grid of `units` [N, 2]: of the
+    four grid points around it (each code rounded down and up), the one whose levels, rounded
+    again, leave the least squared error -> (levels [N, G, g] in 0..15, scale, zero in SCALE_DTYPE).
+    (Nearest rounding alone, on_grid, cost the default model 0.7% perplexity at group 128.)"""
+    unit_s, unit_z = units[:, None, :1], units[:, None, 1:]  # [N, 1, 1]
     codes_s, codes_z = scale.float()[..., None] / unit_s, zero.float()[..., None] / unit_z  # [N, G, 1]
     best = None
     for k_s in (codes_s.floor(), codes_s.ceil()):
         for k_z in (codes_z.floor(), codes_z.ceil()):
-            k_s, k_z = k_s.clamp(*s_codes), k_z.clamp(*z_codes)
-            s, z = k_s * unit_s, k_z * unit_z
+            s, z = k_s.clamp(1, 255) * unit_s, k_z.clamp(-127, 127) * unit_z
             levels = ((w - z) / s).round().clamp(-8, 7)
             err = ((levels * s + z - w) ** 2).sum(-1, keepdim=True)
-            new = (err, levels, s, z, k_s, k_z)
+            new = (err, levels, s, z)
             best = new if best is None else tuple(torch.where(new[0] < best[0], a, b) for a, b in zip(new, best))
-    _, levels, s, z, k_s, k_z = best
-    if codes:
-        return levels + 8, k_s.squeeze(-1), k_z.squeeze(-1)
+    _, levels, s, z = best
     return levels + 8, s.squeeze(-1).to(SCALE_DTYPE), z.squeeze(-1).to(SCALE_DTYPE)
-
-
-# 4-bit codes (model.int4_code_block): at group 32, each group's scale and zero as 4 bits each of its block's units
-# (a bf16 pair a row and block of B groups), one byte a group of 32 weights instead of two: the bytes decode reads
-# on the H200 (int4_ring.py). Quality and speed: BENCHMARKS.md, session 29.
-
-def quantize_int4_codes(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group 32 with 4-bit codes: (uint8 [N, K/2] as quantize_int4's, codes uint8 [N, G], units [N, ceil(G/block), 2]
-    in SCALE_DTYPE) with w ~ (q - 8) * scale + zero, scale = (code & 15) * unit_s and zero = (code >> 4, signed)
-    * unit_z of the group's block. Each group is fitted as quantize_int4 fits it (_fit_int4), each block's units
-    taken so that its largest scale is 15 units and its zeros lie within -8..7 units (rounded up to 4 significant
-    bits: each scale and zero exact in bf16), and each group moved onto that grid (_grid_fit)."""
-    N, K = w.shape
-    if K % 32:
-        raise QuantizeError(f"4-bit codes need an input dim that is a multiple of 32 (got {K})")
-    groups = w.float().view(N, -1, 32)
-    _, scale, zero = _fit_int4(groups)
-    G = scale.shape[1]
-    nb = -(-G // block)
-    pad = nb * block - G
-    s_b = torch.nn.functional.pad(scale.float(), (0, pad)).view(N, nb, block)
-    z_b = torch.nn.functional.pad(zero.float(), (0, pad)).view(N, nb, block)
-    unit_s = s_b.amax(-1) / 15
-    unit_z = torch.maximum(-z_b.amin(-1) / 8, z_b.amax(-1) / 7)
-    units = torch.stack([unit_s, unit_z], dim=-1)  # [N, nb, 2]
-    # rounded up (the largest stays within its codes) to 4 significant bits, so that a 4-bit code times its unit
-    # has 8 and bf16 holds every scale and zero exactly (cpu_kernels.cpp and tinygemm read them so); never 0 (a
-    # block of zeros: any unit)
-    m, e = torch.frexp(units)
-    units = torch.where(units > 0, torch.ldexp(torch.ceil(m * 16) / 16, e), 1.0).to(SCALE_DTYPE)
-    per_group = units.float().repeat_interleave(block, dim=1)[:, :G]  # [N, G, 2]
-    q, k_s, k_z = _grid_fit(groups, scale, zero, per_group[..., :1], per_group[..., 1:], (1, 15), (-8, 7), codes=True)
-    q = q.flatten(1).to(torch.uint8)
-    codes = (k_s.to(torch.int32) | (k_z.to(torch.int32) & 15) << 4).to(torch.uint8)
-    return q[:, ::2] | q[:, 1::2] << 4, codes, units
 
 
 def _fit_int4(w: torch.Tensor, clips=(0.0, 0.05, 0.1)) -> tuple[torch.Tensor, ...]:
@@ -221,7 +181,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
             if j % groupsize == 0:  # a new group: its scale and zero
                 group = torch.cat([Wb[:, i:], W[:, b1:j + groupsize]], dim=1)[:, :groupsize]
                 group = group.float().unsqueeze(1)
-                _, scale, zero = _grid_fit(group, *_fit_int4(group)[1:], units[:, None, :1], units[:, None, 1:])
+                _, scale, zero = _grid_fit(group, *_fit_int4(group)[1:], units)
                 scales.append(scale)
                 zeros.append(zero)
                 s, z = scale.double().view(N), zero.double().view(N)
@@ -279,10 +239,9 @@ def calibrate(model: Transformer, tokens: list[int]) -> dict[str, torch.Tensor]:
 
 
 def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, groupsize: int | None,
-                     tied: bool, hessians: dict | None = None,
-                     code_block: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     tied: bool, hessians: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """A float checkpoint's (name, tensor) stream -> the quantized checkpoint's (int4 by GPTQ
-    where `hessians`, from calibrate, has the weight's name; code_block: int4 with 4-bit codes)."""
+    where `hessians`, from calibrate, has the weight's name)."""
     for name, t in tensors:
         module, _, kind = name.rpartition(".")
         if tied and name == "output.weight":
@@ -302,12 +261,6 @@ def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, gro
             if K % 32 or N % 16:
                 raise QuantizeError(f"{name}: int4 needs an input dim that is a multiple of 32 and an output "
                                     f"dim that is a multiple of 16 (got {N} x {K})")
-            if code_block:
-                q, codes, units = quantize_int4_codes(t, code_block)
-                yield name, q
-                yield module + ".codes", codes
-                yield module + ".units", units
-                continue
             if hessians is not None:
                 if name not in hessians:
                     raise QuantizeError(f"{name}: no calibration statistics for it (GPTQ)")
@@ -321,35 +274,29 @@ def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, gro
             yield name, t
 
 
-def quantized_config(config: dict, mode: str, groupsize: int | None, code_block: int | None = None) -> dict:
+def quantized_config(config: dict, mode: str, groupsize: int | None) -> dict:
     config = {k: v for k, v in config.items() if k != "args"}
     config["model"] = dict(config["model"], tie_embeddings=False)
     config["quantization"] = {"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize}
-    if code_block:
-        config["quantization"].update(code_bits=4, code_block=code_block)
     return config
 
 
 def quantize_model(model: Transformer, mode: str, groupsize: int | None = None,
-                   calibration: list[int] | None = None, code_block: int | None = None) -> Transformer:
+                   calibration: list[int] | None = None) -> Transformer:
     """The quantized twin of a float model, made in memory the way quantize_checkpoint makes the
     file: the same tensors, loaded through the same modules and hooks. `calibration` (token ids):
-    int4 by GPTQ; code_block: int4 at group 32 with 4-bit codes."""
+    int4 by GPTQ."""
     args = model.args
     state = {k: v for k, v in model.state_dict().items()
              if not (args.tie_embeddings and k == "output.weight")}
     state = split_fused(state, args)
-    config = quantized_config({"model": args.to_dict()}, mode, groupsize, code_block)
-    check_quantization(config["quantization"])
-    if calibration and code_block:
-        raise QuantizeError("GPTQ (calibration) does not make 4-bit codes yet")
+    config = quantized_config({"model": args.to_dict()}, mode, groupsize)
     with torch.device("meta"):
         qmodel = quantized_constructor(config["quantization"])(ModelArgs.from_dict(config["model"]))
     device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     hessians = calibrate(model, calibration) if calibration and mode == "int4" else None
     qstate = {k: v.to(dtype) if v.is_floating_point() else v
-              for k, v in quantize_tensors(iter(state.items()), mode, groupsize, args.tie_embeddings, hessians,
-                                           code_block)}
+              for k, v in quantize_tensors(iter(state.items()), mode, groupsize, args.tie_embeddings, hessians)}
     qmodel.load_state_dict({k: v.to(device) for k, v in qstate.items()}, strict=True, assign=True)
     return qmodel.eval().requires_grad_(False)
 
@@ -372,8 +319,8 @@ def split_fused(state: dict, args: ModelArgs) -> dict:
 
 # -- the checkpoint directory ---------------------------------------------------------------------
 
-def default_out(checkpoint: Path, mode: str, groupsize: int | None, code_block: int | None = None) -> Path:
-    suffix = "int8" if mode == "int8" else f"int4-g{groupsize}" + ("-c4" if code_block else "")
+def default_out(checkpoint: Path, mode: str, groupsize: int | None) -> Path:
+    suffix = "int8" if mode == "int8" else f"int4-g{groupsize}"
     return checkpoint.parent / f"{checkpoint.resolve().name}-{suffix}"
 
 
@@ -387,21 +334,13 @@ def prepare_default_int4(checkpoint: Path) -> Path:
 
 
 def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = None, out: Path | None = None,
-                        calibration: Path | None = None, code_block: int | None = None) -> Path:
-    """Write the quantized checkpoint (int4 by GPTQ on the text file `calibration`, if given; code_block: int4 at
-    group 32 with 4-bit codes, units a block of that many groups)."""
+                        calibration: Path | None = None) -> Path:
+    """Write the quantized checkpoint (int4 by GPTQ on the text file `calibration`, if given)."""
     checkpoint = Path(checkpoint)
     if mode not in ("int8", "int4"):
         raise QuantizeError(f"unknown mode {mode!r} (int8 or int4)")
     if calibration is not None and mode != "int4":
         raise QuantizeError("--calibration applies to --mode int4 (GPTQ); int8 rounds per channel")
-    if code_block is not None:
-        if mode != "int4" or groupsize not in (None, 32):
-            raise QuantizeError("--code-bits 4 applies to --mode int4 at --groupsize 32")
-        if code_block not in INT4_CODE_BLOCKS:
-            raise QuantizeError(f"4-bit codes take units a block of {INT4_CODE_BLOCKS} groups (got {code_block})")
-        if calibration is not None:
-            raise QuantizeError("--calibration (GPTQ) does not make 4-bit codes yet: leave one of them out")
     try:
         config = read_config(checkpoint)
     except (FileNotFoundError, ValueError) as e:
@@ -414,10 +353,10 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
         raise QuantizeError(f"{checkpoint}: no model.safetensors")
     if mode == "int4" and groupsize is None:
         groupsize = 32
-    out = Path(out) if out else default_out(checkpoint, mode, groupsize, code_block)
+    out = Path(out) if out else default_out(checkpoint, mode, groupsize)
     if out.exists():
         raise QuantizeError(f"{out} already exists")
-    new_config = quantized_config(config, mode, groupsize, code_block)
+    new_config = quantized_config(config, mode, groupsize)
     try:
         check_quantization(new_config["quantization"])
     except ValueError as e:
@@ -426,15 +365,13 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
     hessians = calibration_hessians(checkpoint, Path(calibration)) if calibration is not None else None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    label = mode if mode == "int8" else f"int4, group size {groupsize}" + (", GPTQ" if hessians else "") + \
-        (f", 4-bit codes, units a block of {code_block} groups" if code_block else "")
+    label = mode if mode == "int8" else f"int4, group size {groupsize}" + (", GPTQ" if hessians else "")
     print(f"quantizing {checkpoint} -> {out} ({label})", file=sys.stderr)
     try:
         with safe_open(weights, framework="pt") as f:
             tensors = ((name, f.get_tensor(name)) for name in f.keys())
             write_safetensors(tmp / "model.safetensors",
-                              quantize_tensors(tensors, mode, groupsize, config["args"].tie_embeddings, hessians,
-                                               code_block),
+                              quantize_tensors(tensors, mode, groupsize, config["args"].tie_embeddings, hessians),
                               {"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
         for f in checkpoint.iterdir():  # tokenizer files, generation_config.json, ...
@@ -494,16 +431,11 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", type=Path, metavar="TEXTFILE",
                    help="int4 only: quantize by GPTQ, calibrated on this text (e.g. "
                         "tests/data/calibration_text.txt); loads the float model in float32")
-    p.add_argument("--code-bits", type=int, choices=[4, 8], default=8,
-                   help="int4 at group 32 only: bits of each group's scale and zero code (8: bf16 values on a grid "
-                        "a row, the default; 4: one byte a group of 32 weights, units a block of 32 groups: faster "
-                        "decode on the H200 for some quality, BENCHMARKS.md)")
     args = p.parse_args(argv)
     if args.mode == "int8" and args.groupsize is not None:
         p.error("--groupsize applies to --mode int4 only (int8 has one scale per output channel)")
-    code_block = CODE_BLOCK if args.code_bits == 4 else None
     try:
-        print(quantize_checkpoint(args.checkpoint, args.mode, args.groupsize, args.out, args.calibration, code_block))
+        print(quantize_checkpoint(args.checkpoint, args.mode, args.groupsize, args.out, args.calibration))
     except (QuantizeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

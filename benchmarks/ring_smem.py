@@ -9,7 +9,7 @@ if a scratch overlaps a buffer (2: a variant did not compile; 3: no offsets foun
 whether or not the buffer is live there: a scratch over a buffer that is only written is the bug above. Triton
 3.6's names are mapped to newer Triton's where they were renamed.
 
-    python benchmarks/ring_smem.py [--variants int16,int8,nibble] [--norm 0,1] [--swiglu 0,1] [--n 4096 --k 4096 --stages 6]
+    python benchmarks/ring_smem.py [--variants int16,int8] [--norm 0,1] [--swiglu 0,1] [--n 4096 --k 4096 --stages 6]
 """
 import argparse
 import os
@@ -50,15 +50,14 @@ def compile_variant(codes_dtype: str, norm: bool, swiglu: bool, N: int, K: int, 
     words = torch.zeros(R, K // 8, dtype=torch.int32)
     codes = torch.zeros(R, K // 32, dtype=torch.int16)
     codes = codes if codes_dtype == "int16" else int4_ring.code_bytes(codes)  # (rows padded to 16 bytes)
-    nibble = codes_dtype == "nibble"  # (4-bit scale and zero codes a byte, units a chunk: NIBBLES)
     w_desc, c_desc = int4_ring.descriptors(words, codes, rows)
     mangle = (lambda d: d.__mangle__()) if hasattr(w_desc, "__mangle__") else mangle_type  # (Triton 3.6: no __mangle__)
     signature = {"w_desc": mangle(w_desc), "c_desc": mangle(c_desc), "xw_ptr": "*i32", "xs_ptr": "*fp32",
-                 "u_ptr": "*i32" if nibble else "*fp32", "r_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32",
+                 "u_ptr": "*fp32", "r_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "K": "i32", "eps": "fp32",
                  "w_unscale": "fp32", "yw_ptr": "*i32", "ys_ptr": "*fp32", "go_ptr": "*bf16"}
     constants = dict(NORM=norm, RESIDUAL=False, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // int4_ring.CHUNK),
                      NX_P2=triton.next_power_of_2(K // int4_ring.XG), STAGES=stages, XQ_OUT=True, GO=False,
-                     ZEROS=codes_dtype != "int8", NIBBLES=nibble)
+                     ZEROS=codes_dtype == "int16")
     signature.update({k: "constexpr" for k in constants})
     src = GluonASTSource(fn=int4_ring._int4_gemv_ring_kernel, signature=signature, constexprs=constants)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": int4_ring.WARPS})
@@ -87,7 +86,7 @@ def regions(ir: str) -> tuple[dict, list]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="int16,int8", help="codes: int16 (scale and zero), int8 (scale), nibble (4-bit scale and zero)")
+    p.add_argument("--variants", default="int16,int8", help="codes: int16 (scale and zero) and/or int8 (scale)")
     p.add_argument("--norm", default="0,1", help="NORM off and/or on")
     p.add_argument("--swiglu", default="0", help="SWIGLU off and/or on")
     p.add_argument("--n", type=int, default=4096)

@@ -292,13 +292,11 @@ def test_int4_wo_reads_the_attention_output_in_int8(model, group, x_group, monke
     assert_graphed_is_one_replay_and_picks_eager_tokens(qmodel)
 
 
-@pytest.mark.parametrize("code_block", [None, 32])
-def test_int4_int8_flow_matches_the_triton_kernels(code_block, monkeypatch):
+def test_int4_int8_flow_matches_the_triton_kernels(monkeypatch):
     """Turned on (int4_ring.ENABLED), one-token int4 g32 decode on sm_90 runs TransformerBlock.forward_int8: every
     GEMV but the first layer's wqkv by int4_ring.py's kernel, x handed from GEMV to GEMV in int8. A decode step's
     logits stay within bf16 rounding of the step with cuda_kernels.int4_gemv everywhere (gemv_ring off); prefill never
-    takes it; graphed decode of it is one replay a token and picks eager decode's tokens. With 4-bit codes
-    (code_block) the ring reads them, one byte a group (NIBBLES), and int4_gemv the same weights as float16 pairs."""
+    takes it; graphed decode of it is one replay a token and picks eager decode's tokens."""
     import model as model_module
     from quantize import quantize_model
 
@@ -308,11 +306,9 @@ def test_int4_int8_flow_matches_the_triton_kernels(code_block, monkeypatch):
     args = ModelArgs(dim=512, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=1000, intermediate_size=1536,
                      max_seq_len=512)
     torch.manual_seed(0)
-    qmodel = quantize_model(random_model(args, torch.device("cuda"), torch.bfloat16), "int4", 32, code_block=code_block)
+    qmodel = quantize_model(random_model(args, torch.device("cuda"), torch.bfloat16), "int4", 32)
     layers = [m for m in qmodel.layers.modules() if isinstance(m, model_module.Int4Linear)]
     assert len(layers) == 4 * args.n_layers and all(m.gemv_ring for m in layers)
-    if code_block:
-        assert all(m.ring_codes.dtype == torch.int8 and m.ring_units.dtype == torch.int32 for m in layers)
     calls = []
     gemv = int4_ring.gemv
     monkeypatch.setattr(int4_ring, "gemv", lambda *a, **k: calls.append(1) or gemv(*a, **k))

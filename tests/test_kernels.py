@@ -696,75 +696,6 @@ def test_int4_ring_reads_scale_codes_alone_where_zeros_are_zero(fused, monkeypat
         int4_ring.gemv(x, xq, words, one.contiguous(), units, w_unscale)
 
 
-def nibble_weights(R, K, row_units):
-    """Random int4 weights of 4-bit codes (model.int4_code_block's file layout, units a block of 32 groups): (packed,
-    codes, units, scales, zeros, W float64). row_units: each row's units the same in all its blocks, powers of two,
-    so that quantize.py's 8-bit grid (int16 codes a row) holds the same weights; else random bf16 units of 4
-    significant bits a block."""
-    from model import dequantize_int4, int4_code_params
-
-    torch.manual_seed(R + K + row_units)
-    q = torch.randint(0, 16, (R, K))
-    packed = (q[:, ::2] | (q[:, 1::2] << 4)).to(torch.uint8)
-    G = K // 32
-    nb = -(-G // 32)
-    codes = (torch.randint(1, 16, (R, G)) | (torch.randint(-8, 8, (R, G)) & 15) << 4).to(torch.uint8)
-    if row_units:
-        units = torch.exp2(-torch.randint(9, 13, (R, 1, 2)).float()).expand(R, nb, 2)
-    else:
-        m, e = torch.frexp(torch.rand(R, nb, 2) * torch.tensor([1e-3, 4e-4]) + 1e-5)
-        units = torch.ldexp(torch.ceil(m * 16) / 16, e)
-    units = units.bfloat16().contiguous()
-    scales, zeros = int4_code_params(codes, units, 32)
-    return packed, codes, units, scales, zeros, dequantize_int4(packed, scales.double(), zeros.double(), 32)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
-def test_int4_ring_reads_4_bit_codes(fused, monkeypatch):
-    """4-bit codes (NIBBLES: int4_ring.nibble_codes, a group's scale and zero code in one byte; nibble_units, a bf16
-    pair a row and block of 32 groups): where the same weights also lie on quantize.py's 8-bit grid (a row's units
-    the same in every block), the kernel gives the int16 codes' y to float32 rounding (the units applied a group at
-    a time, not a row at a time), and y in int8 within a code; with units that differ block to block, y stays
-    within INT4_TOLERANCE of the float64 product. K = 2816: 88 groups, a short last block and box; per_sm 1: several
-    tiles a program (66 tiles), so each tile's units come from the prefetch. Each call twice: the same numbers."""
-    int4_ring = ring_or_skip(monkeypatch)
-    N, K = 1056, 2816
-    R = 2 * N if fused == "swiglu" else N
-    x = torch.randn(1, K).bfloat16()
-    for row_units in (True, False):
-        packed, codes, units, scales, zeros, W = nibble_weights(R, K, row_units)
-        kwargs, reference, size = int4_case(fused, x, N, W)
-        kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
-        xq = cuda_kernels.int4_quantize_x(x.cuda(), kwargs.get("norm_weight"), 16)
-        c = codes.int().cuda()
-        nibbles = int4_ring.nibble_codes(c & 15, ((c >> 4) ^ 8) - 8)
-        assert nibbles.dtype == torch.int8 and nibbles.shape == (R, K // 32) and nibbles.stride() == (96, 1)
-        assert torch.equal(nibbles.view(torch.uint8).cpu(), codes)
-        packed_units = int4_ring.nibble_units(units.cuda())
-        assert packed_units.shape == (R, 3) and packed_units.dtype == torch.int32
-        words = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)[0]
-        assert int4_ring.usable(words, nibbles, 32)
-        run = dict(norm="norm_weight" in kwargs, eps=kwargs.get("eps", 0.0), residual=kwargs.get("residual"),
-                   swiglu=kwargs.get("swiglu", False), out_q=True, per_sm=1)
-        y, yq = int4_ring.gemv(x.cuda(), xq, words, nibbles, packed_units, 1.0, **run)
-        y2, yq2 = int4_ring.gemv(x.cuda(), xq, words, nibbles, packed_units, 1.0, **run)
-        assert torch.equal(y, y2) and torch.equal(yq, yq2)
-        assert y.double().abs().max() > 0
-        assert ((y.double().cpu() - reference).abs() <= INT4_TOLERANCE[True] * size).all()
-        if row_units:
-            layout = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
-            assert layout[4] is not None  # (on the 8-bit grid too)
-            y16, yq16 = int4_ring.gemv(x.cuda(), xq, layout[0], layout[1], layout[4], layout[2], **run)
-            scale = size if fused == "swiglu" else y16.double().abs().max().item()
-            assert ((y.double() - y16.double()).abs() <= 1e-2 * y16.double().abs() + 1e-3 * scale).all()
-            assert (yq[:N // 4].view(torch.int8).int() - yq16[:N // 4].view(torch.int8).int()).abs().max() <= 1
-    with pytest.raises(ValueError, match="for nibble codes int32"):  # (units of nibble codes want int8 codes)
-        int4_ring.gemv(x.cuda(), xq, words, layout[1], packed_units, 1.0)
-    with pytest.raises(ValueError, match="scale codes must be 0..15"):
-        int4_ring.nibble_codes(c & 15, (c & 15) + 1)
-
-
 def test_int4_ring_launch_override(monkeypatch):
     """GRAPHDECODE_INT4_RING_LAUNCH's form: SHAPE=PROGRAMS_AN_SM,BOXES by cuda_kernels.int4_shape's names, in place of
     int4_ring.LAUNCHES; anything else is a one-line error naming the form."""
@@ -1181,8 +1112,8 @@ def test_model_decode_with_the_attention_kernel_equals_pytorch(mode, monkeypatch
 
 def test_int4_ring_scratch_never_overlaps_its_buffers():
     """benchmarks/ring_smem.py, compiled here for sm_90 without a GPU: no scratch of the ring kernel (the norm's sum, a
-    layout change) shares shared memory with one of its buffers, with int16, one-byte or 4-bit codes (whose units
-    are stored before the norm's sum, so that they are live across it) and the norm, with and without SwiGLU. Before
+    layout change) shares shared memory with one of its buffers, with int16 or one-byte codes and the norm, with and
+    without SwiGLU. Before
     session 28's fix (_x_stage copied x's sums, which nothing read without zeros) the norm's sum lay over them while
     the copy landed, and the GEMV gave wrong numbers on the H200; the tool reported that overlap (exit 1)."""
     try:
@@ -1191,9 +1122,9 @@ def test_int4_ring_scratch_never_overlaps_its_buffers():
     except (ImportError, AttributeError) as e:
         pytest.skip(f"no Gluon to compile int4_ring.py's kernel with here: {e}")
     run = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "ring_smem.py"),
-                          "--variants", "int16,int8,nibble", "--norm", "1", "--swiglu", "0,1", "--k", "2816", "--stages", "5"],
+                          "--variants", "int16,int8", "--norm", "1", "--swiglu", "0,1", "--k", "2816", "--stages", "5"],
                          capture_output=True, text=True, timeout=900)
     if run.returncode == 2:  # (this Triton cannot compile it offline: a renamed API, no ptxas)
         pytest.skip(f"ring_smem.py could not compile the kernel here: {run.stderr.strip().splitlines()[-1:]}")
     assert run.returncode == 0, run.stdout + run.stderr  # (1: an overlap; 3: no offsets found in the IR)
-    assert run.stdout.count("scratch of tt.reduce") == 6 and "no scratch overlaps a buffer" in run.stdout
+    assert run.stdout.count("scratch of tt.reduce") == 4 and "no scratch overlaps a buffer" in run.stdout

@@ -14,11 +14,10 @@ import cpu_kernels
 from convert_hf_checkpoint import write_safetensors
 from eval import perplexity
 from generate import Generator, Sampling
-from model import (Int4Linear, Int8Linear, ModelArgs, Transformer, dequantize_int4, dequantize_int8, int4_code_params,
+from model import (Int4Linear, Int8Linear, ModelArgs, Transformer, dequantize_int4, dequantize_int8,
                    int4_grid_units, unpack_int4)
 from quantize import main as quantize_main
-from quantize import (gptq_int4, quantize_checkpoint, quantize_int4, quantize_int4_codes, quantize_int8, quantize_model,
-                      split_fused)
+from quantize import gptq_int4, quantize_checkpoint, quantize_int4, quantize_int8, quantize_model, split_fused
 from tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,58 +99,6 @@ def test_int4_grid_costs_little(groupsize, monkeypatch):
     assert int4_grid_units(s, z) is None
     err_off = (dequantize_int4(p, s.float(), z.float(), groupsize) - w).pow(2).sum()
     assert err <= 1.03 * err_off, (err / err_off).item()
-
-
-@pytest.mark.parametrize("block", [8, 16, 32])
-def test_int4_codes_are_four_bits_of_their_blocks_units(block):
-    """quantize_int4_codes: one byte a group (scale code 1..15 low, zero code -8..7 high), bf16 units a row and block
-    of `block` groups (38 groups: a short last block at each size), scales and zeros exactly code x unit; each
-    block's largest scale near 15 units (the codes' range used); every scale and zero exact in bf16 (units of 4
-    significant bits); the weight error above group 32's 8-bit grid, as
-    4 bits must be, yet within a small factor of it, and smaller with smaller blocks."""
-    n, k = 64, 38 * 32
-    w = weights(n, k, seed=block)
-    packed, codes, units = quantize_int4_codes(w, block)
-    nb = -(-38 // block)
-    assert packed.shape == (n, k // 2) and codes.shape == (n, 38) and codes.dtype == torch.uint8
-    assert units.shape == (n, nb, 2) and units.dtype == torch.bfloat16 and (units.float() > 0).all()
-    scale_codes = codes.int() & 15
-    assert scale_codes.min() >= 1
-    scales, zeros = int4_code_params(codes, units, block)
-    group_block = torch.arange(38) // block
-    assert torch.equal(scales.double(), scale_codes.double() * units.double()[:, group_block, 0])  # (exact)
-    assert torch.equal(scales.bfloat16().float(), scales) and torch.equal(zeros.bfloat16().float(), zeros)
-    zero_codes = zeros.double() / units.double()[:, group_block, 1]
-    assert torch.equal(zero_codes, zero_codes.round()) and zero_codes.min() >= -8 and zero_codes.max() <= 7
-    largest = torch.nn.functional.pad(scale_codes, (0, nb * block - 38)).view(n, nb, block).amax(-1)
-    assert largest.min() >= 13, largest.min()
-    deq = dequantize_int4(packed, scales, zeros, 32)
-    p, s, z = quantize_int4(w, 32)
-    err, err_8bit = rel(deq, w), rel(dequantize_int4(p, s.float(), z.float(), 32), w)
-    assert err_8bit < err < 1.3 * err_8bit, (err, err_8bit)
-    if block == 8:
-        assert err < rel(dequantize_int4(*quantize_int4_codes_deq(w, 32), 32), w)
-
-
-def quantize_int4_codes_deq(w, block):
-    packed, codes, units = quantize_int4_codes(w, block)
-    return (packed, *int4_code_params(codes, units, block))
-
-
-@pytest.mark.parametrize("rows", [1, 64])
-def test_int4_layer_with_codes_is_its_dequantized_weight(rows):
-    """An Int4Linear of 4-bit codes (code_block), loaded from quantize_int4_codes' tensors, computes with exactly
-    the weight they stand for: through cpu_kernels.cpp's decode (x rounded to int8 a block) or dequantized."""
-    w = weights(256, 576, seed=5)
-    packed, codes, units = quantize_int4_codes(w, 32)
-    layer = Int4Linear(576, 256, 32, code_block=32)
-    layer.load_state_dict({"weight": packed, "codes": codes, "units": units.float()}, assign=True)
-    assert not hasattr(layer, "codes") and not hasattr(layer, "units")
-    deq = dequantize_int4(packed, *int4_code_params(codes, units, 32), 32)
-    torch.manual_seed(rows)
-    x = torch.randn(1, rows, 576)
-    ours = hasattr(layer, "block_scales")
-    assert rel(layer(x), F.linear(x, deq)) < ((1e-5 if rows > 32 else 2.5e-4) if ours else 5e-3)
 
 
 @pytest.mark.parametrize("groupsize", [32, 64, 256])
@@ -356,19 +303,17 @@ def logits(model, idx):
     return model(idx, torch.arange(idx.shape[1]))
 
 
-@pytest.mark.parametrize("mode,groupsize,code_block", [("int8", None, None), ("int4", 32, None), ("int4", 64, None),
-                                                       ("int4", 128, None), ("int4", 32, 32)])
-def test_quantized_checkpoint_loads_like_quantizing_in_memory(tiny_ckpt, tmp_path, mode, groupsize, code_block):
-    out = quantize_checkpoint(tiny_ckpt, mode, groupsize, tmp_path / "q", code_block=code_block)
+@pytest.mark.parametrize("mode,groupsize", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
+def test_quantized_checkpoint_loads_like_quantizing_in_memory(tiny_ckpt, tmp_path, mode, groupsize):
+    out = quantize_checkpoint(tiny_ckpt, mode, groupsize, tmp_path / "q")
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization"] == ({"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize}
-                                      | ({"code_bits": 4, "code_block": code_block} if code_block else {}))
+    assert config["quantization"] == ({"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize})
     assert config["source"] == "random test model" and config["model"]["tie_embeddings"] is False
     assert (out / "tokenizer.json").read_bytes() == (tiny_ckpt / "tokenizer.json").read_bytes()
 
     float_model = Transformer.from_checkpoint(tiny_ckpt, "cpu", torch.float32)
     loaded = Transformer.from_checkpoint(out, "cpu", torch.float32)  # driven by config.json alone
-    in_memory = quantize_model(float_model, mode, groupsize, code_block=code_block)
+    in_memory = quantize_model(float_model, mode, groupsize)
     layer = loaded.layers[0].feed_forward.w13
     assert isinstance(layer, Int8Linear if mode == "int8" else Int4Linear)
     assert isinstance(loaded.output, Int8Linear)
@@ -452,11 +397,6 @@ def test_cli_errors(tmp_path):
                        "--calibration needs the checkpoint's tokenizer")
     assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int4", "--calibration", tmp_path / "none.txt"),
                        "cannot read it as text")
-    assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int4", "--groupsize", "64", "--code-bits", "4"),
-                       "--code-bits 4 applies to --mode int4 at --groupsize 32")
-    assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int8", "--code-bits", "4"), "--code-bits 4 applies")
-    assert_clean_error(run_cli("--checkpoint", tiny, "--mode", "int4", "--code-bits", "4", "--calibration",
-                               CALIBRATION), "does not make 4-bit codes yet")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd", "tiny"]  # no output, no temporary directory
 
 
@@ -483,10 +423,6 @@ def test_loading_rejects_a_bad_quantization_entry(tiny_ckpt, tmp_path):
     config = json.loads((out / "config.json").read_text())
     for bad, words in [({"mode": "int2"}, "unknown quantization"),
                        ({"mode": "int4", "groupsize": 48}, "groupsize must be one of"),
-                       ({"mode": "int4", "groupsize": 64, "code_bits": 4, "code_block": 32}, "4-bit codes take"),
-                       ({"mode": "int4", "groupsize": 32, "code_bits": 4, "code_block": 8}, "4-bit codes take"),
-                       ({"mode": "int4", "groupsize": 32, "code_bits": 3, "code_block": 32}, "4-bit codes take"),
-                       ({"mode": "int4", "groupsize": 32, "code_block": 32}, "code_bits, code_block together"),
                        ({"mode": "int4", "groupsize": 32}, "do not match")]:  # int8 weights, int4 config
         (out / "config.json").write_text(json.dumps(dict(config, quantization=bad)))
         with pytest.raises(ValueError, match=words):
@@ -526,8 +462,6 @@ def test_perplexity_on_the_default_model(default_ckpt, default_float, default_in
     calibration = load_tokenizer(default_ckpt).encode(CALIBRATION.read_text())  # not the evaluated text
     gptq = quantize_model(default_float, "int4", 128, calibration=calibration)
     ratios["int4 g128 GPTQ"] = perplexity(gptq, tokens, 256, 192) / base
-    ratios["int4 g32 4-bit codes"] = perplexity(quantize_model(default_float, "int4", 32, code_block=32), tokens,
-                                                256, 192) / base
     print(f"\nperplexity {base:.3f} float; ratios " + ", ".join(f"{k} {v:.4f}" for k, v in ratios.items()))
     assert ratios["int8"] <= 1.01  # measured 1.005 (shorter texts: up to 1.010)
     assert ratios["int4 g32"] <= 1.10  # the default model is Q4_1 (blocks of 32) at heart: ~1.00
@@ -536,7 +470,6 @@ def test_perplexity_on_the_default_model(default_ckpt, default_float, default_in
     assert ratios["int4 g128"] <= 1.50
     assert ratios["int4 g128 GPTQ"] <= 1.20
     assert ratios["int4 g32"] < ratios["int4 g128"]
-    assert ratios["int4 g32 4-bit codes"] <= 1.10  # (BENCHMARKS.md session 29, on the whole text: MEASURED)
 
 
 @pytest.mark.slow
