@@ -825,10 +825,10 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
-  z68) # session 29: every GPU test on the code after the 4-bit codes were taken out again (runs 143-144 above: they
+  z68) # session 29: every GPU test on the code after the 4-bit codes were taken out again (runs 144-145 above: they
       # did not pay), with one-byte codes now taken with the norm
       gpu_tests 500 ;;
-  z67) # session 29, run 144: 4-bit codes with units a chunk (32 groups), read into shared memory a tile at a time:
+  z67) # session 29, run 145: 4-bit codes with units a chunk (32 groups), read into shared memory a tile at a time:
       # the layout under the GPU's Triton, the ring's kernel tests and the model-level test, then the 7B step with 4-bit
       # codes, with 8-bit codes, and bf16 on the same machine
       t 120 python3 benchmarks/ring_smem.py --variants nibble,int16 --norm 0,1 --swiglu 0,1 --k 2816 --stages 5 \
@@ -843,7 +843,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-z67.json" \
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done ;;
-  z65) # session 29, run 143 (commit 521d8a7): 4-bit codes with units a block of 8 groups, each chunk step's units
+  z65) # session 29, run 144 (commit 521d8a7): 4-bit codes with units a block of 8 groups, each chunk step's units
       # gathered from global memory a step ahead ([BN, 32] loads): the kernel tests (its own test's stride check was
       # wrong: codes moved to the GPU lose their padding), the model-level test, then the 7B step (674.5 tok/s, against
       # ~723 for int16 codes) and bf16
@@ -857,9 +857,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-z65.json" \
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error|ring" "/tmp/$d.log" | head -5
       done ;;
-  z64) # prepared in session 28, not yet run: the fix of one-byte codes with the norm (int4_ring._x_stage), its test
-      # (with int4_ring.BYTE_CODES_WITH_NORM on), then every ring layer with one-byte codes timed, then bf16 for the
-      # ratio; if the test passes, BYTE_CODES_WITH_NORM can go. First the layout under the GPU's own Triton (3.6)
+  z64) # prepared in session 28, run in session 29 as run 143 (ring_smem.py failed under Triton 3.6: fixed since): the fix of
+      # one-byte codes with the norm (int4_ring._x_stage), its test (21 passed, BYTE_CODES_WITH_NORM on), then every ring layer
+      # with one-byte codes timed (graphs 767.4 tok/s, int16 723.5), then bf16 (282.5) for the ratio. First the layout (3.6)
       t 120 python3 benchmarks/ring_smem.py --variants int16,int8 --norm 0,1 --swiglu 0,1 | tail -40
       t 200 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k int4_ring | tail -4
       TORCHINDUCTOR_CACHE_DIR=/tmp/z64/inductor TRITON_CACHE_DIR=/tmp/z64/triton t 400 python3 benchmarks/ring_codes.py \
