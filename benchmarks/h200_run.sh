@@ -827,7 +827,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
   z68) # session 29: every GPU test on the code after the 4-bit codes were taken out again (runs 144-145 above: they
       # did not pay), with one-byte codes now taken with the norm
-      gpu_tests 500 ;;
+      gpu_tests 320 ;;
   z67) # session 29, run 145: 4-bit codes with units a chunk (32 groups), read into shared memory a tile at a time:
       # the layout under the GPU's Triton, the ring's kernel tests and the model-level test, then the 7B step with 4-bit
       # codes, with 8-bit codes, and bf16 on the same machine
