@@ -69,6 +69,9 @@ LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 # optional), for timing them in the whole step (benchmarks/ring_launch.py). Read at each launch, as the step is
 # traced or captured.
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
+# GRAPHDECODE_INT4_RING_MASKED=1: the products' integer dots by _dot_masked (the same numbers, fewer instructions a
+# word; not yet timed: off). Read at each launch, as the step is traced or captured.
+MASKED = os.environ.get("GRAPHDECODE_INT4_RING_MASKED", "0") == "1"
 MAX_BOX_ROWS = 256  # rows x boxes in flight at most: 147 KB of shared memory a program, beside x's
 
 
@@ -155,21 +158,43 @@ def _x_smem(c, xw_s, sx_s, qs_s, xsum_s, L3: gl.constexpr, L4: gl.constexpr, LX:
 
 @gluon.jit
 def _products_fast(acc_s, acc_z, w_smem, c_smem, x_lo, x_hi, sx, q8, x_sum, L3: gl.constexpr, L4: gl.constexpr,
-                   BN: gl.constexpr, GC: gl.constexpr, ZEROS: gl.constexpr):
+                   BN: gl.constexpr, GC: gl.constexpr, ZEROS: gl.constexpr, MASKED: gl.constexpr = False):
     """_chunk with fewer instructions (FAST), on _x_fast's x: the dp4a of an x group's two words summed in
     integers before one conversion, and the codes' units left for the end, once a row (acc_s: the sum over
     groups of the scale code times (sum of sx dot - 8 sx sum(q)); acc_z: of the zero code times sum(x)). Without
     ZEROS the codes are one byte each, the scale's, and acc_z stays zero."""
-    w = w_smem.load(L3)  # [BN, GC, 4]
-    dot = _dp4a((w >> 4) & 0x0F0F0F0F, gl.expand_dims(x_hi, 0),
-                _dp4a(w & 0x0F0F0F0F, gl.expand_dims(x_lo, 0), gl.zeros_like(w)))
-    dot = gl.sum(gl.convert_layout(gl.reshape(dot, [BN, GC, 2, 2]), L4), axis=3)  # [BN, GC, 2]: an x group's
+    if MASKED:  # (the same integers with fewer instructions: _dot_masked)
+        dot = _dot_masked(w_smem, x_lo, x_hi, L3, L4, BN, GC)
+    else:
+        w = w_smem.load(L3)  # [BN, GC, 4]
+        dot = _dp4a((w >> 4) & 0x0F0F0F0F, gl.expand_dims(x_hi, 0),
+                    _dp4a(w & 0x0F0F0F0F, gl.expand_dims(x_lo, 0), gl.zeros_like(w)))
+        dot = gl.sum(gl.convert_layout(gl.reshape(dot, [BN, GC, 2, 2]), L4), axis=3)  # [BN, GC, 2]: an x group's
     part = gl.sum(dot.to(gl.float32) * gl.expand_dims(sx, 0), axis=2)  # [BN, GC]
     codes = c_smem.load(gl.SliceLayout(2, gl.SliceLayout(3, L4))).to(gl.int32)  # (sign-extended: >> 8 the zero's)
     acc_s += (part - gl.expand_dims(q8, 0)) * (codes & 255).to(gl.float32)
     if ZEROS:
         acc_z += (codes >> 8).to(gl.float32) * gl.expand_dims(x_sum, 0)
     return acc_s, acc_z
+
+
+@gluon.jit
+def _dot_masked(w_smem, x_lo, x_hi, L3: gl.constexpr, L4: gl.constexpr, BN: gl.constexpr, GC: gl.constexpr):
+    """MASKED: _products_fast's integer dots of each x group [BN, GC, 2], with the high nibbles masked in place (16
+    times their value: dp4a takes the weight's bytes unsigned) instead of shifted down, the two words of an x group
+    chained in one dp4a sum for the low nibbles and one for the high, and the high sum shifted down once (it is a
+    multiple of 16): two masks a word and a shift an x group, against a shift and two masks a word and an add."""
+    w = gl.convert_layout(gl.reshape(w_smem.load(L3), [BN, GC, 2, 2]), L4)  # (the same registers)
+    w0, w1 = gl.split(w)  # [BN, GC, 2]: an x group's first and second word
+    xl0, xl1 = gl.split(gl.reshape(x_lo, [GC, 2, 2]))
+    xh0, xh1 = gl.split(gl.reshape(x_hi, [GC, 2, 2]))
+    WL: gl.constexpr = w0.type.layout
+    XL: gl.constexpr = gl.SliceLayout(0, WL)
+    lo = _dp4a(w1 & 0x0F0F0F0F, gl.expand_dims(gl.convert_layout(xl1, XL), 0),
+               _dp4a(w0 & 0x0F0F0F0F, gl.expand_dims(gl.convert_layout(xl0, XL), 0), gl.zeros_like(w0)))
+    hi = _dp4a(w1 & -252645136, gl.expand_dims(gl.convert_layout(xh1, XL), 0),  # (0xF0F0F0F0)
+               _dp4a(w0 & -252645136, gl.expand_dims(gl.convert_layout(xh0, XL), 0), gl.zeros_like(w0)))
+    return gl.convert_layout(lo + (hi >> 4), gl.SliceLayout(3, L4))
 
 
 @gluon.jit
@@ -216,7 +241,7 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                            yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
-                           XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr):
+                           XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr, MASKED: gl.constexpr):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (cuda_kernels.int4_layout
@@ -296,10 +321,10 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
             c_c = c_smem.index(s)._reinterpret(CT, [BN, GC], PLAIN2)
             if h == 0:
                 acc_s, acc_z = _products_fast(acc_s, acc_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC,
-                                              ZEROS)
+                                              ZEROS, MASKED)
             else:
                 up_s, up_z = _products_fast(up_s, up_z, w_c, c_c, x_lo, x_hi, sx, q8, x_sum, L3, L4, BN, GC,
-                                            ZEROS)
+                                            ZEROS, MASKED)
         gl.thread_barrier()  # every warp has read this step's stages before they are refilled
         for h in gl.static_range(HALVES):
             box = k * HALVES + h
@@ -429,7 +454,7 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
-        ZEROS=codes.dtype == torch.int16, num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
+        ZEROS=codes.dtype == torch.int16, MASKED=MASKED, num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
 

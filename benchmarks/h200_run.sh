@@ -825,6 +825,11 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
+  z69) # session 29: int4_ring.MASKED (_dot_masked: 8 of the 165 instructions of a chunk step's block fewer, the same
+      # numbers): its test, then the whole step A/B in one process, manual ABAB and graphs AB (ring_launch.py)
+      t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k masked | tail -6
+      TORCHINDUCTOR_CACHE_DIR=/tmp/z69/inductor TRITON_CACHE_DIR=/tmp/z69/triton t 200 python3 benchmarks/ring_launch.py \
+        --launches "DEFAULT|masked|DEFAULT|masked" --graphs "DEFAULT|masked" --json "$OUT/ring-masked-h200.json" ;;
   z68) # session 29: every GPU test on the code after the 4-bit codes were taken out again (runs 144-145 above: they
       # did not pay), with one-byte codes now taken with the norm
       gpu_tests 320 ;;

@@ -4,7 +4,7 @@ int4_ring.py's kernel reads, a group of 32 weights, 16 bytes of nibbles and an i
 low byte, the zero's in the high. A format without zeros (symmetric int4) or with both codes in one byte would
 read 17 bytes instead of 18. This builds bench.py's 7B int4 g32 model (random weights, quantized in memory), then
 times bench.py's one-token step (batch 1, prompt 8, 200 new tokens) with the codes of every layer's wo and w2 (the
-ring layers without the norm: 31% of the weights; with the norm, one-byte codes gave wrong numbers, session 28):
+ring layers without the norm: 31% of the weights; with the norm, one-byte codes gave wrong numbers in session 28, fixed since: --all-layers):
 
   int16            as quantized (the shipped step)
   int16, no zeros  the zeros' codes set to 0: the numbers of the next line
@@ -35,7 +35,7 @@ from model import Int4Linear  # noqa: E402
 def ring_layers(model, all_layers: bool = False) -> list[Int4Linear]:
     """The int4 layers the ring's kernel runs without the norm in one-token decode: every layer's wo and w2; or
     (all_layers) every layer it runs, wqkv and w13 too, which take RMSNorm's scale in the kernel (where one-byte
-    codes gave wrong numbers before the fix of session 28: int4_ring.BYTE_CODES_WITH_NORM)."""
+    codes gave wrong numbers before the fix of session 28, checked on the H200 in session 29)."""
     first = model.layers[0].attention.wqkv  # (cuda_kernels.int4_gemv's: x comes in bf16)
     parts = (lambda b: (b.attention.wqkv, b.attention.wo, b.feed_forward.w13, b.feed_forward.w2)) if all_layers \
         else (lambda b: (b.attention.wo, b.feed_forward.w2))
@@ -47,8 +47,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-2-7b", choices=sorted(bench.PRESETS))
     p.add_argument("--graphs", action="store_true", help="also time each variant through torch.compile's graphs")
-    p.add_argument("--all-layers", action="store_true", help="one-byte codes in wqkv and w13 too (their norm: "
-                   "int4_ring.BYTE_CODES_WITH_NORM turned on, the fix of session 28, unchecked until run)")
+    p.add_argument("--all-layers", action="store_true", help="one-byte codes in wqkv and w13 too (with the norm)")
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--cycles", type=int, default=1, help="times through the variants in each mode (2: ABCABC, so "
@@ -57,7 +56,6 @@ def main() -> int:
     a = p.parse_args()
     model, device, ceiling = quantized_preset(a.model, "int4-g32")
     layers = ring_layers(model, a.all_layers)
-    int4_ring.BYTE_CODES_WITH_NORM = a.all_layers
     if not layers:
         print("error: no layer runs int4_ring.py's kernel here (sm_90 and Triton's Gluon needed)", file=sys.stderr)
         return 1

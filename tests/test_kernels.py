@@ -696,6 +696,33 @@ def test_int4_ring_reads_scale_codes_alone_where_zeros_are_zero(fused, monkeypat
         int4_ring.gemv(x, xq, words, one.contiguous(), units, w_unscale)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
+def test_int4_ring_masked_dots_give_the_same_numbers(fused, monkeypatch):
+    """int4_ring.MASKED (_dot_masked: the high nibbles masked in place and each x group's two words chained in dp4a)
+    computes the same integer dots as the default products, so y and y in int8 equal bit for bit, with int16 codes
+    and with one-byte scale codes. K = 2816 ends in a partial box; per_sm 1: several tiles a program."""
+    int4_ring = ring_or_skip(monkeypatch)
+    N, K = 1056, 2816
+    packed, scales, zeros, W = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
+    x = torch.randn(1, K).bfloat16()
+    kwargs = int4_case(fused, x, N, W)[0]
+    kwargs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    xq = cuda_kernels.int4_quantize_x(x.cuda(), kwargs.get("norm_weight"), 16)
+    for zeros_of in (zeros, torch.zeros_like(zeros)):
+        words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros_of.cuda(), 32, True,
+                                                             True)
+        for c in (codes,) if zeros_of is zeros else (int4_ring.code_bytes(codes),):
+            out = {}
+            for masked in (False, True):
+                monkeypatch.setattr(int4_ring, "MASKED", masked)
+                out[masked] = int4_ring.gemv(x.cuda(), xq, words, c, units, w_unscale, norm="norm_weight" in kwargs,
+                                             eps=kwargs.get("eps", 0.0), residual=kwargs.get("residual"),
+                                             swiglu=kwargs.get("swiglu", False), out_q=True, per_sm=1)
+            assert out[False][0].float().abs().max() > 0
+            assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), c.dtype
+
+
 def test_int4_ring_launch_override(monkeypatch):
     """GRAPHDECODE_INT4_RING_LAUNCH's form: SHAPE=PROGRAMS_AN_SM,BOXES by cuda_kernels.int4_shape's names, in place of
     int4_ring.LAUNCHES; anything else is a one-line error naming the form."""
