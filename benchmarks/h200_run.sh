@@ -833,7 +833,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
   z68) # session 29: every GPU test on the code after the 4-bit codes were taken out again (runs 144-145 above: they
       # did not pay), with one-byte codes now taken with the norm
       gpu_tests 320 ;;
-  z67) # session 29, run 145: 4-bit codes with units a chunk (32 groups), read into shared memory a tile at a time:
+  z67) # (history: needs commit 026ea3a; its options are gone) session 29, run 145: 4-bit codes with units a chunk (32 groups), read into shared memory a tile at a time:
       # the layout under the GPU's Triton, the ring's kernel tests and the model-level test, then the 7B step with 4-bit
       # codes, with 8-bit codes, and bf16 on the same machine
       t 120 python3 benchmarks/ring_smem.py --variants nibble,int16 --norm 0,1 --swiglu 0,1 --k 2816 --stages 5 \
@@ -848,7 +848,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-z67.json" \
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done ;;
-  z65) # session 29, run 144 (commit 521d8a7): 4-bit codes with units a block of 8 groups, each chunk step's units
+  z65) # (history: needs commit 521d8a7; its options are gone) session 29, run 144: 4-bit codes with units a block of 8 groups, each chunk step's units
       # gathered from global memory a step ahead ([BN, 32] loads): the kernel tests (its own test's stride check was
       # wrong: codes moved to the GPU lose their padding), the model-level test, then the 7B step (674.5 tok/s, against
       # ~723 for int16 codes) and bf16
