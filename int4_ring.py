@@ -71,7 +71,11 @@ LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
 # GRAPHDECODE_INT4_RING_MASKED=1: the products' integer dots by _dot_masked (the same numbers, fewer instructions a
 # word; not yet timed: off). Read at each launch, as the step is traced or captured.
-MASKED = os.environ.get("GRAPHDECODE_INT4_RING_MASKED", "0") == "1"
+MASKED = os.environ.get("GRAPHDECODE_INT4_RING_MASKED", "1") == "1"
+# GRAPHDECODE_INT4_RING_ONE_SUM=1: with zeros, a tile's rows summed over its groups once (_row_sums: scale and zero
+# products added before the sum across the warp's lanes, 20 shuffles and adds a thread and tile fewer; the same sums
+# in another order). Not yet timed: off. Read at each launch.
+ONE_SUM = os.environ.get("GRAPHDECODE_INT4_RING_ONE_SUM", "1") == "1"
 MAX_BOX_ROWS = 256  # rows x boxes in flight at most: 147 KB of shared memory a program, beside x's
 
 
@@ -198,6 +202,21 @@ def _dot_masked(w_smem, x_lo, x_hi, L3: gl.constexpr, L4: gl.constexpr, BN: gl.c
 
 
 @gluon.jit
+def _row_sums(acc_s, acc_z, unit_s, unit_z, RG: gl.constexpr, ZEROS: gl.constexpr, ONE_SUM: gl.constexpr):
+    """A tile's rows [BN] from its products [BN, GC]: the scale products' sum over groups times the row's scale unit
+    plus the zero products' times its zero unit. The sum over groups crosses the warp's lanes (a shuffle and an add
+    each of 5 steps, a row held); ONE_SUM (with ZEROS) weighs the products by the units first, so one sum crosses
+    them instead of two."""
+    u_s = gl.convert_layout(unit_s, RG)
+    u_z = gl.convert_layout(unit_z, RG)
+    if ONE_SUM and ZEROS:
+        rows = gl.sum(acc_s * gl.expand_dims(u_s, 1) + acc_z * gl.expand_dims(u_z, 1), axis=1)
+    else:
+        rows = u_s * gl.sum(acc_s, axis=1) + u_z * gl.sum(acc_z, axis=1)
+    return rows
+
+
+@gluon.jit
 def _ring_issue(i, w_desc, c_desc, w_smem, c_smem, bars, pid, P, N, HALVES: gl.constexpr, CHUNKS: gl.constexpr,
                 STAGES: gl.constexpr, BN: gl.constexpr, GC: gl.constexpr):
     """RING: box i of this program's sequence (its tiles pid, pid + P, ...; in each, chunk by chunk, gate then up)
@@ -241,7 +260,8 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                            yw_ptr, ys_ptr, go_ptr,
                            NORM: gl.constexpr, RESIDUAL: gl.constexpr, SWIGLU: gl.constexpr, BN: gl.constexpr,
                            CHUNKS: gl.constexpr, NX_P2: gl.constexpr, STAGES: gl.constexpr,
-                           XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr, MASKED: gl.constexpr):
+                           XQ_OUT: gl.constexpr, GO: gl.constexpr, ZEROS: gl.constexpr, MASKED: gl.constexpr,
+                           ONE_SUM: gl.constexpr):
     """y [N] = residual + [SwiGLU of] RMSNorm(x) @ W.T for one row of x in int8 (int4_quantize_x, groups of 16;
     times the norm's weight already: NORM takes only its scale, from x's sums of squares) and int4 words
     [N (2N: SWIGLU, gate above up), K / 8] with int16 codes [., K / 32] and units [., 2] (cuda_kernels.int4_layout
@@ -333,11 +353,9 @@ def _int4_gemv_ring_kernel(w_desc, c_desc, xw_ptr, xs_ptr, u_ptr, r_ptr, y_ptr, 
                             GC)
         if c == CHUNKS - 1:  # the tile's last chunk: its rows out, then the next tile's inputs asked for
             t = k // CHUNKS
-            out = gl.convert_layout(gl.convert_layout(units[0], RG) * gl.sum(acc_s, axis=1)
-                                    + gl.convert_layout(units[1], RG) * gl.sum(acc_z, axis=1), RL) * unscale
+            out = gl.convert_layout(_row_sums(acc_s, acc_z, units[0], units[1], RG, ZEROS, ONE_SUM), RL) * unscale
             if SWIGLU:
-                up = gl.convert_layout(gl.convert_layout(units[2], RG) * gl.sum(up_s, axis=1)
-                                       + gl.convert_layout(units[3], RG) * gl.sum(up_z, axis=1), RL) * unscale
+                up = gl.convert_layout(_row_sums(up_s, up_z, units[2], units[3], RG, ZEROS, ONE_SUM), RL) * unscale
                 out = out / (1 + gl.exp(-out)) * up
             if RESIDUAL:
                 out += r
@@ -454,7 +472,8 @@ def gemv(x: torch.Tensor, xq: torch.Tensor, words: torch.Tensor, codes: torch.Te
         out_norm_weight if out_norm_weight is not None else y,
         NORM=norm, RESIDUAL=residual is not None, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // CHUNK),
         NX_P2=triton.next_power_of_2(K // XG), STAGES=stages, XQ_OUT=out_q, GO=out_q and out_norm_weight is not None,
-        ZEROS=codes.dtype == torch.int16, MASKED=MASKED, num_warps=warps, **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
+        ZEROS=codes.dtype == torch.int16, MASKED=MASKED, ONE_SUM=ONE_SUM, num_warps=warps,
+        **({"launch_pdl": True} if cuda_kernels.pdl(x) else {}))
     return y.view(*x.shape[:-1], N), yq
 
 

@@ -825,6 +825,19 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
+  z71) # session 30: MASKED and ONE_SUM on by default: bf16 then int4 g32 through bench.py, one machine
+      for v in z711:"" z712:"--quantize int4-g32"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
+        # shellcheck disable=SC2086
+        bench7b "$d" --repeat 2 $f | grep -E "graphs  |rror"
+      done ;;
+  z70) # session 30: int4_ring.MASKED (z69's) and ONE_SUM (a tile's rows summed across lanes once: 20 shuffles and adds
+      # a thread and tile fewer): their tests, then the whole step A/B/C/D twice in one process, and graphs A/D
+      t 170 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
+        -k "masked or reading_x_in_int8 or writes_its_output" | tail -8
+      TORCHINDUCTOR_CACHE_DIR=/tmp/z70/inductor TRITON_CACHE_DIR=/tmp/z70/triton t 400 python3 benchmarks/ring_launch.py \
+        --launches "DEFAULT|masked|onesum|masked;onesum|DEFAULT|masked|onesum|masked;onesum" \
+        --graphs "DEFAULT|masked;onesum" --json "$OUT/ring-onesum-h200.json" ;;
   z69) # session 29: int4_ring.MASKED (_dot_masked: 8 of the 165 instructions of a chunk step's block fewer, the same
       # numbers): its test, then the whole step A/B in one process, manual ABAB and graphs AB (ring_launch.py)
       t 150 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py -k masked | tail -6

@@ -10,8 +10,9 @@ changes only programs an SM and boxes in flight must give DEFAULT's logits bit f
 programs, never a sum), or it fails; one that changes rows or warps changes the order of sums, so its logits'
 largest difference is printed instead; so does one with "attention=BLOCK_L,WARPS[,SPLITS]" (the attention
 kernel's launch, as bench.py's --attention-* flags set it). "masked" in a launch turns on int4_ring.MASKED (the
-products' integer dots with fewer instructions: the same logits bit for bit, or it fails), e.g.
-`--launches "DEFAULT|masked|DEFAULT|masked"`.
+products' integer dots with fewer instructions: the same logits bit for bit, or it fails), "onesum"
+int4_ring.ONE_SUM (a tile's rows summed across lanes once: another order of sums, so its largest difference is
+printed), e.g. `--launches "DEFAULT|masked|onesum;masked|DEFAULT|masked|onesum;masked"`.
 """
 import argparse
 import json
@@ -38,30 +39,34 @@ def first_logits(model) -> torch.Tensor:
     return logits.float()
 
 
-def settings_of(launch: str) -> tuple[str, tuple | None, bool]:
+FLAGS = ("masked", "onesum")  # int4_ring.MASKED, int4_ring.ONE_SUM
+
+
+def settings_of(launch: str) -> tuple[str, tuple | None, frozenset]:
     """A launch's GRAPHDECODE_INT4_RING_LAUNCH text, its attention=BLOCK_L,WARPS[,SPLITS] (None: the rule's) and
-    whether it says "masked" (int4_ring.MASKED), checked; ValueError naming the form."""
+    which of FLAGS it says, checked; ValueError naming the form."""
     parts = [] if launch == "DEFAULT" else launch.split(";")
-    masked = "masked" in parts
-    parts = [p for p in parts if p != "masked"]
+    flags = frozenset(p for p in parts if p in FLAGS)
+    parts = [p for p in parts if p not in FLAGS]
     attention = [p for p in parts if p.startswith("attention=")]
     ring = ";".join(p for p in parts if p not in attention)
     int4_ring.launch_override(ring)
     if not attention:
-        return ring, None, masked
+        return ring, None, flags
     values = cuda_kernels.launch_parts(attention[-1])[0][1]
     if len(values) not in (2, 3) or min(values) < 0 or values[1] not in (0, 1, 2, 4, 8, 16) or \
             any(v & (v - 1) for v in values[:1]):
         raise ValueError(f"{attention[-1]!r} is not attention=BLOCK_L,WARPS[,SPLITS] (BLOCK_L a power of two, "
                          f"warps a power of two up to 16, 0 for the rule's)")
-    return ring, tuple(values + [0])[:3], masked
+    return ring, tuple(values + [0])[:3], flags
 
 
-def apply(ring: str, attention: tuple | None, masked: bool = False) -> None:
+def apply(ring: str, attention: tuple | None, flags: frozenset = frozenset()) -> None:
     """Set the ring's launches and the attention kernel's (cuda_kernels.ATTENTION_BLOCK_L, _WARPS, _SPLITS, as bench.py's
-    --attention-* flags set them; 0 or None: the rule's), and int4_ring.MASKED."""
+    --attention-* flags set them; 0 or None: the rule's), int4_ring.MASKED and int4_ring.ONE_SUM."""
     int4_ring.LAUNCH = ring
-    int4_ring.MASKED = masked
+    int4_ring.MASKED = "masked" in flags
+    int4_ring.ONE_SUM = "onesum" in flags
     cuda_kernels.ATTENTION_BLOCK_L, cuda_kernels.ATTENTION_WARPS, cuda_kernels.ATTENTION_SPLITS = \
         (v or None for v in (attention or (0, 0, 0)))
 
@@ -106,12 +111,12 @@ def main() -> int:
     apply(*settings_of("DEFAULT"))
     reference = first_logits(model)  # DEFAULT's
     for launch, mode in plan:
-        ring, attention, masked = settings[launch]
-        apply(ring, attention, masked)
+        ring, attention, flags = settings[launch]
+        apply(ring, attention, flags)
         logits = first_logits(model)
         same = torch.equal(logits, reference)
-        # (rows, warps and the attention kernel's launch change the order of sums)
-        exact = attention is None and all(
+        # (rows, warps, the attention kernel's launch and ONE_SUM change the order of sums)
+        exact = attention is None and "onesum" not in flags and all(
             v[2:] == int4_ring.LAUNCHES.get(shape, (0, 0, int4_ring.ROWS, int4_ring.WARPS))[2:]
             for shape, v in int4_ring.launch_override(ring).items())
         r = bench.bench_one(model, mode, 1, 8, a.new_tokens, ceiling, repeat=a.repeat)

@@ -10,6 +10,7 @@ whether or not the buffer is live there: a scratch over a buffer that is only wr
 3.6's names are mapped to newer Triton's where they were renamed.
 
     python benchmarks/ring_smem.py [--variants int16,int8] [--norm 0,1] [--swiglu 0,1] [--masked 0,1]
+        [--one-sum 0,1]
         [--n 4096 --k 4096 --stages 6]
 """
 import argparse
@@ -24,7 +25,7 @@ BYTES = {"i8": 1, "i16": 2, "i32": 4, "f32": 4, "i64": 8, "bf16": 2, "f16": 2}
 
 
 def compile_variant(codes_dtype: str, norm: bool, swiglu: bool, N: int, K: int, stages: int,
-                    masked: bool = False) -> int:
+                    masked: bool = False, one_sum: bool = False) -> int:
     """Compile the kernel (child process): its shared memory in bytes."""
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT))
@@ -59,7 +60,7 @@ def compile_variant(codes_dtype: str, norm: bool, swiglu: bool, N: int, K: int, 
                  "w_unscale": "fp32", "yw_ptr": "*i32", "ys_ptr": "*fp32", "go_ptr": "*bf16"}
     constants = dict(NORM=norm, RESIDUAL=False, SWIGLU=swiglu, BN=rows, CHUNKS=-(-(K // 8) // int4_ring.CHUNK),
                      NX_P2=triton.next_power_of_2(K // int4_ring.XG), STAGES=stages, XQ_OUT=True, GO=False,
-                     ZEROS=codes_dtype == "int16", MASKED=masked)
+                     ZEROS=codes_dtype == "int16", MASKED=masked, ONE_SUM=one_sum)
     signature.update({k: "constexpr" for k in constants})
     src = GluonASTSource(fn=int4_ring._int4_gemv_ring_kernel, signature=signature, constexprs=constants)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": int4_ring.WARPS})
@@ -95,19 +96,22 @@ def main() -> int:
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--stages", type=int, default=6)
     p.add_argument("--masked", default="0", help="int4_ring.MASKED off and/or on")
-    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--one-sum", default="0", help="int4_ring.ONE_SUM off and/or on")
+    p.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         print("shared", compile_variant(a.child[0], a.child[1] == "1", a.child[2] == "1", a.n, a.k, a.stages,
-                                        a.child[3] == "1"), flush=True)
+                                        a.child[3] == "1", a.child[4] == "1"), flush=True)
         return 0
     env = dict(os.environ, MLIR_ENABLE_DUMP="1", TRITON_ALWAYS_COMPILE="1")
     env.pop("TRITON_INTERPRET", None)
     bad = False
-    for codes, norm, swiglu, masked in ((c, n, g, m) for c in a.variants.split(",") for n in a.norm.split(",")
-                                        for g in a.swiglu.split(",") for m in a.masked.split(",")):
-        name = f"codes {codes}, norm {norm}, swiglu {swiglu}" + (", masked" if masked == "1" else "")
-        run = subprocess.run([sys.executable, __file__, "--child", codes, norm, swiglu, masked, "--n", str(a.n),
+    for codes, norm, swiglu, masked, one in ((c, n, g, m, o) for c in a.variants.split(",") for n in a.norm.split(",")
+                                             for g in a.swiglu.split(",") for m in a.masked.split(",")
+                                             for o in a.one_sum.split(",")):
+        name = f"codes {codes}, norm {norm}, swiglu {swiglu}" + (", masked" if masked == "1" else "") \
+            + (", one sum" if one == "1" else "")
+        run = subprocess.run([sys.executable, __file__, "--child", codes, norm, swiglu, masked, one, "--n", str(a.n),
                               "--k", str(a.k), "--stages", str(a.stages)], env=env, capture_output=True, text=True)
         if run.returncode:
             print(f"error: compiling {name} failed:\n{run.stderr[-2000:]}", file=sys.stderr)

@@ -574,12 +574,15 @@ def ring_or_skip(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
 @pytest.mark.parametrize("N, K, per_sm", [(128, 512, 3), (1056, 2816, 1), (4096, 4096, 1)])
-def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused, monkeypatch):
+@pytest.mark.parametrize("one_sum", [False, True])
+def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused, one_sum, monkeypatch):
     """int4_ring.gemv (decode's int8 flow) gives cuda_kernels.int4_gemv's product with x in int8 (groups of 16, codes)
     to float32 rounding of the sums, and so stays within INT4_TOLERANCE of the float64 product. K = 2816 ends
     in a partial box (2.75 boxes of 1024 columns); per_sm 1 makes programs take several tiles (4096 rows: 256
-    tiles over the H200's 132 programs; 1056: 66 tiles, fewer programs than SMs)."""
+    tiles over the H200's 132 programs; 1056: 66 tiles, fewer programs than SMs). Either way of summing a tile's
+    rows (int4_ring.ONE_SUM)."""
     int4_ring = ring_or_skip(monkeypatch)
+    monkeypatch.setattr(int4_ring, "ONE_SUM", one_sum)
     packed, scales, zeros, W = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
     layout = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
     words, codes, w_unscale, _, units = layout
@@ -600,11 +603,14 @@ def test_int4_ring_matches_int4_gemv_reading_x_in_int8(N, K, per_sm, fused, monk
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fused, norm_out", [("residual", True), ("swiglu", False), ("none", True)])
-def test_int4_ring_writes_its_output_in_int8(fused, norm_out, monkeypatch):
+@pytest.mark.parametrize("one_sum", [False, True])
+def test_int4_ring_writes_its_output_in_int8(fused, norm_out, one_sum, monkeypatch):
     """out_q: int4_ring.gemv also writes y in int8, cuda_kernels.int4_quantize_x(y, g) of the y it returns (groups of
     16, each a tile of 16 rows: assert_x_int8's codes and numbers), times the next norm's weight g if given; and
-    the next GEMV reading it gives what it gives reading int4_quantize_x's. Over several tiles a program."""
+    the next GEMV reading it gives what it gives reading int4_quantize_x's. Over several tiles a program; either
+    way of summing a tile's rows (int4_ring.ONE_SUM)."""
     int4_ring = ring_or_skip(monkeypatch)
+    monkeypatch.setattr(int4_ring, "ONE_SUM", one_sum)
     N, K = 8192, 1024  # (512 tiles: ~4 a program at one program an SM of the H200's 132)
     packed, scales, zeros, _ = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
     words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), zeros.cuda(), 32, True, True)
@@ -1140,7 +1146,7 @@ def test_model_decode_with_the_attention_kernel_equals_pytorch(mode, monkeypatch
 def test_int4_ring_scratch_never_overlaps_its_buffers():
     """benchmarks/ring_smem.py, compiled here for sm_90 without a GPU: no scratch of the ring kernel (the norm's sum, a
     layout change) shares shared memory with one of its buffers, with int16 or one-byte codes and the norm, with and
-    without SwiGLU. Before
+    without SwiGLU, MASKED and ONE_SUM each on and off. Before
     session 28's fix (_x_stage copied x's sums, which nothing read without zeros) the norm's sum lay over them while
     the copy landed, and the GEMV gave wrong numbers on the H200; the tool reported that overlap (exit 1)."""
     try:
@@ -1149,10 +1155,10 @@ def test_int4_ring_scratch_never_overlaps_its_buffers():
     except (ImportError, AttributeError) as e:
         pytest.skip(f"no Gluon to compile int4_ring.py's kernel with here: {e}")
     run = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "ring_smem.py"),
-                          "--variants", "int16,int8", "--norm", "1", "--swiglu", "0,1", "--masked", "0,1", "--k", "2816",
-                          "--stages", "5"],
+                          "--variants", "int16,int8", "--norm", "1", "--swiglu", "0,1", "--masked", "0,1",
+                          "--one-sum", "0,1", "--k", "2816", "--stages", "5"],
                          capture_output=True, text=True, timeout=900)
     if run.returncode == 2:  # (this Triton cannot compile it offline: a renamed API, no ptxas)
         pytest.skip(f"ring_smem.py could not compile the kernel here: {run.stderr.strip().splitlines()[-1:]}")
     assert run.returncode == 0, run.stdout + run.stderr  # (1: an overlap; 3: no offsets found in the IR)
-    assert run.stdout.count("scratch of tt.reduce") == 8 and "no scratch overlaps a buffer" in run.stdout
+    assert run.stdout.count("scratch of tt.reduce") == 16 and "no scratch overlaps a buffer" in run.stdout
