@@ -69,12 +69,13 @@ LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 # optional), for timing them in the whole step (benchmarks/ring_launch.py). Read at each launch, as the step is
 # traced or captured.
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
-# GRAPHDECODE_INT4_RING_MASKED=1: the products' integer dots by _dot_masked (the same numbers, fewer instructions a
-# word; not yet timed: off). Read at each launch, as the step is traced or captured.
+# The products' integer dots by _dot_masked (MASKED: the same numbers, 16 fewer instructions a thread and chunk step)
+# and a tile's rows summed across the warp's lanes once (ONE_SUM, _row_sums: 20 shuffles and adds a thread and tile
+# fewer, the same sums in another order). On by default since session 30: in the 7B int4 g32 step (benchmarks/
+# ring_launch.py, run 146, by hand-captured graph) MASKED alone 719.2-719.4 tok/s against 718.7-719.5, ONE_SUM alone
+# 729.9-730.4, both 732.8 (graphs: 738.2 against 724.9). GRAPHDECODE_INT4_RING_MASKED=0 and
+# GRAPHDECODE_INT4_RING_ONE_SUM=0 turn them off; read at each launch, as the step is traced or captured.
 MASKED = os.environ.get("GRAPHDECODE_INT4_RING_MASKED", "1") == "1"
-# GRAPHDECODE_INT4_RING_ONE_SUM=1: with zeros, a tile's rows summed over its groups once (_row_sums: scale and zero
-# products added before the sum across the warp's lanes, 20 shuffles and adds a thread and tile fewer; the same sums
-# in another order). Not yet timed: off. Read at each launch.
 ONE_SUM = os.environ.get("GRAPHDECODE_INT4_RING_ONE_SUM", "1") == "1"
 MAX_BOX_ROWS = 256  # rows x boxes in flight at most: 147 KB of shared memory a program, beside x's
 
@@ -205,12 +206,14 @@ def _dot_masked(w_smem, x_lo, x_hi, L3: gl.constexpr, L4: gl.constexpr, BN: gl.c
 def _row_sums(acc_s, acc_z, unit_s, unit_z, RG: gl.constexpr, ZEROS: gl.constexpr, ONE_SUM: gl.constexpr):
     """A tile's rows [BN] from its products [BN, GC]: the scale products' sum over groups times the row's scale unit
     plus the zero products' times its zero unit. The sum over groups crosses the warp's lanes (a shuffle and an add
-    each of 5 steps, a row held); ONE_SUM (with ZEROS) weighs the products by the units first, so one sum crosses
-    them instead of two."""
+    each of 5 steps, a row held); ONE_SUM weighs the products by the units first, so with ZEROS one sum crosses
+    them instead of two (and without, the same numbers as with zeros all 0)."""
     u_s = gl.convert_layout(unit_s, RG)
     u_z = gl.convert_layout(unit_z, RG)
     if ONE_SUM and ZEROS:
         rows = gl.sum(acc_s * gl.expand_dims(u_s, 1) + acc_z * gl.expand_dims(u_z, 1), axis=1)
+    elif ONE_SUM:
+        rows = gl.sum(acc_s * gl.expand_dims(u_s, 1), axis=1)
     else:
         rows = u_s * gl.sum(acc_s, axis=1) + u_z * gl.sum(acc_z, axis=1)
     return rows

@@ -825,6 +825,9 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
+  z72) # session 30: every GPU test with MASKED and ONE_SUM on by default (and ONE_SUM's one-byte path made equal to
+      # int16 codes with zeros 0)
+      gpu_tests 560 ;;
   z71) # session 30: MASKED and ONE_SUM on by default: bf16 then int4 g32 through bench.py, one machine
       for v in z711:"" z712:"--quantize int4-g32"; do
         d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"

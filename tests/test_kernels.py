@@ -667,13 +667,15 @@ def test_int4_ring_launches_give_the_same_numbers(swiglu, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fused", ["none", "norm", "swiglu", "residual"])
-def test_int4_ring_reads_scale_codes_alone_where_zeros_are_zero(fused, monkeypatch):
+@pytest.mark.parametrize("one_sum", [False, True])
+def test_int4_ring_reads_scale_codes_alone_where_zeros_are_zero(fused, one_sum, monkeypatch):
     """For a layer whose zeros are all 0 (symmetric int4), int4_ring.code_bytes keeps the scales' codes alone, one
     byte a group (rows padded to 16 bytes where K / 32 is not a multiple of 16: K = 2816, 88 codes a row), and the
     kernel reading them gives the int16 codes' y and y in int8 bit for bit. Codes with a zero are refused. With the
     norm (and SwiGLU, which takes it here) they gave wrong numbers in session 28, before _x_stage's fix (checked on
-    the H200 in session 29: each call 25 times)."""
+    the H200 in session 29: each call 25 times). Either way of summing a tile's rows (int4_ring.ONE_SUM)."""
     int4_ring = ring_or_skip(monkeypatch)
+    monkeypatch.setattr(int4_ring, "ONE_SUM", one_sum)
     N, K = 1056, 2816
     packed, scales, zeros, W = int4_weights(2 * N if fused == "swiglu" else N, K, 32, grid=True)
     words, codes, w_unscale, _, units = int4_gemv_layout(packed.cuda(), scales.cuda(), torch.zeros_like(zeros).cuda(),
