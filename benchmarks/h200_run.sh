@@ -825,6 +825,15 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
+  z73) # session 30: the speed table on one machine, as z61: bf16, int4 g32, int8, int4 g128, bf16, int4 g32
+      for v in z731:"" z732:"--quantize int4-g32" z733:"--quantize int8" z734:"--quantize int4-g128" z735:"" \
+               z736:"--quantize int4-g32"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/z73/inductor TRITON_CACHE_DIR=/tmp/z73/triton timeout -k 5 150 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-z73.json" \
+          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+      done ;;
   z72) # session 30: every GPU test with MASKED and ONE_SUM on by default (and ONE_SUM's one-byte path made equal to
       # int16 codes with zeros 0)
       gpu_tests 560 ;;
