@@ -479,6 +479,8 @@ def main(argv=None) -> int:
                  int4_codes=codes_used > 0 if int4 else None,
                  int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
                  int4_ring_layers=f"{ring_used} of {len(int4_layers)}" if int4 else None,
+                 int4_ring_masked=model_module.int4_ring.MASKED if ring_used else None,
+                 int4_ring_one_sum=model_module.int4_ring.ONE_SUM if ring_used else None,
                  pdl=device.type == "cuda" and cuda_kernels.pdl(torch.empty(0, device=device)))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured

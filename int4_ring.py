@@ -71,7 +71,7 @@ LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
 # The products' integer dots by _dot_masked (MASKED: the same numbers, 16 fewer instructions a thread and chunk step)
 # and a tile's rows summed across the warp's lanes once (ONE_SUM, _row_sums: 20 shuffles and adds a thread and tile
-# fewer, the same sums in another order). On by default since session 30: in the 7B int4 g32 step (benchmarks/
+# fewer; the units are powers of two, so the same sums in another order). On by default since session 30: in the 7B int4 g32 step (benchmarks/
 # ring_launch.py, run 146, by hand-captured graph) MASKED alone 719.2-719.4 tok/s against 718.7-719.5, ONE_SUM alone
 # 729.9-730.4, both 732.8 (graphs: 738.2 against 724.9). GRAPHDECODE_INT4_RING_MASKED=0 and
 # GRAPHDECODE_INT4_RING_ONE_SUM=0 turn them off; read at each launch, as the step is traced or captured.
@@ -207,7 +207,8 @@ def _row_sums(acc_s, acc_z, unit_s, unit_z, RG: gl.constexpr, ZEROS: gl.constexp
     """A tile's rows [BN] from its products [BN, GC]: the scale products' sum over groups times the row's scale unit
     plus the zero products' times its zero unit. The sum over groups crosses the warp's lanes (a shuffle and an add
     each of 5 steps, a row held); ONE_SUM weighs the products by the units first, so with ZEROS one sum crosses
-    them instead of two (and without, the same numbers as with zeros all 0)."""
+    them instead of two (and without, the same numbers as with zeros all 0). The units are powers of two
+    (model.int4_grid_unit), so each weighing is exact: the same additions, in another order."""
     u_s = gl.convert_layout(unit_s, RG)
     u_z = gl.convert_layout(unit_z, RG)
     if ONE_SUM and ZEROS:

@@ -843,7 +843,7 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         # shellcheck disable=SC2086
         bench7b "$d" --repeat 2 $f | grep -E "graphs  |rror"
       done ;;
-  z70) # session 30: int4_ring.MASKED (z69's) and ONE_SUM (a tile's rows summed across lanes once: 20 shuffles and adds
+  z70) # (history: ran when both were off by default; ring_launch.py's DEFAULT is now both on) session 30: int4_ring.MASKED (z69's) and ONE_SUM (a tile's rows summed across lanes once: 20 shuffles and adds
       # a thread and tile fewer): their tests, then the whole step A/B/C/D twice in one process, and graphs A/D
       t 170 python3 -m pytest -q -m cuda -p no:logging -p no:warnings --tb=short tests/test_kernels.py \
         -k "masked or reading_x_in_int8 or writes_its_output" | tail -8

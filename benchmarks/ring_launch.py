@@ -9,10 +9,13 @@ torch.compile's CUDA graphs as bench.py times it, each --repeat times in a row (
 changes only programs an SM and boxes in flight must give DEFAULT's logits bit for bit (it splits rows among
 programs, never a sum), or it fails; one that changes rows or warps changes the order of sums, so its logits'
 largest difference is printed instead; so does one with "attention=BLOCK_L,WARPS[,SPLITS]" (the attention
-kernel's launch, as bench.py's --attention-* flags set it). "masked" in a launch turns on int4_ring.MASKED (the
-products' integer dots with fewer instructions: the same logits bit for bit, or it fails), "onesum"
-int4_ring.ONE_SUM (a tile's rows summed across lanes once: another order of sums, so its largest difference is
-printed), e.g. `--launches "DEFAULT|masked|onesum;masked|DEFAULT|masked|onesum;masked"`.
+kernel's launch, as bench.py's --attention-* flags set it). "masked" and "nomasked" in a launch turn
+int4_ring.MASKED on and off (the products' integer dots with fewer instructions: the same logits bit for bit, or it
+fails), "onesum" and "noonesum" int4_ring.ONE_SUM (a tile's rows summed across lanes once: another order of sums,
+so where it differs from the default its largest difference is printed); unsaid, each stays as int4_ring has it
+(both on since session 30, unless GRAPHDECODE_INT4_RING_MASKED or _ONE_SUM say 0). Session 30's A/B, with both
+then off by default, was `--launches "DEFAULT|masked|onesum|masked;onesum"`; with them on it is
+`--launches "nomasked;noonesum|noonesum|nomasked|DEFAULT"`.
 """
 import argparse
 import json
@@ -39,15 +42,19 @@ def first_logits(model) -> torch.Tensor:
     return logits.float()
 
 
-FLAGS = ("masked", "onesum")  # int4_ring.MASKED, int4_ring.ONE_SUM
+DEFAULT_FLAGS = {"masked": int4_ring.MASKED, "onesum": int4_ring.ONE_SUM}  # as int4_ring has them at import
 
 
-def settings_of(launch: str) -> tuple[str, tuple | None, frozenset]:
+def settings_of(launch: str) -> tuple[str, tuple | None, dict]:
     """A launch's GRAPHDECODE_INT4_RING_LAUNCH text, its attention=BLOCK_L,WARPS[,SPLITS] (None: the rule's) and
-    which of FLAGS it says, checked; ValueError naming the form."""
+    its flags ({"masked": int4_ring.MASKED, "onesum": int4_ring.ONE_SUM}, DEFAULT_FLAGS' where it says neither
+    "masked" nor "nomasked", ...), checked; ValueError naming the form."""
     parts = [] if launch == "DEFAULT" else launch.split(";")
-    flags = frozenset(p for p in parts if p in FLAGS)
-    parts = [p for p in parts if p not in FLAGS]
+    flags = dict(DEFAULT_FLAGS)
+    for p in parts:
+        if p.removeprefix("no") in flags:
+            flags[p.removeprefix("no")] = not p.startswith("no")
+    parts = [p for p in parts if p.removeprefix("no") not in flags]
     attention = [p for p in parts if p.startswith("attention=")]
     ring = ";".join(p for p in parts if p not in attention)
     int4_ring.launch_override(ring)
@@ -61,12 +68,14 @@ def settings_of(launch: str) -> tuple[str, tuple | None, frozenset]:
     return ring, tuple(values + [0])[:3], flags
 
 
-def apply(ring: str, attention: tuple | None, flags: frozenset = frozenset()) -> None:
+def apply(ring: str, attention: tuple | None, flags: dict | None = None) -> None:
     """Set the ring's launches and the attention kernel's (cuda_kernels.ATTENTION_BLOCK_L, _WARPS, _SPLITS, as bench.py's
-    --attention-* flags set them; 0 or None: the rule's), int4_ring.MASKED and int4_ring.ONE_SUM."""
+    --attention-* flags set them; 0 or None: the rule's), int4_ring.MASKED and int4_ring.ONE_SUM (None:
+    DEFAULT_FLAGS)."""
+    flags = flags or DEFAULT_FLAGS
     int4_ring.LAUNCH = ring
-    int4_ring.MASKED = "masked" in flags
-    int4_ring.ONE_SUM = "onesum" in flags
+    int4_ring.MASKED = flags["masked"]
+    int4_ring.ONE_SUM = flags["onesum"]
     cuda_kernels.ATTENTION_BLOCK_L, cuda_kernels.ATTENTION_WARPS, cuda_kernels.ATTENTION_SPLITS = \
         (v or None for v in (attention or (0, 0, 0)))
 
@@ -116,7 +125,7 @@ def main() -> int:
         logits = first_logits(model)
         same = torch.equal(logits, reference)
         # (rows, warps, the attention kernel's launch and ONE_SUM change the order of sums)
-        exact = attention is None and "onesum" not in flags and all(
+        exact = attention is None and flags["onesum"] == DEFAULT_FLAGS["onesum"] and all(
             v[2:] == int4_ring.LAUNCHES.get(shape, (0, 0, int4_ring.ROWS, int4_ring.WARPS))[2:]
             for shape, v in int4_ring.launch_override(ring).items())
         r = bench.bench_one(model, mode, 1, 8, a.new_tokens, ceiling, repeat=a.repeat)
