@@ -825,6 +825,17 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
           > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
       done
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
+  z74) # session 30, last: bf16 and int4 g32 on a third machine (bench.py now records MASKED and ONE_SUM), then
+      # ring_launch.py's new flags: both off against DEFAULT (both on), by hand-captured graph
+      for v in z741:"" z742:"--quantize int4-g32"; do
+        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
+        # shellcheck disable=SC2086
+        TORCHINDUCTOR_CACHE_DIR=/tmp/z74/inductor TRITON_CACHE_DIR=/tmp/z74/triton timeout -k 5 120 python3 bench.py \
+          --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-z74.json" \
+          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+      done
+      TRITON_CACHE_DIR=/tmp/z74/triton t 100 python3 benchmarks/ring_launch.py --launches "nomasked;noonesum|DEFAULT" \
+        --json "$OUT/ring-flags-h200.json" | grep -v "^ *_warn" ;;
   z73) # session 30: the speed table on one machine, as z61: bf16, int4 g32, int8, int4 g128, bf16, int4 g32
       for v in z731:"" z732:"--quantize int4-g32" z733:"--quantize int8" z734:"--quantize int4-g128" z735:"" \
                z736:"--quantize int4-g32"; do
