@@ -71,9 +71,9 @@ LAUNCHES: dict[str, tuple[int, int, int, int]] = {"wide": (3, 5, ROWS, WARPS)}
 LAUNCH = os.environ.get("GRAPHDECODE_INT4_RING_LAUNCH", "")
 # The products' integer dots by _dot_masked (MASKED: the same numbers, 16 fewer instructions a thread and chunk step)
 # and a tile's rows summed across the warp's lanes once (ONE_SUM, _row_sums: 20 shuffles and adds a thread and tile
-# fewer; the units are powers of two, so the same sums in another order). On by default since session 30: in the 7B int4 g32 step (benchmarks/
-# ring_launch.py, run 146, by hand-captured graph) MASKED alone 719.2-719.4 tok/s against 718.7-719.5, ONE_SUM alone
-# 729.9-730.4, both 732.8 (graphs: 738.2 against 724.9). GRAPHDECODE_INT4_RING_MASKED=0 and
+# fewer; the units are powers of two, so the same sums in another order). On by default since session 30: in the 7B
+# int4 g32 step (benchmarks/ring_launch.py, run 146, by hand-captured graph) MASKED alone 719.2-719.4 tok/s against
+# 718.7-719.5, ONE_SUM alone 729.9-730.4, both 732.8 (graphs: 738.2 against 724.9). GRAPHDECODE_INT4_RING_MASKED=0 and
 # GRAPHDECODE_INT4_RING_ONE_SUM=0 turn them off; read at each launch, as the step is traced or captured.
 MASKED = os.environ.get("GRAPHDECODE_INT4_RING_MASKED", "1") == "1"
 ONE_SUM = os.environ.get("GRAPHDECODE_INT4_RING_ONE_SUM", "1") == "1"

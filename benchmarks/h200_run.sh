@@ -39,6 +39,18 @@ variants() {  # name:"flags" ... -> one cold 7B batch-1 bench per entry
     bench7b "$d" $f | grep -E "graphs  |_kernel|triton_" | head -14
   done
 }
+same_cache_benches() {  # part limit-s name:"flags" ... -> 7B batch-1 graphs, --repeat 2, one process each, one after
+  # another on one Inductor/Triton cache (/tmp/part; each model's first cold), records in $OUT/h200-part.json,
+  # each log in /tmp/name.log: its exit status and result lines
+  local part=$1 limit=$2; shift 2
+  for v in "$@"; do
+    d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
+    # shellcheck disable=SC2086
+    TORCHINDUCTOR_CACHE_DIR=/tmp/$part/inductor TRITON_CACHE_DIR=/tmp/$part/triton timeout -k 5 "$limit" python3 \
+      bench.py --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-$part.json" \
+      > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
+  done
+}
 logged_variants() {  # limit-s lines name:"flags" ... -> one cold 7B batch-1 bench per entry, its whole output in
   # $OUT/name.log; shows the exit status and the result lines (lines 0), or the log's last `lines` lines.
   # With JSON=file set: every record in that one file (bench.py appends) and the logs in /tmp (the device tool
@@ -827,24 +839,12 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
       grep -A40 "kernels of 4 decode steps" /tmp/z606.log | head -45 ;;
   z74) # session 30, last: bf16 and int4 g32 on a third machine (bench.py now records MASKED and ONE_SUM), then
       # ring_launch.py's new flags: both off against DEFAULT (both on), by hand-captured graph
-      for v in z741:"" z742:"--quantize int4-g32"; do
-        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
-        # shellcheck disable=SC2086
-        TORCHINDUCTOR_CACHE_DIR=/tmp/z74/inductor TRITON_CACHE_DIR=/tmp/z74/triton timeout -k 5 120 python3 bench.py \
-          --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-z74.json" \
-          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
-      done
+      same_cache_benches z74 120 z741:"" z742:"--quantize int4-g32"
       TRITON_CACHE_DIR=/tmp/z74/triton t 100 python3 benchmarks/ring_launch.py --launches "nomasked;noonesum|DEFAULT" \
         --json "$OUT/ring-flags-h200.json" | grep -v "^ *_warn" ;;
   z73) # session 30: the speed table on one machine, as z61: bf16, int4 g32, int8, int4 g128, bf16, int4 g32
-      for v in z731:"" z732:"--quantize int4-g32" z733:"--quantize int8" z734:"--quantize int4-g128" z735:"" \
-               z736:"--quantize int4-g32"; do
-        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
-        # shellcheck disable=SC2086
-        TORCHINDUCTOR_CACHE_DIR=/tmp/z73/inductor TRITON_CACHE_DIR=/tmp/z73/triton timeout -k 5 150 python3 bench.py \
-          --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-z73.json" \
-          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
-      done ;;
+      same_cache_benches z73 150 z731:"" z732:"--quantize int4-g32" z733:"--quantize int8" z734:"--quantize int4-g128" z735:"" \
+        z736:"--quantize int4-g32" ;;
   z72) # session 30: every GPU test with MASKED and ONE_SUM on by default (and ONE_SUM's one-byte path made equal to
       # int16 codes with zeros 0)
       gpu_tests 560 ;;
@@ -917,14 +917,8 @@ for part in "${@:-a b c1 c2 d}"; do case $part in
         --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 --json "$OUT/h200-z63.json" | grep "graphs  " ;;
   z61) # session 28, run 140 (was planned after session 27): the speed table on ONE machine with generate.prime_capture: bf16, int4
       # g32, int8, int4 g128, bf16 and int4 g32 again (machine spread is +-5-10 tok/s, so the ratio needs one machine)
-      for v in z611:"" z612:"--quantize int4-g32" z613:"--quantize int8" z614:"--quantize int4-g128" z615:"" \
-               z616:"--quantize int4-g32"; do
-        d=${v%%:*}; f=${v#*:}; echo "== $d [$f] $(date +%T)"
-        # shellcheck disable=SC2086
-        TORCHINDUCTOR_CACHE_DIR=/tmp/z61/inductor TRITON_CACHE_DIR=/tmp/z61/triton timeout -k 5 150 python3 bench.py \
-          --model llama-2-7b --modes graphs --batch-sizes 1 --repeat 2 $f --json "$OUT/h200-z61.json" \
-          > "/tmp/$d.log" 2>&1; echo "rc $?"; grep -E "graphs  |Error|error" "/tmp/$d.log" | head -5
-      done ;;
+      same_cache_benches z61 150 z611:"" z612:"--quantize int4-g32" z613:"--quantize int8" z614:"--quantize int4-g128" z615:"" \
+        z616:"--quantize int4-g32" ;;
   z30) # then one mbarrier a box (--each 1): each chunk computed as soon as it lands
       t 400 python3 benchmarks/gluon_gemv.py --rows 8,16 --warps 4 --each 0,1 --json "$OUT/gluon-z30.json" ;;
 esac; done

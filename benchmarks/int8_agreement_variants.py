@@ -116,5 +116,6 @@ for name in names:
     g, a = greedy(m), tf_argmax(m)
     for r, (rg, ra) in ref.items():
         eq = [x == y for x, y in zip(g, rg)]
-        print(f"{name:12s} vs {r}: greedy {sum(eq)}/12 {''.join('1' if e else '0' for e in eq)}  tf {(a == ra).float().mean().item():.4f}", flush=True)
+        print(f"{name:12s} vs {r}: greedy {sum(eq)}/12 {''.join('1' if e else '0' for e in eq)}  "
+              f"tf {(a == ra).float().mean().item():.4f}", flush=True)
     print(f"  ({time.time() - t:.0f} s)", flush=True)

@@ -68,11 +68,9 @@ def settings_of(launch: str) -> tuple[str, tuple | None, dict]:
     return ring, tuple(values + [0])[:3], flags
 
 
-def apply(ring: str, attention: tuple | None, flags: dict | None = None) -> None:
-    """Set the ring's launches and the attention kernel's (cuda_kernels.ATTENTION_BLOCK_L, _WARPS, _SPLITS, as bench.py's
-    --attention-* flags set them; 0 or None: the rule's), int4_ring.MASKED and int4_ring.ONE_SUM (None:
-    DEFAULT_FLAGS)."""
-    flags = flags or DEFAULT_FLAGS
+def apply(ring: str, attention: tuple | None, flags: dict) -> None:
+    """Set the ring's launches and the attention kernel's (cuda_kernels.ATTENTION_BLOCK_L, _WARPS, _SPLITS, as
+    bench.py's --attention-* flags set them; 0 or None: the rule's), int4_ring.MASKED and int4_ring.ONE_SUM."""
     int4_ring.LAUNCH = ring
     int4_ring.MASKED = flags["masked"]
     int4_ring.ONE_SUM = flags["onesum"]
