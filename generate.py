@@ -1,81 +1,32 @@
-"""Generate text with a Llama-family model: prefill eagerly, then decode one token per step
-through a compiled step that never waits for the host (on CUDA: CUDA-graphed; on the CPU:
-compiled ahead of time, see AotStep).
+"""Generate text with a Llama-family model: prefill, then decode one token per step through a
+compiled step that never waits for the host (on CUDA: one CUDA graph replay a token).
 
     python generate.py --prompt "Tell me about CUDA graphs" [--checkpoint DIR] [--chat]
 
-The decode path, in reading order:
-  Sampling / sample()        graph-safe greedy, temperature, top-k and top-p
+The decode path, in reading order (sampling: common.py):
   prefill()                  the prompt in one forward (dynamic shape: eager or compiled dynamic)
   decode_one_token()         one step on static buffers: the unit that is compiled and graphed
   Generator.generate()       the host loop: runs steps, reads tokens back every K steps, stops
-  AotStep                    the CPU's step through torch.export + AOTInductor, cached on disk
+  check_graphs()             --check-graphs: one graph replay per step, counted by the profiler
+kernels.apply() swaps in the fast kernels after loading (--no-kernels: the plain model).
 """
 import argparse
 import contextlib
 import math
-import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from convert_hf_checkpoint import cache_dir
+import kernels
+from common import DTYPES, Sampling, UsageError, sample, synchronize
+from kernels.aot import AotStep
 from model import Transformer, read_config
+from quantize import load
+from speculative import SpeculativeGenerator
 from tokenizer import load_tokenizer
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 1."""
-
-
-# -- sampling: fixed-shape ops only, no host sync ---------------------------------------------
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.8  # 0: greedy
-    top_k: int | None = 200
-    top_p: float | None = None
-
-    def check(self) -> None:
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise UsageError(f"--temperature must be >= 0 (got {self.temperature})")
-        if self.top_k is not None and not 1 <= self.top_k:
-            raise UsageError(f"--top-k must be >= 1 (got {self.top_k})")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise UsageError(f"--top-p must be in (0, 1] (got {self.top_p})")
-
-
-def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """logits [B, V] -> sampling distribution [B, V] in float32."""
-    logits = logits.float() / s.temperature
-    if s.top_k is not None and s.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if s.top_p is not None and s.top_p < 1:
-        # Keep the smallest prefix of the sorted distribution whose mass reaches top_p: a token is
-        # dropped when the mass before it already does. Full-vocabulary sort: a fixed shape.
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= s.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]. argmax(p / E) with E ~ Exponential(1) draws from p (the
-    exponential race) without torch.multinomial, which syncs with the host."""
-    if s.temperature == 0:
-        return logits.argmax(-1)
-    probs = logits_to_probs(logits, s)
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
 
 
 # -- the two phases ------------------------------------------------------------------------------
@@ -101,86 +52,6 @@ def decode_one_token(model: Transformer, token: torch.Tensor, pos: torch.Tensor,
     tokens.index_copy_(1, pos, nxt)
 
 
-# generate.prime_capture before the first capture of a step with int4_ring.py's kernel; GRAPHDECODE_PRIME_CAPTURE=0
-# leaves it out (for timing it)
-PRIME_CAPTURE = os.environ.get("GRAPHDECODE_PRIME_CAPTURE", "1") == "1"
-
-
-def capture_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor, s: Sampling,
-                 warmup_steps: int = 1) -> torch.cuda.CUDAGraph:
-    """decode_one_token captured by hand into one torch.cuda.CUDAGraph: recorded, not run (replay() runs it). First
-    warmup_steps uncaptured steps on a side stream (kernels built, lazy inits, cuBLAS workspaces: none of it
-    captured); then the buffers and the CUDA generator are put back as they were, so the warm-up changes neither
-    the tokens nor what a seeded sampler draws (the KV cache rows it wrote from pos, later steps write again)."""
-    device = token.device
-    saved = [t.clone() for t in (token, pos, tokens)]
-    rng = torch.cuda.get_rng_state(device)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.no_grad():
-        with torch.cuda.stream(stream):
-            for _ in range(warmup_steps):
-                decode_one_token(model, token, pos, tokens, s)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        for t, v in zip((token, pos, tokens), saved):
-            t.copy_(v)
-        torch.cuda.set_rng_state(rng, device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            decode_one_token(model, token, pos, tokens, s)
-    return graph
-
-
-def prime_capture(model: Transformer, token: torch.Tensor, pos: torch.Tensor, tokens: torch.Tensor,
-                  s: Sampling) -> None:
-    """Capture one decode step by hand (capture_step) and drop the graph unreplayed: buffers and generator unchanged.
-    Why (measured, cause unknown: BENCHMARKS.md, session 27): in a process whose first graph holds int4_ring.py's
-    kernel, that graph replays ~1.3% slower (bench.py graphs, 7B int4 g32: 707-715 tok/s) than any graph captured
-    after it (716-724), at the same clocks; bf16, int8 and int4 g128 do not differ. A capture of the step first
-    makes the one that decodes fast; for CUDAGraph Trees, a capture of the ring's kernel alone did not."""
-    if PRIME_CAPTURE:
-        capture_step(model, token, pos, tokens, s)  # (the graph, never replayed, is freed on return)
-
-
-def uses_int4_ring(model: Transformer) -> bool:
-    """Whether any layer of model runs int4_ring.py's kernel in one-token decode."""
-    return any(getattr(m, "gemv_ring", False) for m in model.modules())
-
-
-def register_fallbacks() -> None:
-    """Tell Inductor up front that this project's custom ops (cuda_kernels.py's, cpu_kernels.py's) are
-    fallbacks: calls of their own implementation, with the layout constraint Inductor gives a custom
-    op by default. That is what Inductor does itself the first time it meets such an op, but torch
-    2.11 first formats a log line with the str() of each argument whether the line is logged or not,
-    and the str() of an op's output includes that of the ops it came from: through the residual,
-    which reaches each op by two paths, it grows ~2x a layer. In an int4 model whose layers run
-    cuda_kernels.int4_gemv the first graphdecode::gemv is the int8 output head's, after 32 layers: its
-    str() never ended (BENCHMARKS.md, session 9). Registering first skips the line. These are private
-    Inductor functions: a torch without them gets a warning (torch before 2.13, which may format
-    that line eagerly) and Inductor's own fallbacks, as before."""
-    try:
-        from torch._inductor import lowering
-        from torch._library.utils import get_layout_constraint_tag
-
-        lowering.make_fallback, lowering.tag_to_layout_constraint, lowering.lowerings  # noqa: B018 (present?)
-    except (ImportError, AttributeError) as e:
-        if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):  # (2.13 pre-releases: 2.13)
-            import warnings
-
-            warnings.warn(f"graphdecode: could not register its custom ops with Inductor ({e}); compiling an "
-                          f"int4 model on torch {torch.__version__} may not finish (BENCHMARKS.md, session 9)")
-        return
-    for name in ("gemv", "int4_gemv", "decode_attention", "int4_linear", "int8_linear"):
-        try:
-            op = getattr(torch.ops.graphdecode, name).default
-        except (AttributeError, RuntimeError):  # not defined in this process (cpu_kernels not loaded)
-            continue
-        # (an op with a decomposition is Inductor's to decompose: make_fallback refuses those)
-        if op not in lowering.lowerings and op not in getattr(lowering, "decompositions", {}):
-            tag = get_layout_constraint_tag(op, with_default=True)
-            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
-
-
 class Generator:
     """Holds the model, its static decode buffers and the compiled step."""
 
@@ -195,7 +66,7 @@ class Generator:
         self.decode_steps = 0  # decode steps the last generate ran (up to K - 1 past a stop: GB/s counts them)
         self.mode = mode
         if mode in ("compile", "graphs") or compile_prefill:
-            register_fallbacks()
+            kernels.register_fallbacks()
         if mode == "eager":
             self.step = decode_one_token
         elif mode == "compile":  # Inductor kernels, launched one by one
@@ -211,7 +82,7 @@ class Generator:
         elif mode in ("aot", "aot-cached"):  # the CPU: compiled ahead of time, cached on disk (AotStep);
             if self.device.type != "cpu":  # aot-cached: only if already built, else eager
                 raise ValueError(f"mode {mode!r} is for the CPU")
-            self.step = AotStep(build=mode == "aot")
+            self.step = AotStep(decode_one_token, build=mode == "aot")
         else:
             raise ValueError(f"unknown decode mode {mode!r}")
         self.warmup_calls = self.MODES[mode]
@@ -238,7 +109,7 @@ class Generator:
                 for t in (token, pos, tokens):
                     torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
             if self.mode.startswith("aot"):  # new shapes: a step built for them (or loaded) at the next call
-                self.step, self.calls = AotStep(build=self.mode == "aot"), 0
+                self.step, self.calls = AotStep(decode_one_token, build=self.mode == "aot"), 0
             self.buffers = (token, pos, tokens)
         return self.buffers
 
@@ -286,8 +157,6 @@ class Generator:
             return
         # First calls compile (and on CUDA record the graph); time them apart from generation.
         start = time.perf_counter()
-        if self.calls == 0 and self.mode == "graphs" and uses_int4_ring(self.model):
-            prime_capture(self.model, token, pos, tokens, self.sampling)
         self.step(self.model, token, pos, tokens, self.sampling)
         synchronize(self.device)
         self.compile_s += time.perf_counter() - start
@@ -305,100 +174,6 @@ class Generator:
                 yield
             except torch._dynamo.exc.RecompileError as e:
                 raise RuntimeError(f"decode recompiled after warm-up: {str(e).strip().splitlines()[-1]}") from e
-
-
-# -- the CPU decode step compiled ahead of time -------------------------------------------------
-
-AOT_CACHE = cache_dir() / "aot"
-# What the compiled step runs: not cuda_kernels.py, which model.py calls for CUDA tensors only (keying on it
-# made every GPU-kernel edit rebuild the CPU step: eager 54 tok/s until then), but cpu_kernels.py,
-# whose custom ops the step calls.
-AOT_SOURCES = ("generate.py", "model.py", "cpu_kernels.py", "cpu_kernels.cpp")
-
-
-class _Step(torch.nn.Module):
-    def __init__(self, model: Transformer, s: Sampling):
-        super().__init__()
-        self.model, self.s = model, s
-
-    def forward(self, token, pos, tokens):
-        decode_one_token(self.model, token, pos, tokens, self.s)
-
-
-class AotStep:
-    """decode_one_token through torch.export and AOTInductor, for the CPU. torch.compile traces
-    the model again in every new process (~11 s for the default model, ~85 s cold); this compiles
-    once, into a package in AOT_CACHE ($GRAPHDECODE_CACHE/aot/, by default ~/.cache/graphdecode/aot/)
-    keyed by what the compiled code depends on (the model's architecture and parameter shapes,
-    batch, cache length, sampling, torch version, the source files), and a later process loads it
-    in milliseconds. The package holds no weights: its constants (weights, KV cache, RoPE tables)
-    are the model's own tensors, handed over at load (user-managed), so the prefill's cache writes
-    are the ones decode reads, and any checkpoint of the same shapes reuses it. Falls back to
-    torch.compile, with a note, if exporting or compiling fails. With build=False a missing package
-    means eager decode."""
-
-    def __init__(self, build: bool = True):
-        self.runner, self.build = None, build
-
-    def __call__(self, model, token, pos, tokens, s):
-        if self.runner is None:
-            self.runner = self._load_or_build(model, token, pos, tokens, s)
-        self.runner(model, token, pos, tokens, s)
-
-    @staticmethod
-    def key(model, token, tokens, s) -> str:
-        import hashlib
-        import json
-
-        here = Path(__file__).resolve().parent
-        h = hashlib.sha256(b"".join((here / f).read_bytes() for f in AOT_SOURCES))
-        state = [(n, list(t.shape), str(t.dtype)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
-        h.update(json.dumps([model.args.to_dict(), state, list(token.shape), list(tokens.shape), repr(s),
-                             torch.__version__, torch.backends.cpu.get_cpu_capability()]).encode())
-        return h.hexdigest()[:20]
-
-    def _load_or_build(self, model, token, pos, tokens, s):
-        path = AOT_CACHE / f"decode-{self.key(model, token, tokens, s)}.pt2"
-        if not path.is_file() and not self.build:
-            print("decode: eager (run once with --compile to build a compiled step for this model, batch "
-                  "and cache length, ~80 s; later runs then use it)", file=sys.stderr)
-            return decode_one_token
-        try:
-            if not path.is_file():
-                self._build(model, token, pos, tokens, s, path)
-            # PyTorch's C++ loader: torch._inductor.aoti_load_package would first import Inductor,
-            # 2.6 s of every start; this takes milliseconds.
-            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-            constants = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            constants = {n: constants[n.removeprefix("model.")] for n in loader.get_constant_fqns()}
-            loader.load_constants(constants, False, True, True)  # (use_inactive, check_full_update, user_managed)
-        except Exception as e:  # noqa: BLE001 (whatever export or the compiler raised: decode still runs)
-            print(f"note: compiling decode ahead of time failed ({type(e).__name__}: "
-                  f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); using torch.compile",
-                  file=sys.stderr)
-            return torch.compile(decode_one_token, fullgraph=True, options={"cpp.min_chunk_size": 65536})
-        return lambda model, token, pos, tokens, s: loader.boxed_run([token, pos, tokens])
-
-    @staticmethod
-    def _build(model, token, pos, tokens, s, path: Path):
-        import tempfile
-
-        print(f"compiling the decode step ahead of time, once for this model, batch and cache length "
-              f"(~80 s for the default model) into {path.parent}", file=sys.stderr, flush=True)
-        register_fallbacks()
-        exported = torch.export.export(_Step(model, s), (token, pos, tokens))  # (on fake tensors: nothing written)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".pt2")  # renamed when complete
-        os.close(fd)
-        try:
-            torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs={
-                "cpp.min_chunk_size": 65536,  # (as for torch.compile on the CPU: see Generator)
-                "fallback_random": True,  # sampling draws from PyTorch's generator: --seed holds
-                "aot_inductor.package_constants_in_so": False})  # the weights come from the model
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
 
 # -- graph verification (--check-graphs) ---------------------------------------------------------
@@ -479,26 +254,13 @@ def check_speculative_graphs(gen, start: int) -> dict:
 def weight_bytes_per_step(model: Transformer, rows: int = 1) -> int:
     """Bytes of weights one decode step of `rows` sequences reads: every stored tensor once (quantized
     weights and their scales included), except the embedding table, of which a step reads one row per
-    sequence (unless it doubles as the output head). An int4 layer with a one-row layout of its own
-    (model.Int4Linear's gemv_ buffers) counts that one for one row (with int4 codes it is smaller)."""
+    sequence (unless it doubles as the output head)."""
     persistent = model.state_dict().keys()
     tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
     tensors.update((n, b) for n, b in model.named_buffers() if n in persistent)  # not the KV cache
     if not model.args.tie_embeddings:
         tensors.pop("tok_embeddings.weight")
-    if rows == 1:
-        for name, module in model.named_modules():
-            if getattr(module, "gemv_weight", None) is not None:
-                for kind in ("weight", "scales_and_zeros"):
-                    tensors.pop(f"{name}.{kind}")
-                tensors.update((f"{name}.{kind}", t) for kind in ("gemv_weight", "gemv_sz", "gemv_units")
-                               if (t := getattr(module, kind)) is not None)
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -521,8 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: bf16 on CUDA, fp32 on the CPU (see README)")
     p.add_argument("--compile", dest="compile", action="store_true", default=None,
                    help="compile decode (CUDA: CUDA graphs, the default there; the CPU: ahead of time, "
-                        "built once and cached, then used by default: see README)")
+                        "built once and cached, then used by default; with --no-kernels torch.compile)")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="run the plain model.py, without the kernels package (also GRAPHDECODE_KERNELS=0)")
     p.add_argument("--compile-prefill", action="store_true", help="compile prefill with dynamic shapes")
     p.add_argument("--stop-check-interval", type=int, default=8, metavar="K",
                    help="read tokens back and check stop tokens every K decode steps")
@@ -598,10 +362,13 @@ def run(args) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    use_kernels = not args.no_kernels and kernels.enabled()
     if device.type == "cuda":
         mode = "eager" if args.compile is False else "graphs"
-    else:  # compiled ahead of time with --compile; by default that step if built before, else eager (README)
+    elif use_kernels:  # compiled ahead of time with --compile; by default that step if built before, else eager
         mode = {True: "aot", False: "eager", None: "aot-cached"}[args.compile]
+    else:
+        mode = "compile" if args.compile else "eager"
     if args.check_graphs and (mode != "graphs" or args.interactive):
         raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile) and a --prompt "
                          "(not --interactive)")
@@ -646,11 +413,13 @@ def run(args) -> None:
     # of about the same length reuse a compiled step from Inductor's cache (CPU: ~12 s against ~85 s).
     length = min(context, -(-length // 64) * 64)
     check_memory(config, checkpoint, 1, length, dtype, device)
-    model = Transformer.from_checkpoint(checkpoint, device=device, dtype=dtype)
+    model = load(checkpoint, device=device, dtype=dtype)
+    swapped = kernels.apply(model) if use_kernels else []
     synchronize(device)
-    log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s")
+    log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
+        + ("; ".join(swapped) or "none" if use_kernels else "off"))
     if args.draft_checkpoint:
-        gen = speculative_generator(args, model, tokenizer, sampling, device, dtype, length)
+        gen = speculative_generator(args, model, tokenizer, sampling, device, dtype, length, use_kernels)
     else:
         gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)
         gen.reserve(1, length)  # buffers at their final size up front: a later resize would recompile
@@ -679,10 +448,8 @@ def run(args) -> None:
         log(f"check-graphs: one graph replay per call, as expected: {counts}")
 
 
-def speculative_generator(args, model, tokenizer, sampling, device, dtype, length):
+def speculative_generator(args, model, tokenizer, sampling, device, dtype, length, use_kernels):
     """--draft-checkpoint: the draft model, checked to share the target's tokenizer."""
-    from speculative import SpeculativeGenerator  # speculative.py builds on this module
-
     draft_config = read_config(args.draft_checkpoint)
     draft_tokenizer = load_tokenizer(args.draft_checkpoint)
     probe = "Speculative decoding: 12345, naïve café, 東京, 🚀\n  def f(x): return x"
@@ -691,7 +458,9 @@ def speculative_generator(args, model, tokenizer, sampling, device, dtype, lengt
             or draft_tokenizer.eos_ids != tokenizer.eos_ids):
         raise UsageError(f"the draft {args.draft_checkpoint} does not share the target's tokenizer")
     check_memory(draft_config, args.draft_checkpoint, 1, length, dtype, device)
-    draft = Transformer.from_checkpoint(args.draft_checkpoint, device=device, dtype=dtype)
+    draft = load(args.draft_checkpoint, device=device, dtype=dtype)
+    if use_kernels:
+        kernels.apply(draft)
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     mode = ("graphs" if device.type == "cuda" else "compile") if compiled else "eager"
     gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, mode)

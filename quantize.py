@@ -15,8 +15,8 @@ int4: the blocks' linear layers in groups of G input columns, asymmetric: each g
       where rounding alone loses most (the default model at group size 128: perplexity 1.39x
       float -> 1.14x).
 Both: the embedding table stays float (one row read per token). The file formats, and the
-modules that run them, are at the end of model.py; generate.py and eval.py load the result with
-no extra flag.
+modules that run them in plain PyTorch, are below; kernels/ has their fast forwards. generate.py
+and eval.py load the result with no extra flag.
 
 The output defaults to DIR-int8 or DIR-int4-gG beside DIR and is never overwritten: it is written
 to a temporary directory and renamed into place once complete. Tokenizer files and the rest of
@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from convert_hf_checkpoint import write_safetensors
-from model import (INT4_GROUPSIZES, ModelArgs, Transformer, check_quantization, int4_units, quantized_constructor,
-                   read_config)
+from model import ModelArgs, Transformer, read_config
 
 SCALE_DTYPE = torch.bfloat16  # the kernels' dtype: scales are fitted to the values they will have
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
@@ -49,7 +50,126 @@ class QuantizeError(Exception):
     """Bad input: printed as one line, exit status 1."""
 
 
-# -- the quantizers: float weight [N, K] -> the file's tensors (see model.py) ---------------------
+# -- the quantized layers: what quantize_checkpoint writes, in plain PyTorch -----------------------
+#
+# For a layer whose float weight W is [N, K] (every tensor is per output row, N first):
+#   int8           Int8Linear: `weight` int8 [N, K] and `scales` [N]; W = weight * scales[:, None]
+#                  (symmetric, per output channel). Every linear layer.
+#   int4, group G  Int4Linear: `weight` uint8 [N, K/2], two 4-bit values q per byte (column 2j in
+#                  the low nibble), `scales` and `zeros` [N, ceil(K/G)]; W = (q - 8) * scale + zero
+#                  for each group of G columns (asymmetric: `zero` is the middle level's value). The
+#                  blocks' linear layers; the output head is int8 (4-bit there costs ~5% perplexity).
+#   embedding      stays float: a lookup reads one row per token, so quantizing it saves memory,
+#                  not time.
+# Scales and zeros are bf16 in the file. A tied embedding becomes two tensors (the float table and
+# the int8 head), so quantized configs say tie_embeddings=false. The forwards below dequantize and
+# call F.linear (gpt-fast's int8 way); kernels/ swaps in GEMVs that read the packed weights.
+
+INT4_GROUPSIZES = (32, 64, 128, 256)
+
+
+def check_quantization(quantization) -> tuple[str, int | None]:
+    """(mode, groupsize) of a config's "quantization" entry; ValueError on anything else."""
+    mode = quantization.get("mode") if isinstance(quantization, dict) else None
+    if mode not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {quantization!r} (mode must be int8 or int4)")
+    keys = {"mode", "groupsize"} if mode == "int4" else {"mode"}
+    if set(quantization) != keys:
+        raise ValueError(f"quantization {quantization}: {mode} takes exactly the keys {sorted(keys)}")
+    if mode == "int4" and quantization["groupsize"] not in INT4_GROUPSIZES:
+        raise ValueError(f"quantization {quantization}: groupsize must be one of {INT4_GROUPSIZES}")
+    return mode, quantization.get("groupsize")
+
+
+def unpack_int4(weight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] (column 2j in the low nibble) -> int32 [N, K] in 0..15."""
+    return torch.stack([weight & 15, weight >> 4], dim=-1).view(weight.shape[0], -1).int()
+
+
+def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return weight.to(scales.dtype) * scales[:, None]
+
+
+def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, groupsize: int) -> torch.Tensor:
+    q = unpack_int4(weight).to(scales.dtype)
+    group = torch.arange(q.shape[1], device=q.device) // groupsize  # column -> its group
+    return (q - 8) * scales[:, group] + zeros[:, group]
+
+
+def _parameter(*shape, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = _parameter(out_features, in_features, dtype=torch.int8)
+        self.scales = _parameter(out_features, dtype=torch.get_default_dtype())
+        self.bias = _parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
+
+    def forward(self, x):
+        y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
+        super().__init__()
+        if in_features % 32 or out_features % 16:
+            raise ValueError(f"int4 needs an input dim that is a multiple of 32 and an output dim that is a "
+                             f"multiple of 16 (got {in_features} -> {out_features})")
+        self.groupsize = groupsize
+        groups = -(-in_features // groupsize)
+        self.weight = _parameter(out_features, in_features // 2, dtype=torch.uint8)
+        self.scales = _parameter(out_features, groups, dtype=torch.get_default_dtype())
+        self.zeros = _parameter(out_features, groups, dtype=torch.get_default_dtype())
+        self.bias = _parameter(out_features, dtype=torch.get_default_dtype()) if bias else None
+
+    def forward(self, x):
+        w = dequantize_int4(self.weight, self.scales, self.zeros, self.groupsize)
+        return F.linear(x, w.to(x.dtype), self.bias)
+
+
+def swap_linears(model: Transformer, quantization: dict) -> None:
+    """Replace the blocks' nn.Linear layers by quantized ones of `quantization`'s mode (the head by
+    Int8Linear), empty, ready to load a quantized state dict: Transformer.from_checkpoint's swap."""
+    mode, groupsize = check_quantization(quantization)
+    if model.args.tie_embeddings:
+        raise ValueError("a quantized checkpoint keeps the head apart from the embedding: its config "
+                         "must say tie_embeddings=false")
+
+    def quantized(linear: nn.Linear, mode: str) -> nn.Module:
+        bias = linear.bias is not None
+        if mode == "int8":
+            return Int8Linear(linear.in_features, linear.out_features, bias)
+        return Int4Linear(linear.in_features, linear.out_features, groupsize, bias)
+
+    for layer in model.layers:
+        for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
+                             (layer.feed_forward, "w13"), (layer.feed_forward, "w2")):
+            setattr(parent, name, quantized(getattr(parent, name), mode))
+    model.output = quantized(model.output, "int8")
+
+
+def load(path, device="cpu", dtype=torch.bfloat16) -> Transformer:
+    """Any checkpoint directory, float or quantized (Transformer.from_checkpoint with swap_linears)."""
+    return Transformer.from_checkpoint(path, device=device, dtype=dtype, swap=swap_linears)
+
+
+def int4_grid_unit(v: torch.Tensor, levels: int) -> torch.Tensor:
+    """v [N, G] -> [N, 1] float32: per row, the smallest power of two u with max |v| <= levels u
+    (1 for a row of zeros)."""
+    m, e = torch.frexp(v.float().abs().amax(1, keepdim=True) / levels)
+    return torch.where(m > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
+
+
+def int4_units(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The units of the grid for int4 scales and zeros [N, G]: [N, 2] float32, the scales'
+    (int4_grid_unit with 255 levels) and the zeros' (127 levels)."""
+    return torch.cat([int4_grid_unit(scales, 255), int4_grid_unit(zeros, 127)], dim=1)
+
+
+# -- the quantizers: float weight [N, K] -> the file's tensors ------------------------------------
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric, per row: (int8 [N, K], scales [N]) with w ~ q * scales[:, None]."""
@@ -89,9 +209,9 @@ def _fit_units(fits: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
 
 
 # Scales and zeros on a grid: each a whole number of a power of two per row, 8 bits (scales 1..255,
-# zeros -127..127; model.int4_grid_units). They stay bf16 in the file (exactly: 8 bits times a
-# power of two), so every kernel computes with the same weights, and cuda_kernels.int4_gemv can read them
-# as one byte each (model.INT4_CODES). Cost on the default model: BENCHMARKS.md.
+# zeros -127..127). They stay bf16 in the file (exactly: 8 bits times a power of two), so every
+# kernel computes with the same weights, and kernels/int4.py's GEMV can read them as one byte
+# each. Cost on the default model: BENCHMARKS.md.
 
 def on_grid(scales: torch.Tensor, zeros: torch.Tensor, units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and zeros [N, G] rounded to the nearest whole numbers of their rows' units [N, 2]
@@ -212,9 +332,8 @@ def calibrate(model: Transformer, tokens: list[int]) -> dict[str, torch.Tensor]:
     hessians, hooks = {}, []
 
     def hook(names):
-        def accumulate(module, args, kwargs, out):
-            x = args[0] if kwargs.get("norm") is None else kwargs["norm"](args[0])  # the matmul's input
-            x = x.reshape(-1, x.shape[-1]).float()
+        def accumulate(module, args, out):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()  # the matmul's input
             h = hessians.get(names[0], 0) + x.T @ x
             hessians.update(dict.fromkeys(names, h))  # fused q/k/v and gate/up: one input
         return accumulate
@@ -225,7 +344,7 @@ def calibrate(model: Transformer, tokens: list[int]) -> dict[str, torch.Tensor]:
                               (layer.attention.wo, ("attention.wo",)),
                               (layer.feed_forward.w13, ("feed_forward.w1", "feed_forward.w3")),
                               (layer.feed_forward.w2, ("feed_forward.w2",))):
-            hooks.append(module.register_forward_hook(hook([p + n + ".weight" for n in names]), with_kwargs=True))
+            hooks.append(module.register_forward_hook(hook([p + n + ".weight" for n in names])))
     device = model.tok_embeddings.weight.device
     try:
         model.setup_caches(1, length)
@@ -247,7 +366,7 @@ def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, gro
         if tied and name == "output.weight":
             continue  # the embedding's, made below
         if name == "tok_embeddings.weight":
-            yield name, t  # a lookup reads one row per token: kept float (see model.py)
+            yield name, t  # a lookup reads one row per token: kept float
             if tied:  # the head, stored apart from now on
                 q, scales = quantize_int8(t)
                 yield "output.weight", q
@@ -292,7 +411,8 @@ def quantize_model(model: Transformer, mode: str, groupsize: int | None = None,
     state = split_fused(state, args)
     config = quantized_config({"model": args.to_dict()}, mode, groupsize)
     with torch.device("meta"):
-        qmodel = quantized_constructor(config["quantization"])(ModelArgs.from_dict(config["model"]))
+        qmodel = Transformer(ModelArgs.from_dict(config["model"]))
+        swap_linears(qmodel, config["quantization"])
     device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
     hessians = calibrate(model, calibration) if calibration and mode == "int4" else None
     qstate = {k: v.to(dtype) if v.is_floating_point() else v
@@ -378,7 +498,7 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
             if f.is_file() and f.name not in ("model.safetensors", "config.json"):
                 shutil.copy2(f, tmp / f.name)
         try:  # loads as the runtime will, or is not kept
-            Transformer.from_checkpoint(tmp, device="meta", dtype=torch.float32)
+            load(tmp, device="meta", dtype=torch.float32)
         except (ValueError, RuntimeError) as e:
             raise QuantizeError(f"the quantized checkpoint does not load: {e}") from None
         os.rename(tmp, out)

@@ -16,62 +16,53 @@ and mode "graphs" captures each as one CUDA graph (CUDAGraph Trees, as plain dec
 K steps replay as ONE graph, each proposal written on the device into the next step's input.
 
 The acceptance rule (Leviathan et al. 2023, Chen et al. 2023): with p the target's and q the
-draft's distribution at a position (both from generate.logits_to_probs, same temperature, top-k,
+draft's distribution at a position (both from common.logits_to_probs, same temperature, top-k,
 top-p), proposal d is accepted with probability min(1, p(d)/q(d)); at the first rejection the
 token is drawn from normalize(max(0, p - q)); when all K are accepted a bonus token is drawn from
 p at the last position. Every draw is argmax(probs / Exponential(1)), never torch.multinomial.
 """
 import torch
 
-from generate import Sampling, logits_to_probs, prefill, register_fallbacks, synchronize
+from common import Sampling, draw, logits_to_probs, sample, synchronize
+from kernels import register_fallbacks
 from model import Transformer
 
 
-def _draw(probs: torch.Tensor) -> torch.Tensor:
-    """probs [..., V] (need not be normalised) -> one draw per row [...], by the exponential race."""
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
-
-
-def draft_steps(draft: Transformer, prev: torch.Tensor, token: torch.Tensor, pos: torch.Tensor,
-                draft_tokens: torch.Tensor, draft_probs: torch.Tensor, s: Sampling) -> None:
-    """K draft steps, in place on static buffers: prev, token [1, 1] the tokens at pos - 1 and pos,
-    pos [1]; writes the proposals into draft_tokens [1, K] (d_i at position pos + i) and, when
-    sampling, their draft distributions into draft_probs [1, K, V]. K is draft_tokens' (static)
-    width, so the Python loop unrolls when compiled.
-
-    Why the first step feeds two tokens, [prev, token] at [pos - 1, pos]: the draft's KV cache must
-    hold every accepted token before it proposes. When the previous round rejected a proposal, the
-    draft has already processed everything up to pos - 1 (the accepted d_n is at pos - 1, or n = 0
-    and pos - 1 is the previous round's input), so re-writing pos - 1 writes the same keys and
-    values again: harmless. When the previous round accepted all K, the draft never processed its
-    own K-th proposal (it only produced it), and that token now sits at pos - 1: the two-token
-    step fills that hole. The first round's prev is the prompt's last token (already prefilled).
-    A two-token forward costs about what a one-token forward does (decode is memory-bound), so this
-    is cheaper than running the draft K+1 steps every round, and the shape never changes.
-    Rejected proposals' cache entries (beyond the new pos) are simply overwritten next round."""
+def draft_steps(draft: Transformer, token: torch.Tensor, pos: torch.Tensor, draft_tokens: torch.Tensor,
+                draft_probs: torch.Tensor, s: Sampling) -> None:
+    """K draft steps, in place on static buffers: token [1, 1] the token at pos [1]; writes the
+    proposals into draft_tokens [1, K] (d_i at position pos + i) and, when sampling, their draft
+    distributions into draft_probs [1, K, V]. K is draft_tokens' (static) width, so the Python loop
+    unrolls when compiled: each step is a plain one-token decode step of the draft, and the loop
+    costs what K of them do. (The draft's cache already holds every token before pos: verify
+    feeds it d_K, the one proposal it never read.)"""
     K = draft_tokens.shape[1]
-    logits = draft(torch.cat([prev, token], dim=1), torch.cat([pos - 1, pos]))[:, -1]  # [1, V]
     for i in range(K):
-        if i > 0:
-            logits = draft(draft_tokens[:, i - 1:i], pos + i)[:, -1]
+        logits = draft(token if i == 0 else draft_tokens[:, i - 1:i], pos + i)[:, -1]  # [1, V]
         if s.temperature == 0:
             t = logits.argmax(-1)
         else:
             q = logits_to_probs(logits, s)  # [1, V]
             draft_probs[:, i].copy_(q)
-            t = _draw(q)
+            t = draw(q)
         draft_tokens[:, i].copy_(t)
 
 
-def verify(target: Transformer, prev: torch.Tensor, token: torch.Tensor, pos: torch.Tensor,
+def verify(target: Transformer, draft: Transformer, token: torch.Tensor, pos: torch.Tensor,
            draft_tokens: torch.Tensor, draft_probs: torch.Tensor, result: torch.Tensor, s: Sampling) -> None:
     """The target's check of K proposals in one forward over K+1 positions, in place:
     result [K+2] gets n (proposals accepted, 0..K) then K+1 tokens of which the first n+1 are the
-    new ones (n accepted proposals, then the corrected or bonus token); token, prev and pos are
-    advanced to the last new token, its predecessor and its position."""
+    new ones (n accepted proposals, then the corrected or bonus token); token and pos are advanced
+    to the last new token and its position.
+
+    It also feeds the draft its last proposal d_K at pos + K: the draft produced d_K but never read
+    it, and when all K are accepted the next round starts at pos + K + 1, so the draft's cache must
+    hold it (otherwise the first draft step would have to read two tokens, a slower shape). When
+    fewer are accepted, that cache entry lies beyond the next position and is written again."""
     K = draft_tokens.shape[1]
     offsets = torch.arange(K + 1, device=pos.device)
     logits = target(torch.cat([token, draft_tokens], dim=1), pos + offsets)[0]  # [K+1, V]
+    draft(draft_tokens[:, K - 1:], pos + K)  # (its logits unused)
     d = draft_tokens[0]  # [K]
     if s.temperature == 0:
         best = logits.argmax(-1)  # [K+1]
@@ -91,11 +82,10 @@ def verify(target: Transformer, prev: torch.Tensor, token: torch.Tensor, pos: to
         # An all-zero residual means p == q there, when rejection has probability 0; guard against
         # rounding anyway by falling back to p.
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p)
-        drawn = _draw(resid)  # [K+1]: a candidate at every row; only row n is used
+        drawn = draw(resid)  # [K+1]: a candidate at every row; only row n is used
         out = torch.where(offsets < n, torch.cat([d, d[:1]]), drawn)
     seq = torch.cat([token[0], out])  # [K+2]: the token at pos, then pos+1..pos+K+1
     token.copy_(seq.gather(0, n + 1).view(1, 1))
-    prev.copy_(seq.gather(0, n).view(1, 1))
     pos.add_(n + 1)
     result.copy_(torch.cat([n, out]))
 
@@ -131,27 +121,26 @@ class SpeculativeGenerator:
         else:
             raise ValueError(f"unknown mode {mode!r} (eager, compile or graphs)")
         dev, V = self.device, target.args.vocab_size
-        self.prev = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.draft_tokens = torch.zeros(1, k, dtype=torch.long, device=dev)
         self.draft_probs = torch.zeros(1, k, V, dtype=torch.float32, device=dev)
         self.result = torch.zeros(k + 2, dtype=torch.long, device=dev)
         if mode != "eager":  # (as in Generator.reserve: eager needs no marks)
-            for t in (self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs, self.result):
+            for t in (self.token, self.pos, self.draft_tokens, self.draft_probs, self.result):
                 torch._dynamo.mark_static_address(t)  # mutated in the graphs: must stay put
         self.reset_stats()
 
     @torch.no_grad()  # grad mode is part of what the compiled functions are specialised on
     def draft_loop(self) -> None:
         """The K draft steps of a round (one graph replay in mode graphs), on the static buffers."""
-        self.draft_fn(self.draft, self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs,
+        self.draft_fn(self.draft, self.token, self.pos, self.draft_tokens, self.draft_probs,
                       self.sampling)
 
     @torch.no_grad()
     def verify_round(self) -> None:
         """The target's verification of the proposals (one graph replay in mode graphs)."""
-        self.verify_fn(self.target, self.prev, self.token, self.pos, self.draft_tokens, self.draft_probs,
+        self.verify_fn(self.target, self.draft, self.token, self.pos, self.draft_tokens, self.draft_probs,
                        self.result, self.sampling)
 
     def reset_stats(self) -> None:
@@ -180,10 +169,10 @@ class SpeculativeGenerator:
         # The target writes up to pos + K with pos <= S + max_new_tokens - 2; one more for margin.
         self.reserve(S + max_new_tokens + self.k + 1)
         idx = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        first = prefill(self.target, idx, self.sampling)  # [1]
-        self.draft(idx, torch.arange(S, device=self.device))  # fills the draft's cache
+        positions = torch.arange(S, device=self.device)
+        first = sample(self.target(idx, positions)[:, -1], self.sampling)  # [1]: the prefill
+        self.draft(idx, positions)  # fills the draft's cache
         self.token[0, 0] = first[0]
-        self.prev[0, 0] = prompt[-1]
         self.pos.fill_(S)
         t = int(first[0])  # a sync outside the rounds
         yield [t]

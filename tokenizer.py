@@ -12,57 +12,38 @@ Backends, picked from file contents (tokenizer.json wins when both files exist):
   tokenizer.json   Hugging Face `tokenizers`                 -> HFTokenizer
   tokenizer.model  SentencePiece protobuf                    -> SentencePieceTokenizer
   tokenizer.model  tiktoken rank file (Llama 3 `original/`)  -> TiktokenTokenizer
+Side files read when present: tokenizer_config.json, chat_template.jinja, generation_config.json.
 
-Side files read when present: tokenizer_config.json (chat_template, bos/eos tokens,
-add_bos_token, added_tokens_decoder), chat_template.jinja, generation_config.json
-(eos_token_id, bos_token_id).
-
-Conventions shared by every backend:
-  * encode() parses special-token text ("<|im_start|>", "<|eot_id|>") into the special ids for
-    the tokenizer.json and tiktoken backends.  SentencePiece never parses its control symbols
-    ("<s>", "</s>") out of text, and encode() keeps that behaviour so that ids match
-    SentencePieceProcessor; use encode_chat() for rendered chat prompts, which does split them.
-  * decode() renders special tokens as their text (nothing is skipped), so that
-    decode(encode_chat(m)) reproduces apply_chat_template(m).
+encode() parses special-token text ("<|im_start|>") into special ids, except with SentencePiece,
+which never parses its control symbols ("<s>") out of text (ids then match SentencePieceProcessor);
+encode_chat() splits them for every backend. decode() renders special tokens as their text, so
+decode(encode_chat(m)) reproduces apply_chat_template(m).
 """
-from __future__ import annotations
-
 import base64
 import binascii
+import functools
 import json
 import re
 import warnings
-from abc import ABC, abstractmethod
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-# --------------------------------------------------------------------------------------
-# Llama 3 (tiktoken) constants, as in Meta's llama-models llama3 tokenizer.py.
+# Llama 3 (tiktoken) constants, as in Meta's llama-models llama3 tokenizer.py (also the split of
+# Llama 3's tokenizer.json: convert_gguf.py uses it).
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_SPECIAL = 256
-# The named ones come first; the reserved ones fill the rest. This is the Llama 3.1 naming, which
-# the released Llama 3.1/3.2/3.3 text tokenizers use (id base+5 is reserved_2, base+11 reserved_3;
-# Meta's later multimodal code renames those two to <|step_id|> and <|image|>, same ids).
-_LLAMA3_NAMED = [
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|reserved_special_token_0|>",
-    "<|reserved_special_token_1|>",
-    "<|finetune_right_pad_id|>",
-    "<|reserved_special_token_2|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eom_id|>",  # end of message (tool call follows)
-    "<|eot_id|>",  # end of turn
-    "<|python_tag|>",
-]
+# The named ones first, reserved ones fill the rest: the Llama 3.1/3.2/3.3 text tokenizers' naming
+# (Meta's later multimodal code renames reserved_2 and reserved_3 to <|step_id|> and <|image|>).
+# <|eom_id|>: end of message (a tool call follows); <|eot_id|>: end of turn.
+_LLAMA3_NAMED = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                 "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+                 "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
 LLAMA3_SPECIAL_TOKENS = _LLAMA3_NAMED + [
-    f"<|reserved_special_token_{3 + i}|>" for i in range(LLAMA3_NUM_SPECIAL - len(_LLAMA3_NAMED))
-]
+    f"<|reserved_special_token_{3 + i}|>" for i in range(LLAMA3_NUM_SPECIAL - len(_LLAMA3_NAMED))]
 LLAMA3_STOP_TOKENS = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")
 
 # Special tokens that end generation in the common chat formats; a tokenizer.json backend treats
@@ -70,7 +51,6 @@ LLAMA3_STOP_TOKENS = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")
 # without generation_config.json still stops.
 KNOWN_STOP_TOKENS = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "</s>")
 
-# --------------------------------------------------------------------------------------
 # Built-in chat templates, used only when the checkpoint has none. Each is one logical line (the
 # Python strings are concatenated), so trim_blocks/lstrip_blocks cannot change their output.
 
@@ -116,20 +96,15 @@ LLAMA2_TEMPLATE = (
 )
 
 
-# --------------------------------------------------------------------------------------
 class StreamDecoder:
     """Incremental detokenizer: push(id) returns the newly completed text.
 
-    It keeps a short window of ids: some already-emitted context followed by not-yet-emitted
-    tokens, and emits decode(window) minus decode(context). Rendering that depends on position is
-    then the same in both decodes: SentencePiece drops the "▁" prefix space of a sequence's first
-    piece (and of following pieces while the text is still empty), which is dropped from both,
-    while later pieces keep their leading space. The context is the last emission's tokens,
-    extended while they show no visible character: a context decoding to "" would make
-    SentencePiece strip the next piece's space too. While the window's text ends in U+FFFD, an
-    incomplete UTF-8 character (e.g. an emoji split over byte tokens) is held back. Each push
-    decodes a few tokens; the window grows only while a character is incomplete or the output is
-    whitespace-only.
+    It emits decode(window) minus decode(context), over a short window of ids: already-emitted
+    context, then pending tokens. Position-dependent rendering (SentencePiece drops the first
+    piece's "▁" space) is then the same in both decodes. The context is the last emission's tokens,
+    extended while they show no visible character (a context decoding to "" would make
+    SentencePiece strip the next piece's space too). Text ending in U+FFFD, an incomplete UTF-8
+    character (an emoji split over byte tokens), is held back.
     """
 
     def __init__(self, tokenizer: "Tokenizer"):
@@ -157,10 +132,10 @@ class StreamDecoder:
         return text[len(before):]
 
 
-class Tokenizer(ABC):
+class Tokenizer:
     """The interface plus everything that does not depend on the backend: side files, BOS/EOS
-    resolution, chat templates, streaming. Backends implement the five abstract methods and set
-    their defaults in __init__ (_default_bos_id, _default_add_bos, _default_stop_tokens)."""
+    resolution, chat templates, streaming. Backends implement the hooks and set their defaults in
+    __init__ (_default_bos_id, _default_add_bos, _default_stop_tokens)."""
 
     def __init__(self) -> None:
         self.bos_id: int | None = None
@@ -173,28 +148,12 @@ class Tokenizer(ABC):
         self._default_bos_id: int | None = None
         self._default_add_bos = False
         self._default_stop_tokens: set[int] = set()
-        self._compiled_template = None
 
-    # ---- backend hooks
-    @abstractmethod
-    def _encode_text(self, text: str) -> list[int]:
-        """Token ids of text, no BOS added."""
-
-    @abstractmethod
+    # ---- backend hooks: _encode_text(text) (ids, no BOS added), decode(ids) (special tokens
+    # rendered as text), _vocab_lookup(token string) -> id or None, _vocab_text(id) -> string.
     def _encode_chat_text(self, text: str) -> list[int]:
         """Token ids of rendered chat text, with every special-token string mapped to its id."""
-
-    @abstractmethod
-    def decode(self, ids: list[int]) -> str:
-        """Text of ids; special tokens are rendered as their text, none are skipped."""
-
-    @abstractmethod
-    def _vocab_lookup(self, token: str) -> int | None:
-        """Id of a token given as its vocabulary string, or None."""
-
-    @abstractmethod
-    def _vocab_text(self, token_id: int) -> str | None:
-        """Vocabulary string of an id (used for bos_token/eos_token in templates)."""
+        return self._encode_text(text)
 
     # ---- public API
     def token_to_id(self, token: str) -> int | None:
@@ -212,18 +171,10 @@ class Tokenizer(ABC):
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the checkpoint's Jinja template (or the built-in for its format)."""
-        source = self.chat_template or self._fallback_template()
-        if self._compiled_template is None or self._compiled_template[0] != source:
-            self._compiled_template = (source, _jinja_env().from_string(source))
-        return self._compiled_template[1].render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            # Hugging Face passes these too; templates with tool support test them.
-            tools=None,
-            documents=None,
-        )
+        template = _compile_template(self.chat_template or self._fallback_template())
+        # Hugging Face passes tools and documents too; templates with tool support test them.
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token, eos_token=self.eos_token, tools=None, documents=None)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids for a chat: the rendered template with its special-token text (including
@@ -291,7 +242,6 @@ class Tokenizer(ABC):
         return found
 
 
-# --------------------------------------------------------------------------------------
 class HFTokenizer(Tokenizer):
     """tokenizer.json through the Hugging Face `tokenizers` library."""
 
@@ -319,9 +269,6 @@ class HFTokenizer(Tokenizer):
     def _encode_text(self, text: str) -> list[int]:
         # Added (special) tokens in the text are matched whatever add_special_tokens says.
         return self._tok.encode(text, add_special_tokens=False).ids
-
-    def _encode_chat_text(self, text: str) -> list[int]:
-        return self._encode_text(text)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -352,10 +299,8 @@ class SentencePieceTokenizer(Tokenizer):
         self._control = {self._sp.id_to_piece(i): i for i in range(n) if self._sp.is_control(i)}
         self._control.pop("", None)
         self._control_ids = set(self._control.values())
-        self._control_re = (
-            re.compile("(" + "|".join(map(re.escape, sorted(self._control, key=len, reverse=True))) + ")")
-            if self._control else None
-        )
+        longest_first = sorted(self._control, key=len, reverse=True)
+        self._control_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self._control else None
         bos, eos = self._sp.bos_id(), self._sp.eos_id()
         self._default_bos_id = bos if bos >= 0 else None
         self._default_add_bos = self._default_bos_id is not None
@@ -382,8 +327,7 @@ class SentencePieceTokenizer(Tokenizer):
         out, run = [], []
         for i in ids:
             if i in self._control_ids:
-                out.append(self._sp.decode(run))
-                out.append(self._sp.id_to_piece(i))
+                out += [self._sp.decode(run), self._sp.id_to_piece(i)]
                 run = []
             else:
                 run.append(int(i))
@@ -413,9 +357,8 @@ class TiktokenTokenizer(Tokenizer):
         self._special = {t: base + i for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
         self._special_text = {i: t for t, i in self._special.items()}
         self._ranks = ranks
-        self._enc = tiktoken.Encoding(
-            name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=self._special
-        )
+        self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                      special_tokens=self._special)
         self._default_bos_id = self._special["<|begin_of_text|>"]
         self._default_add_bos = True
         self._default_stop_tokens = {self._special[t] for t in LLAMA3_STOP_TOKENS}
@@ -425,23 +368,17 @@ class TiktokenTokenizer(Tokenizer):
     def _encode_text(self, text: str) -> list[int]:
         return self._enc.encode(text, allowed_special="all")
 
-    def _encode_chat_text(self, text: str) -> list[int]:
-        return self._encode_text(text)
-
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode([int(i) for i in ids])  # errors="replace": partial UTF-8 is U+FFFD
 
     def _vocab_lookup(self, token: str) -> int | None:
-        found = self._special.get(token)
-        return found if found is not None else self._ranks.get(token.encode("utf-8"))
+        return self._special.get(token, self._ranks.get(token.encode("utf-8")))
 
     def _vocab_text(self, token_id: int) -> str | None:
-        if token_id in self._special_text:
-            return self._special_text[token_id]
-        return self._enc.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
+        special = self._special_text.get(token_id)
+        return special or self._enc.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-# --------------------------------------------------------------------------------------
 def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
     """The tokenizer of a checkpoint directory; see the module docstring for what is read."""
     directory = Path(checkpoint_dir)
@@ -450,10 +387,7 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
         tok: Tokenizer = HFTokenizer(json_path)
     elif model_path.is_file():
         data = model_path.read_bytes()
-        if _looks_like_tiktoken(data):
-            tok = TiktokenTokenizer(data, model_path)
-        else:
-            tok = SentencePieceTokenizer(data, model_path)
+        tok = (TiktokenTokenizer if _looks_like_tiktoken(data) else SentencePieceTokenizer)(data, model_path)
     else:
         raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {directory}")
     tok._configure(directory)
@@ -519,8 +453,9 @@ def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     return template or None
 
 
-def _jinja_env():
-    """The environment Hugging Face renders chat templates in."""
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str):
+    """A chat template, compiled in the environment Hugging Face renders chat templates in."""
     from jinja2.exceptions import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -528,18 +463,14 @@ def _jinja_env():
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # jinja2's own tojson HTML-escapes; templates expect plain JSON.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(source)
 
 
 def _one_line(e: BaseException) -> str:

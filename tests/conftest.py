@@ -5,8 +5,8 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # cuda_kernels.py's Triton kernels then run in Triton's CPU interpreter (tests/test_kernels.py);
-    # it must be chosen before anything imports triton.
+    # kernels/' Triton kernels then run in Triton's CPU interpreter (tests/test_kernels.py); it must
+    # be chosen before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -1,6 +1,7 @@
 """The default model (SmolLM2-135M-Instruct), converted from its GGUF, against transformers'
-own loading of the same GGUF file: logits, and greedy generation token for token. Then its int4
-form (what generate.py runs on the CPU) against transformers on the same, dequantized, weights."""
+own loading of the same GGUF file: logits, and greedy decoding token for token, eager and
+compiled. Then its int4 form (quantize.load; with kernels.apply, what generate.py runs on the CPU)
+against transformers on the same, dequantized, weights."""
 import copy
 
 import pytest
@@ -8,10 +9,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-import generate
-from generate import Generator, Sampling
-from model import Transformer, dequantize_int4, dequantize_int8, read_config
-from quantize import prepare_default_int4
+import kernels
+import quantize
+from common import Sampling, sample
+from model import Transformer, read_config
 from tokenizer import load_tokenizer
 
 TEXT = (
@@ -32,6 +33,8 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     "List three uses of a CUDA graph:",
 ]
+NEW_TOKENS = 64
+GREEDY = Sampling(temperature=0)
 REFERENCE = {}  # (id of a transformers model, prompt) -> its 64 greedy tokens
 
 
@@ -66,32 +69,51 @@ def test_logits_match_transformers_gguf_loader(ckpt, ours, hf_model):
     assert err <= 1e-3, f"max abs logit difference {err:.3g}"
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_greedy_generation_matches_transformers(ckpt, ours, hf_model, compiled):
-    assert_greedy_matches(ckpt, ours, hf_model, compiled)
+def decode_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """token [1, 1] at position pos [1] -> the greedy next token [1, 1]: fixed shapes, one graph."""
+    return sample(model(token, pos)[:, -1], GREEDY).view(1, 1)
 
 
-def assert_greedy_matches(ckpt, ours, hf_model, compiled):
+def greedy_tokens(model: Transformer, ids: list[int], step) -> list[int]:
+    """NEW_TOKENS greedy tokens after ids: the prompt in one call, then one step per token."""
+    model.setup_caches(1, 256)
+    with torch.no_grad():
+        token = sample(model(torch.tensor([ids]), torch.arange(len(ids)))[:, -1], GREEDY).view(1, 1)
+        out = [token.item()]
+        for pos in range(len(ids), len(ids) + NEW_TOKENS - 1):
+            token = step(model, token, torch.tensor([pos]))
+            out.append(token.item())
+    return out
+
+
+def assert_greedy_matches(ckpt, ours, hf_model, compiled: bool):
     """64 greedy tokens of ours equal transformers' generate on each of PROMPTS."""
     tok = load_tokenizer(ckpt)
-    mode = compiled if isinstance(compiled, str) else "compile" if compiled else "eager"
-    gen = Generator(ours, Sampling(temperature=0), mode)
+    # (Inductor on the CPU hands loops over 512+ elements to OpenMP threads; decode's are tiny: as generate.py)
+    step = torch.compile(decode_step, fullgraph=True, options={"cpp.min_chunk_size": 65536}) if compiled \
+        else decode_step
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         if (id(hf_model), prompt) not in REFERENCE:  # (computed once per reference model and prompt)
             with torch.no_grad():
                 REFERENCE[id(hf_model), prompt] = hf_model.generate(
-                    torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
+                    torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                    pad_token_id=2)[0, len(ids):].tolist()
         ref = REFERENCE[id(hf_model), prompt]
-        got = [t for chunk in gen.generate([ids], 64) for t in chunk[0]]
+        got = greedy_tokens(ours, ids, step)
         assert got == ref, f"{prompt!r}: first difference at {next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)}"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_greedy_generation_matches_transformers(ckpt, ours, hf_model, compiled):
+    assert_greedy_matches(ckpt, ours, hf_model, compiled)
 
 
 @pytest.fixture(scope="module")
 def int4_ckpt(ckpt, tmp_path_factory):
     float_ckpt = tmp_path_factory.mktemp("int4") / ckpt.name  # (the int4 form is written next to it)
     float_ckpt.symlink_to(ckpt, target_is_directory=True)
-    return prepare_default_int4(float_ckpt)
+    return quantize.prepare_default_int4(float_ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +124,10 @@ def hf_int4(int4_ckpt, hf_model):
 
     def weight(name):
         if name + ".zeros" in f:
-            return dequantize_int4(f[name + ".weight"], f[name + ".scales"], f[name + ".zeros"], 32)
-        return dequantize_int8(f[name + ".weight"], f[name + ".scales"]) if name + ".scales" in f else f[name + ".weight"]
+            return quantize.dequantize_int4(f[name + ".weight"], f[name + ".scales"], f[name + ".zeros"], 32)
+        if name + ".scales" in f:
+            return quantize.dequantize_int8(f[name + ".weight"], f[name + ".scales"])
+        return f[name + ".weight"]
 
     state = {"model.embed_tokens.weight": f["tok_embeddings.weight"], "model.norm.weight": f["norm.weight"],
              "lm_head.weight": weight("output")}
@@ -122,11 +146,12 @@ def hf_int4(int4_ckpt, hf_model):
     return model
 
 
-@pytest.mark.parametrize("compiled", [False, True, "aot"], ids=["eager", "compiled", "ahead-of-time"])
-def test_int4_default_greedy_matches_transformers_on_its_weights(int4_ckpt, hf_int4, compiled, tmp_path,
-                                                                 monkeypatch):
-    """Eager, torch.compile, and the step compiled ahead of time (generate.py --compile on the CPU)."""
-    monkeypatch.setattr(generate, "AOT_CACHE", tmp_path)
+@pytest.mark.parametrize("with_kernels,compiled", [(False, False), (True, True)],
+                         ids=["reference-eager", "kernels-compiled"])
+def test_int4_default_greedy_matches_transformers_on_its_weights(int4_ckpt, hf_int4, with_kernels, compiled):
+    """quantize.py's plain layers, eager; then kernels.apply's CPU matmuls in the compiled step."""
     assert read_config(int4_ckpt)["quantization"] == {"mode": "int4", "groupsize": 32}
-    assert_greedy_matches(int4_ckpt, Transformer.from_checkpoint(int4_ckpt, device="cpu", dtype=torch.float32),
-                          hf_int4, compiled)
+    model = quantize.load(int4_ckpt, device="cpu", dtype=torch.float32)
+    if with_kernels:
+        kernels.apply(model)
+    assert_greedy_matches(int4_ckpt, model, hf_int4, compiled)

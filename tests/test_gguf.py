@@ -16,6 +16,7 @@ import sentencepiece as spm
 import torch
 from gguf import GGMLQuantizationType as QT
 from tokenizers import Tokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from convert_gguf import ConversionError, read_gguf, unpermute_qk
 
@@ -35,21 +36,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.n
             .reshape(w.shape))
 
 
-def bytes_to_unicode() -> list[str]:
-    """GPT-2's byte -> printable character table, as a list indexed by byte value."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
-
-
-BYTE_CHARS = bytes_to_unicode()
+BYTE_CHARS = [bytes_to_unicode()[b] for b in range(256)]  # GPT-2's printable character for each byte
 TINY_MERGES = ["Ġ t", "h e", "Ġt he", "l l", "ll o", "Ġ w", "o r", "l d"]
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eot|>"]
 TINY_TOKENS = TINY_SPECIALS + BYTE_CHARS + ["Ġt", "he", "Ġthe", "ll", "llo", "Ġw", "or", "ld"]

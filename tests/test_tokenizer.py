@@ -12,6 +12,7 @@ import tiktoken
 from jinja2.exceptions import TemplateError
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> printable character
 
 from tokenizer import (
     CHATML_TEMPLATE,
@@ -209,19 +210,6 @@ def test_stream_decoder_window_stays_small(sp_dir):
 
 
 # ---------------------------------------------------------------------------- tiktoken
-def bytes_to_unicode():
-    """GPT-2's byte -> printable character table used by ByteLevel BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def train_bytelevel_bpe(vocab_size, special_tokens=()):
     tok = HFTok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU runs behind BENCHMARKS.md's tables, on one H200, each part in one process per configuration.
+# Records (bench.py's JSON) go to $OUT (default benchmarks/records). Parts, in any order:
+#   tests    pytest -m cuda, and the kernel tests on the GPU
+#   ab       bench.py at the commit tagged before-two-layers (a copy in vendor/old) against this tree,
+#            the two interleaved per configuration: Llama-2-7B bf16 B=1,8, int8 and int4 g32 B=1
+#   anchor   gpt-fast (vendor/anchors, ../shared/anchors copied) against this tree's plain model
+#   gains    benchmarks/kernel_gains.py: the reference path, then each kernel, then all
+#   spec     speculative decoding, K=4, the target's int4 g32 copy as draft, old against new
+#   models   Llama-3.1-8B and SmolLM2-135M shapes, bf16 B=1
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/records}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+export PYTHONUNBUFFERED=1
+B="--modes graphs --repeat 2"
+new() { python3 bench.py "$@" --json "$OUT/new.json"; }
+old() { (cd vendor/old && python3 bench.py "$@" --json "$OUT/old.json"); }
+for part in "$@"; do
+  echo "== $part $(date -u +%H:%M:%S)"
+  case $part in
+    tests) python3 -m pytest -q -x -m cuda tests
+           python3 -m pytest -q -x tests/test_kernels.py ;;
+    ab) for q in "" "--quantize int8" "--quantize int4-g32"; do
+          bs=1; [ -z "$q" ] && bs=1,8
+          old --model llama-2-7b $B --batch-sizes $bs $q
+          new --model llama-2-7b $B --batch-sizes $bs $q
+        done ;;
+    anchor) python3 vendor/anchors/anchor_gptfast.py 7B compile | tee -a "$OUT/gptfast.jsonl"
+            new --model llama-2-7b $B --batch-sizes 1 --no-kernels ;;
+    gains) for q in "" "--quantize int8" "--quantize int4-g32"; do
+             python3 benchmarks/kernel_gains.py --model llama-2-7b $q --json "$OUT/gains.json"
+           done ;;
+    spec) S="--model llama-2-7b --modes graphs --batch-sizes 1 --speculate-k 4 --draft-quantize int4-g32 --temperature 1"
+          old $S; new $S ;;
+    models) new --model llama-3.1-8b $B --batch-sizes 1
+            new --model smollm2-135m $B --batch-sizes 1 ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac
+done

@@ -1,0 +1,74 @@
+"""What several modules share, below all of them: graph-safe sampling, the cache directory, dtypes.
+
+Sampling is written for the compiled decode step: fixed-shape ops only and no host sync, so one
+step (sampling included) is one CUDA graph replay.
+"""
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def cache_dir() -> Path:
+    """Where the default model, the CPU kernels and the ahead-of-time steps are kept."""
+    return Path(os.environ.get("GRAPHDECODE_CACHE", Path.home() / ".cache" / "graphdecode"))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one `error:` line, exit status 1."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.8  # 0: greedy
+    top_k: int | None = 200
+    top_p: float | None = None
+
+    def check(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise UsageError(f"--temperature must be >= 0 (got {self.temperature})")
+        if self.top_k is not None and not 1 <= self.top_k:
+            raise UsageError(f"--top-k must be >= 1 (got {self.top_k})")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1] (got {self.top_p})")
+
+
+def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [B, V] -> sampling distribution [B, V] in float32."""
+    logits = logits.float() / s.temperature
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if s.top_p is not None and s.top_p < 1:
+        # Keep the smallest prefix of the sorted distribution whose mass reaches top_p: a token is
+        # dropped when the mass before it already does. Full-vocabulary sort: a fixed shape.
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= s.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """probs [..., V] (need not be normalised) -> one draw per row [...]. argmax(p / E) with
+    E ~ Exponential(1) draws from p (the exponential race) without torch.multinomial, which syncs
+    with the host."""
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
+def sample(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    return draw(logits_to_probs(logits, s))

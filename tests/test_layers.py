@@ -1,0 +1,278 @@
+"""The two layers: model.py and quantize.py are the plain PyTorch model, kernels/ swaps faster modules
+into it after loading (kernels.apply). The plain layer imports nothing of the kernels; the kernels
+change no result beyond their own rounding; --no-kernels and GRAPHDECODE_KERNELS=0 run the plain
+model; the import graph has no cycle and only bench.py and the tests import generate.py."""
+import ast
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import generate
+import kernels
+from common import Sampling
+from generate import Generator
+from kernels import cpu
+from model import ModelArgs, Transformer
+from quantize import Int4Linear, Int8Linear, load, quantize_checkpoint, quantize_model
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = Sampling(temperature=0)
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
+                 max_seq_len=256)
+needs_cpu_kernel = pytest.mark.skipif(cpu.unsupported() is not None,
+                                      reason=f"kernels/cpu.cpp does not run here: {cpu.unsupported()}")
+# kernels/cpu.cpp carries x to ~1/32000 of each block of 32's largest value: at most 2.5e-4 of a
+# layer's output (measured ~5e-5: tests/test_quantize.py's test_quantized_linear_is_close_to_float),
+# on each quantized layer a token passes: 4 a block, and the head.
+CPU_KERNEL_REL = 2.5e-4 * (4 * ARGS.n_layers + 1)
+
+
+def make_model(seed=0, args=ARGS):
+    torch.manual_seed(seed)
+    model = Transformer(args).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.normal_(0, 0.3)  # peaky distributions, so greedy is not a coin toss
+    return model
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def greedy(model, prompt, n):
+    gen = Generator(model, GREEDY, "eager", stop_check_interval=4)
+    return [t for chunk in gen.generate([list(prompt)], n) for t in chunk[0]]
+
+
+# -- the plain layer knows nothing of the kernels -----------------------------------------------------
+
+def test_model_and_quantize_import_no_kernels():
+    for module in ("model", "quantize"):
+        r = subprocess.run([sys.executable, "-c", f"import {module}, sys; "
+                            "bad = [m for m in sys.modules if m.startswith(('kernels', 'triton'))]; "
+                            "assert not bad, bad"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 0, (module, r.stderr)
+
+
+def repository_modules() -> dict[str, Path]:
+    """Every module of the repository (its top-level .py files and packages) by import name."""
+    modules = {p.stem: p for p in ROOT.glob("*.py")}
+    for init in ROOT.glob("*/__init__.py"):
+        package = init.parent.name
+        if package in ("tests", "vendor"):
+            continue
+        modules[package] = init
+        modules.update({f"{package}.{p.stem}": p for p in init.parent.glob("*.py") if p.stem != "__init__"})
+    return modules
+
+
+def imports_of(name: str, path: Path, modules: dict) -> set[str]:
+    """The repository modules that module `name` imports anywhere in it (functions included): for
+    `import a.b` and `from a import b`, a.b where it is a module, and a (imported first) unless it is
+    a package of `name` itself."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def add(module):
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):  # a.b.c imports a and a.b first (but for the importer's own packages,
+            prefix = ".".join(parts[:i])     # which are being imported already)
+            if prefix in modules and (i == len(parts) or not name.startswith(prefix + ".")):
+                found.add(prefix)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if package else []
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            add(base)
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    add(f"{base}.{alias.name}")
+    found.discard(name)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the graph (a depth-first search: a module met again while still on the path closes
+    one), as the list of modules around it, or None."""
+    state, path = {}, []
+
+    def visit(name):
+        state[name] = "open"
+        path.append(name)
+        for dep in sorted(graph.get(name, ())):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[name] = "done"
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (cycle := visit(name)):
+            return cycle
+    return None
+
+
+def test_import_graph_has_no_cycle_and_only_bench_imports_generate():
+    modules = repository_modules()
+    assert {"model", "quantize", "common", "generate", "speculative", "bench", "kernels", "kernels.aot",
+            "kernels.cpu"} <= set(modules)
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert {"kernels.attention", "kernels.cpu", "kernels.gemv", "kernels.int4"} <= graph["kernels"]  # (it parses)
+    assert "kernels" in graph["kernels.aot"] and "kernels.gemv" in graph["kernels.int4"]  # (relative imports)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    assert {name for name, deps in graph.items() if "generate" in deps} == {"bench"}
+    assert not {"kernels", "kernels.aot"} & (graph["model"] | graph["quantize"] | graph["common"])
+
+
+def test_the_import_graph_check_finds_a_cycle_through_a_function(tmp_path):
+    """(The checks above would see one: a.py importing b inside a function, b importing a.)"""
+    (tmp_path / "a.py").write_text("def f():\n    import b\n")
+    (tmp_path / "b.py").write_text("from a import f\n")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert graph == {"a": {"b"}, "b": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+# -- loading: model.py for float checkpoints, quantize.load for any -----------------------------------
+
+def test_from_checkpoint_refuses_a_quantized_checkpoint_that_quantize_load_loads(tmp_path):
+    from test_quantize import TINY, write_float_checkpoint
+
+    float_model = write_float_checkpoint(tmp_path / "float", TINY)
+    out = quantize_checkpoint(tmp_path / "float", "int8", None, tmp_path / "int8")
+    with pytest.raises(ValueError, match="quantized checkpoint: load it with quantize.load"):
+        Transformer.from_checkpoint(out, "cpu", torch.float32)
+    loaded = load(out, "cpu", torch.float32)
+    assert type(loaded.layers[0].attention.wqkv) is Int8Linear and type(loaded.output) is Int8Linear
+    # a float checkpoint loads the same either way, and as it was saved
+    plain, through_load = (f(tmp_path / "float", "cpu", torch.float32) for f in (Transformer.from_checkpoint, load))
+    idx = torch.tensor([[1, 2, 3, 4]])
+    for m in (plain, through_load, float_model.eval(), loaded):
+        m.setup_caches(1, 8)
+    with torch.no_grad():
+        ref = float_model(idx, torch.arange(4))
+        assert torch.equal(plain(idx, torch.arange(4)), ref) and torch.equal(through_load(idx, torch.arange(4)), ref)
+        assert rel(loaded(idx, torch.arange(4)), ref) < 0.03
+
+
+# -- kernels.apply on the CPU ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def float_model():
+    return make_model()
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("mode, groupsize", [("int8", None), ("int4", 32), ("int4", 128)])
+def test_apply_on_the_cpu_swaps_quantized_layers_and_keeps_the_results(float_model, mode, groupsize):
+    plain = quantize_model(float_model, mode, groupsize)
+    fast = copy.deepcopy(plain)
+    swapped = kernels.apply(fast)
+    assert swapped and all(" x " in line for line in swapped)
+    kind = {"int8": (Int8Linear, kernels.Int8Cpu), "int4": (Int4Linear, kernels.Int4Cpu)}[mode]
+    for name, m in plain.named_modules():  # each quantized layer of the plain model, and only those
+        if type(m) in (Int8Linear, Int4Linear):
+            want = kernels.Int8Cpu if type(m) is Int8Linear else kernels.Int4Cpu
+            assert type(fast.get_submodule(name)) is want, name
+        else:
+            assert type(fast.get_submodule(name)) is type(m), name
+    assert type(fast.layers[1].feed_forward.w2) is kind[1] and type(fast.output) is kernels.Int8Cpu
+    # the weights as the file has them: the kernels read that layout (int4's scales and zeros one a block)
+    assert torch.equal(fast.layers[0].attention.wqkv.weight, plain.layers[0].attention.wqkv.weight)
+
+    prompt = torch.tensor([[(7 * i + 3) % ARGS.vocab_size for i in range(40)]])
+    for m in (plain, fast):
+        m.setup_caches(1, 64)
+    with torch.no_grad():  # prefill of 40 rows (more than kernels.CPU_MAX_ROWS): the same weights, F.linear
+        assert torch.equal(fast(prompt, torch.arange(40)), plain(prompt, torch.arange(40)))
+    # greedy decode: the same tokens
+    tokens = greedy(plain, [1, 2, 3], 24)
+    assert greedy(fast, [1, 2, 3], 24) == tokens
+    # and its steps (one row each: the kernels) along that path: logits within the kernels' rounding,
+    # which is below half the gap between the two best tokens at every step (equal tokens are no luck)
+    seq = torch.tensor([[1, 2, 3] + tokens])
+    with torch.no_grad():
+        steps = {name: torch.cat([m(seq[:, i:i + 1], torch.tensor([i])) for i in range(seq.shape[1] - 1)], dim=1)[0]
+                 for name, m in (("plain", plain), ("fast", fast))}
+    assert rel(steps["fast"], steps["plain"]) < CPU_KERNEL_REL, rel(steps["fast"], steps["plain"])
+    top2 = steps["plain"][2:].topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 2 * (steps["fast"] - steps["plain"]).abs().max()
+
+
+def test_apply_on_the_cpu_leaves_float_models_and_a_cpu_without_the_kernel_alone(float_model, monkeypatch):
+    model = copy.deepcopy(float_model)
+    assert kernels.apply(model) == []
+    assert [type(m) for m in model.modules()] == [type(m) for m in float_model.modules()]
+    qmodel = quantize_model(float_model, "int8")
+    monkeypatch.setattr(cpu, "available", lambda: False)  # no AVX2 or no compiler: PyTorch's ops
+    assert kernels.apply(qmodel) == []
+    assert type(qmodel.output) is Int8Linear
+
+
+def test_kernels_enabled_follows_graphdecode_kernels(monkeypatch):
+    monkeypatch.delenv("GRAPHDECODE_KERNELS", raising=False)
+    assert kernels.enabled()
+    monkeypatch.setenv("GRAPHDECODE_KERNELS", "0")
+    assert not kernels.enabled()
+    monkeypatch.setenv("GRAPHDECODE_KERNELS", "1")
+    assert kernels.enabled()
+
+
+# -- the command line: --no-kernels and GRAPHDECODE_KERNELS=0 -----------------------------------------
+
+@pytest.fixture(scope="module")
+def int4_ckpt(tmp_path_factory):
+    """A tiny random model with a real (small) tokenizer, in int4 (g32): on the CPU its layers are the
+    ones kernels.apply swaps."""
+    from test_quantize import write_float_checkpoint
+    from test_tokenizer import train_bytelevel_bpe
+
+    path = tmp_path_factory.mktemp("cli")
+    write_float_checkpoint(path / "float", ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                                                     intermediate_size=128, max_seq_len=256))
+    train_bytelevel_bpe(512, ["<|endoftext|>"]).save(str(path / "float" / "tokenizer.json"))
+    return quantize_checkpoint(path / "float", "int4", 32, path / "int4")
+
+
+def test_cli_no_kernels_generates_the_same_greedy_text(int4_ckpt, tmp_path, monkeypatch, capsys):
+    import kernels.aot
+
+    monkeypatch.setattr(kernels.aot, "cache_dir", lambda: tmp_path)  # no compiled step from elsewhere
+    argv = ["--checkpoint", str(int4_ckpt), "--prompt", "the quick brown fox", "--temperature", "0",
+            "--max-new-tokens", "24", "--ignore-eos"]
+    runs = {}
+    for name, extra in (("kernels", []), ("no-kernels", ["--no-kernels"]),
+                        ("no-kernels compiled", ["--no-kernels", "--compile"])):
+        assert generate.main(argv + extra) == 0
+        runs[name] = capsys.readouterr()
+        assert "24 tokens" in runs[name].err, runs[name].err
+    err = runs["kernels"].err
+    # with kernels: the CPU's int4 and int8 layers, and (by default) the ahead-of-time step if built: not here
+    assert "kernels: 8 x int4 linear" in err and "decode aot-cached" in err and "run once with --compile" in err
+    assert "kernels: off" in runs["no-kernels"].err and "decode eager" in runs["no-kernels"].err
+    assert "decode compile" in runs["no-kernels compiled"].err  # (torch.compile of the plain model)
+    assert len(runs["kernels"].out.strip()) > 0
+    assert runs["no-kernels"].out == runs["kernels"].out == runs["no-kernels compiled"].out
+    # GRAPHDECODE_KERNELS=0 in a process of its own: what --no-kernels does
+    r = subprocess.run([sys.executable, str(ROOT / "generate.py"), *argv], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300, env={**os.environ, "GRAPHDECODE_KERNELS": "0"})
+    assert r.returncode == 0, r.stderr
+    assert "kernels: off" in r.stderr and "decode eager" in r.stderr
+    assert r.stdout == runs["no-kernels"].out
