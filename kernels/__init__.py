@@ -145,7 +145,8 @@ class Int4Gemv(Fused, Int4Linear):
             return self.rows
 
     def rows(self, x, norm_weight, eps, residual, swiglu):
-        xs, rs = x.reshape(-1, 1, x.shape[-1]), None if residual is None else residual.reshape(xs.shape[0], 1, -1)
+        xs = x.reshape(-1, 1, x.shape[-1])
+        rs = None if residual is None else residual.reshape(xs.shape[0], 1, -1)
         ys = [int4.matmul(xs[i], self.words, self.sz, self.units, self.w_unscale, self.group, self.ones, norm_weight,
                           eps, None if rs is None else rs[i], swiglu) for i in range(xs.shape[0])]
         return torch.cat(ys).view(*x.shape[:-1], -1)

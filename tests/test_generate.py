@@ -1,4 +1,5 @@
-"""Sampling, stop checks and the command line of generate.py."""
+"""Sampling, stop checks, compiled and ahead-of-time decode, per-row positions and the command line
+of generate.py."""
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,10 @@ import pytest
 import torch
 
 import generate
-from generate import Generator, Sampling, sample
+import kernels
+import kernels.aot
+from common import Sampling, sample
+from generate import Generator
 from model import ModelArgs, Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,20 +100,22 @@ def test_compiled_decode_equals_eager(tiny):
 
 
 def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
-    """Compiled decode registers the graphdecode ops as Inductor fallbacks first (register_fallbacks),
-    with the layout constraint Inductor itself would give them, so Inductor never takes its
-    implicit-fallback path: on torch 2.11 that path formats the str() of every argument, which
-    grows ~2x a layer through the residual (a 32-layer int4 model with cuda_kernels.int4_gemv never
-    finished compiling). Here the CPU's int4 and int8 ops (cpu_kernels.py) stand for all of them."""
+    """Compiled decode registers the graphdecode ops as Inductor fallbacks first
+    (kernels.register_fallbacks), with the layout constraint Inductor itself would give them, so
+    Inductor never takes its implicit-fallback path: on torch 2.11 that path formats the str() of
+    every argument, which grows ~2x a layer through the residual (a 32-layer int4 model never
+    finished compiling). Here the CPU's int4 and int8 ops (kernels/cpu.py, swapped in by
+    kernels.apply) stand for all of them; the compiled step picks eager's tokens."""
     import logging
 
-    import cpu_kernels
+    from kernels import cpu
     from quantize import quantize_model
     from torch._inductor import lowering
     from torch._library.utils import get_layout_constraint_tag
 
-    assert cpu_kernels.available()  # (else the model has no graphdecode op on the CPU)
+    assert cpu.available()  # (else the model has no graphdecode op on the CPU)
     qmodel = quantize_model(tiny, "int4", 32)
+    assert kernels.apply(qmodel)
     ops = [getattr(torch.ops.graphdecode, n).default for n in ("int4_linear", "int8_linear", "gemv")]
     for op in ops:  # as in a fresh process, whatever other tests compiled before
         lowering.lowerings.pop(op, None)
@@ -137,49 +143,48 @@ def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
     assert compiled == run_gen(qmodel, Sampling(temperature=0), n=12)
 
 
-def test_uses_int4_ring_finds_a_layer_the_ring_runs(tiny, monkeypatch):
-    """generate.uses_int4_ring (which decides whether graphs mode primes: generate.prime_capture, run on CUDA by
-    tests/test_cuda.py) is true once some layer runs int4_ring.py's kernel (gemv_ring), never on the CPU."""
-    from model import Int4Linear
+@pytest.mark.xfail(strict=True, reason="kernels/__init__.py register_fallbacks catches only ImportError: a torch "
+                   "whose torch._inductor.lowering lacks make_fallback (or tag_to_layout_constraint) raises "
+                   "AttributeError instead of leaving the ops to Inductor, as its docstring says")
+def test_register_fallbacks_does_nothing_where_inductor_lacks_what_it_uses(monkeypatch):
+    """Without the private Inductor functions register_fallbacks uses, it registers nothing and raises
+    nothing (Inductor then makes its own fallbacks)."""
+    from kernels import cpu
+    from torch._inductor import lowering
+
+    assert cpu.available()  # (a graphdecode op to register)
+    op = torch.ops.graphdecode.int4_linear.default
+    monkeypatch.delitem(lowering.lowerings, op, raising=False)  # (put back afterwards)
+    monkeypatch.delattr(lowering, "make_fallback")
+    kernels.register_fallbacks()
+    assert op not in lowering.lowerings
+
+
+def fresh(seed, args):
+    """A model like `tiny` of its own (not `tiny` itself: other tests grow its cache, and the cache's
+    shape is in the ahead-of-time key)."""
+    torch.manual_seed(seed)
+    model = Transformer(args).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.slow
+def test_ahead_of_time_step_equals_eager_and_is_reused(tmp_path, monkeypatch, capsys):
+    """Mode aot (generate.py --compile on the CPU) exports and compiles the decode step once into
+    the cache directory; aot-cached (its default) loads it, or decodes eagerly with a hint. The package
+    holds no weights: another model of the same shapes loads it and follows its own. On the model
+    generate.py runs on the CPU: int4, through kernels/cpu.py's ops. (The only test that builds a
+    package: ~30 s.)"""
     from quantize import quantize_model
 
-    qmodel = quantize_model(tiny, "int4", 32)
-    assert not generate.uses_int4_ring(tiny) and not generate.uses_int4_ring(qmodel)
-    layer = next(m for m in qmodel.modules() if isinstance(m, Int4Linear))
-    monkeypatch.setattr(layer, "gemv_ring", True, raising=False)
-    assert generate.uses_int4_ring(qmodel)
-
-
-def test_register_fallbacks_warns_where_inductor_lacks_what_it_uses(monkeypatch):
-    """Without the private Inductor functions register_fallbacks uses, it registers nothing and
-    raises nothing. On torch before 2.13, where Inductor may format the str() it avoids, it warns,
-    so that a compile that never ends has a cause on screen. On later torch it stays quiet."""
-    import warnings
-
-    from torch._inductor import lowering
-    from torch.torch_version import TorchVersion
-
-    from generate import register_fallbacks
-
-    monkeypatch.delattr(lowering, "make_fallback")
-    monkeypatch.setattr(torch, "__version__", TorchVersion("2.11.0+cu130"))
-    with pytest.warns(UserWarning, match="could not register its custom ops with Inductor"):
-        register_fallbacks()
-    monkeypatch.setattr(torch, "__version__", TorchVersion("2.13.0"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        register_fallbacks()
-
-
-def test_ahead_of_time_step_equals_eager_and_is_reused(tiny, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(generate, "AOT_CACHE", tmp_path)
-
-    def fresh(seed):  # (not `tiny` itself: other tests grow its cache, and the cache's shape is in the key)
-        torch.manual_seed(seed)
-        model = Transformer(tiny.args).eval().requires_grad_(False)
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-        return model
+    monkeypatch.setattr(kernels.aot, "cache_dir", lambda: tmp_path)
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
+                     max_seq_len=64)
+    one, other = (quantize_model(fresh(seed, args), "int4", 32) for seed in (0, 1))
+    for m in (one, other):
+        assert kernels.apply(m)
 
     def aot(model, sampling, mode="aot", seed=None):
         if seed is not None:
@@ -188,41 +193,58 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tiny, tmp_path, monkeypat
         out = [t for chunk in gen.generate([[1, 2, 3]], 40) for t in chunk[0]]
         return out, gen
 
-    one, other = fresh(0), fresh(1)
-    greedy, sampled = Sampling(temperature=0), Sampling(temperature=1.0, top_k=20)
+    greedy = Sampling(temperature=0)
     # A missing package with aot-cached (generate.py's CPU default): eager decode, and a hint.
     out, gen = aot(one, greedy, "aot-cached")
     assert out == run_gen(one, greedy) and gen.step.runner is generate.decode_one_token
     assert "run once with --compile" in capsys.readouterr().err and not list(tmp_path.iterdir())
     out, gen = aot(one, greedy)  # builds the package
+    assert "compiling the decode step ahead of time" in capsys.readouterr().err
     assert out == run_gen(one, greedy) and gen.step.runner is not generate.decode_one_token
-    assert aot(one, sampled, seed=7)[0] == run_gen(one, sampled, seed=7)  # --seed holds (PyTorch's generator)
-    assert len(list(tmp_path.glob("*.pt2"))) == 2  # one per sampling setting
+    assert len(list((tmp_path / "aot").glob("*.pt2"))) == 1
     # Another model of the same shapes loads the package (it holds no weights) and follows its own.
     out, gen = aot(other, greedy, "aot-cached")
     assert out == run_gen(other, greedy) != run_gen(one, greedy)
-    assert gen.step.runner is not generate.decode_one_token and len(list(tmp_path.glob("*.pt2"))) == 2
+    assert gen.step.runner is not generate.decode_one_token and len(list((tmp_path / "aot").glob("*.pt2"))) == 1
+    assert "compiling" not in capsys.readouterr().err
 
 
 def test_ahead_of_time_key_follows_the_sources_the_cpu_step_runs(tiny, tmp_path, monkeypatch):
-    """The compiled CPU step's package key changes with the sources it runs (cpu_kernels.py's ops,
-    model.py, ...) and not with cuda_kernels.py, which model.py calls for CUDA tensors only."""
+    """The compiled CPU step's package key changes with the sources it runs (the step function's own
+    file, model.py, quantize.py, kernels/__init__.py, kernels/cpu.py and cpu.cpp) and not with the CUDA
+    kernels' files, which the CPU step never runs (keying on them rebuilt the CPU step at every GPU
+    kernel edit)."""
+    import importlib.util
     import shutil
 
-    here = Path(generate.__file__).resolve().parent
-    for f in (*generate.AOT_SOURCES, "cuda_kernels.py"):
-        shutil.copy(here / f, tmp_path / f)
-    monkeypatch.setattr(generate, "__file__", str(tmp_path / "generate.py"))
+    names = [p.relative_to(Path(kernels.__file__).parent.parent).as_posix() for p in kernels.aot.SOURCES]
+    assert all(p.is_file() for p in kernels.aot.SOURCES), names
+    assert {"model.py", "quantize.py", "kernels/__init__.py", "kernels/cpu.py", "kernels/cpu.cpp"} <= set(names)
+    assert not {"kernels/gemv.py", "kernels/int4.py", "kernels/attention.py"} & set(names)
+    copies = [tmp_path / f"{i}-{p.name}" for i, p in enumerate(kernels.aot.SOURCES)]
+    for p, c in zip(kernels.aot.SOURCES, copies):
+        shutil.copy(p, c)
+    monkeypatch.setattr(kernels.aot, "SOURCES", copies)
+    step_file = tmp_path / "step.py"
+    step_file.write_text("def step(model, token, pos, tokens, s):\n    pass\n")
+    spec = importlib.util.spec_from_file_location("step", step_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     token, tokens = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 64, dtype=torch.long)
 
-    def key():
-        return generate.AotStep.key(tiny, token, tokens, Sampling(temperature=0))
+    def key(step=module.step):
+        return kernels.aot.AotStep(step).key(tiny, token, tokens, Sampling(temperature=0))
 
     before = key()
-    (tmp_path / "cuda_kernels.py").write_text("# a CUDA kernel edit\n" + (tmp_path / "cuda_kernels.py").read_text())
-    assert key() == before
-    (tmp_path / "cpu_kernels.py").write_text("# an edit of the CPU ops\n" + (tmp_path / "cpu_kernels.py").read_text())
-    assert key() != before
+    assert key() == before and key(generate.decode_one_token) != before  # (generate.py is another file)
+    step_file.write_text(step_file.read_text() + "# an edit of the step\n")
+    after_step = key()
+    assert after_step != before
+    for c in copies:  # an edit of any source
+        c.write_text(c.read_text() + "\n// an edit\n")
+        assert key() != after_step, c.name
+        after_step = key()
+    assert key(step=module.step) == after_step  # (nothing else moves it)
 
 
 # -- the command line -------------------------------------------------------------------------
@@ -237,6 +259,14 @@ def assert_one_line_error(r, needle):
     assert "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and needle in errors[0], r.stderr
+
+
+def main(capsys, *args):
+    """generate.main in this process (no Python start each): its exit status and output, as cli's."""
+    capsys.readouterr()
+    returncode = generate.main(list(map(str, args)))  # (an exception it lets through fails the test)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, returncode, out.out, out.err)
 
 
 def test_cli_generates_greedy_text(default_ckpt):
@@ -257,22 +287,22 @@ def test_cli_generates_greedy_text(default_ckpt):
     (["--max-new-tokens", "9000"], "exceeds the model's context"),
     (["--check-graphs", "--device", "cpu"], "--check-graphs needs graphed decode"),
 ])
-def test_cli_bad_input(default_ckpt, args, needle):
-    assert_one_line_error(cli("--checkpoint", default_ckpt, *args), needle)
+def test_cli_bad_input(default_ckpt, args, needle, capsys):
+    assert_one_line_error(main(capsys, "--checkpoint", default_ckpt, *args), needle)
 
 
-def test_cli_missing_and_corrupt_checkpoint(default_ckpt, tmp_path):
-    assert_one_line_error(cli("--checkpoint", tmp_path / "nope"), "no config.json")
+def test_cli_missing_and_corrupt_checkpoint(default_ckpt, tmp_path, capsys):
+    assert_one_line_error(cli("--checkpoint", tmp_path / "nope"), "no config.json")  # (a process of its own)
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in default_ckpt.iterdir():
         (broken / f.name).write_bytes(f.read_bytes()[:1000] if f.name == "model.safetensors" else f.read_bytes())
-    assert_one_line_error(cli("--checkpoint", broken), "model.safetensors")
+    assert_one_line_error(main(capsys, "--checkpoint", broken), "model.safetensors")
     (broken / "config.json").write_text("{not json")
-    assert_one_line_error(cli("--checkpoint", broken), "config.json")
+    assert_one_line_error(main(capsys, "--checkpoint", broken), "config.json")
 
 
-def test_cli_refuses_kv_cache_that_does_not_fit(default_ckpt, tmp_path):
+def test_cli_refuses_kv_cache_that_does_not_fit(default_ckpt, tmp_path, capsys):
     import json
 
     big = tmp_path / "long-context"
@@ -284,7 +314,7 @@ def test_cli_refuses_kv_cache_that_does_not_fit(default_ckpt, tmp_path):
     (big / "config.json").unlink()
     (big / "config.json").write_text(json.dumps(config))
     # 30 layers x 2 x 3 heads x 64 x 4 bytes = 46 KB per token: 20M tokens need ~860 GiB
-    assert_one_line_error(cli("--checkpoint", big, "--max-new-tokens", "20000000"), "do not fit")
+    assert_one_line_error(main(capsys, "--checkpoint", big, "--max-new-tokens", "20000000"), "do not fit")
 
 
 def test_cli_interactive_chat_until_eof(default_ckpt):
@@ -311,22 +341,41 @@ def test_recompile_after_warm_up_is_an_error_naming_the_guard(tiny):
             run(30)
 
 
-def test_batched_positions_shape_supported_by_mask_and_rope(tiny):
-    """Per-sequence positions [B, S] flow through RoPE, the mask, the cache update (a scatter) and
-    decode attention: two rows at different positions give the logits each gets on its own."""
-    idx = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+def test_per_row_positions_give_each_row_its_own_logits(tiny):
+    """Positions per row, input_pos [B, S], flow through RoPE, the mask and the cache write (a scatter
+    per row): two rows at different offsets, prefilled S > 1 at a time and then decoded a few steps,
+    give at every call the logits each row gets alone (batch 1, positions [S]). Row 1's later calls
+    rewrite cache positions that hold other tokens (a padded prefill), so a cache write that wrote
+    nothing, or wrote every row at row 0's positions, gives row 1 other logits."""
+    a = [(5 * i + 1) % 64 for i in range(11)]  # row 0: 11 tokens
+    b = [(3 * i + 7) % 64 for i in range(8)]  # row 1: 8 tokens
+    pad = [60, 61, 62]
+    # (tokens, positions) of each call, per row: a padded prefill of 6, two of S = 2 at offsets 6 and
+    # 3 (row 1's overwriting its padding), then three one-token decode steps at 8.. and 5..
+    calls = [((a[0:6], range(0, 6)), (b[0:3] + pad, range(0, 6))),
+             ((a[6:8], range(6, 8)), (b[3:5], range(3, 5)))] + \
+            [((a[8 + i:9 + i], [8 + i]), (b[5 + i:6 + i], [5 + i])) for i in range(3)]
+
+    def clear():
+        for layer in tiny.layers:
+            layer.attention.kv_cache.k_cache.zero_()
+            layer.attention.kv_cache.v_cache.zero_()
+
     tiny.setup_caches(2, 64)
+    alone = []
     with torch.no_grad():
-        # on its own: row 0 decodes its 4th token at position 3, row 1 its 3rd at position 2
-        tiny(idx[0:1, :3], torch.arange(3))
-        alone0 = tiny(idx[0:1, 3:4], torch.tensor([3]))[0]
-        tiny(idx[1:2, :2], torch.arange(2))
-        alone1 = tiny(idx[1:2, 2:3], torch.tensor([2]))[0]
-        # batched: both rows prefilled with 3 tokens (row 1's 3rd is rewritten, with the same token)
-        tiny(idx[:, :3], torch.arange(3))
-        both = tiny(torch.tensor([[4], [7]]), torch.tensor([[3], [2]]))
-    assert torch.allclose(both[0], alone0, atol=1e-5) and torch.allclose(both[1], alone1, atol=1e-5)
-    assert not torch.allclose(both[0], both[1], atol=1e-2)
+        for row in (0, 1):
+            clear()
+            alone.append([tiny(torch.tensor([c[row][0]]), torch.tensor(list(c[row][1])))[0] for c in calls])
+        clear()
+        for i, c in enumerate(calls):
+            idx = torch.tensor([c[0][0], c[1][0]])
+            pos = torch.tensor([list(c[0][1]), list(c[1][1])])  # [2, S]: each row at its own positions
+            both = tiny(idx, pos)
+            for row in (0, 1):
+                # (row 1's first call: its padding's logits are its own as well)
+                assert torch.allclose(both[row], alone[row][i], atol=1e-5, rtol=1e-5), (i, row)
+    assert not torch.allclose(alone[0][-1], alone[1][-1], atol=1e-2)
 
 
 def test_cli_profile_writes_a_trace(default_ckpt, tmp_path):
@@ -354,11 +403,30 @@ def test_cli_speculative_greedy_equals_plain_greedy(default_ckpt):
     assert_one_line_error(cli(*common, "--speculate-k", "3"), "go together")
 
 
-def test_decode_weight_bytes_counts_the_draft_and_the_target_of_each_round(tiny):
+def test_decode_weight_bytes_counts_each_decode_step(tiny):
     """generate.py's GB/s of weights: a token of plain decode reads the model once (the first, by the
-    prefill); a speculative round reads the target once and the draft K times, after each model's
-    prefill, so a small draft is not counted as the target. (Float models read the same bytes at any
-    number of rows: the rows each read is given are not checked here.)"""
+    prefill), and so do the steps after a stop token up to the next check. (Float models read the same
+    bytes at any number of rows: the rows each read is given are not checked here.)"""
+    from generate import decode_weight_bytes, weight_bytes_per_step
+
+    target_bytes = weight_bytes_per_step(tiny)
+    plain = Generator(tiny, Sampling(temperature=0), stop_check_interval=8)
+    tokens = [t for chunk in plain.generate([[1, 2, 3]], 20) for t in chunk[0]]
+    assert len(tokens) == 20 and decode_weight_bytes(plain) == 20 * target_bytes
+    # with a stop token, the steps up to the next check (after 0, 8, 16 and 19 steps) still ran and read
+    first_stop = next(j for j, t in enumerate(tokens) if 1 <= j <= 8 and t not in tokens[:j])
+    stopped = [t for chunk in plain.generate([[1, 2, 3]], 20, stop_ids={tokens[first_stop]}) for t in chunk[0]]
+    assert stopped == tokens[:first_stop + 1] and plain.decode_steps == 8
+    assert decode_weight_bytes(plain) == 9 * target_bytes
+
+
+@pytest.mark.xfail(strict=True, reason="generate.py speculative_round_bytes counts the draft K times a round "
+                   "(weight_bytes_per_step(draft, 2) + (K - 1) steps: the old two-token first step), but "
+                   "speculative.py now runs K one-token draft steps and verify() one more (d_K): K + 1")
+def test_decode_weight_bytes_counts_the_draft_and_the_target_of_each_round(tiny):
+    """A speculative round reads the target once and the draft K + 1 times (its K one-token steps,
+    and verify's feeding it d_K), after each model's prefill, so a small draft is not counted as the
+    target."""
     from generate import decode_weight_bytes, weight_bytes_per_step
     from speculative import SpeculativeGenerator
 
@@ -369,15 +437,7 @@ def test_decode_weight_bytes_counts_the_draft_and_the_target_of_each_round(tiny)
     assert sum(len(chunk) for chunk in gen.generate([1, 2, 3], 20)) == 20
     target_bytes, draft_bytes = weight_bytes_per_step(tiny), weight_bytes_per_step(draft)
     assert gen.rounds >= 5 and draft_bytes < target_bytes / 4
-    assert decode_weight_bytes(gen) == target_bytes + draft_bytes + gen.rounds * (target_bytes + 3 * draft_bytes)
-    plain = Generator(tiny, Sampling(temperature=0), stop_check_interval=8)
-    tokens = [t for chunk in plain.generate([[1, 2, 3]], 20) for t in chunk[0]]
-    assert len(tokens) == 20 and decode_weight_bytes(plain) == 20 * target_bytes
-    # with a stop token, the steps up to the next check (after 0, 8, 16 and 19 steps) still ran and read
-    first_stop = next(j for j, t in enumerate(tokens) if 1 <= j <= 8 and t not in tokens[:j])
-    stopped = [t for chunk in plain.generate([[1, 2, 3]], 20, stop_ids={tokens[first_stop]}) for t in chunk[0]]
-    assert stopped == tokens[:first_stop + 1] and plain.decode_steps == 8
-    assert decode_weight_bytes(plain) == 9 * target_bytes
+    assert decode_weight_bytes(gen) == target_bytes + draft_bytes + gen.rounds * (target_bytes + 4 * draft_bytes)
 
 
 def test_bench_kernel_table_profiles_the_cpu_too(tiny):

@@ -201,7 +201,7 @@ def test_quantized_linear_is_close_to_float(mode, groupsize, rows, kind):
     assert rel(y, F.linear(x, w, b)) < 1.3 * weight_err + 1e-3
 
 
-# -- the CPU kernels (kernels/cpu.py, cpu.cpp) ------------------------------------------------------
+# -- the CPU kernels' layers (kernels/cpu.py; the kernels themselves: tests/test_kernels.py) ------------
 
 @needs_cpu_kernel
 def test_cpu_kernel_builds_and_its_layers_keep_the_file_layout():
@@ -211,64 +211,6 @@ def test_cpu_kernel_builds_and_its_layers_keep_the_file_layout():
     assert layer.block_scales.dtype == torch.bfloat16 and not hasattr(layer, "scales")  # (one per block of 32)
     layer, _ = quantized_linear(weights(32, 64), "int8", kernel=True)
     assert isinstance(layer, kernels.Int8Cpu) and layer.scales.dtype == torch.float32  # (the kernel's dtype)
-
-
-@needs_cpu_kernel
-@pytest.mark.parametrize("N,K,groupsize", [(48, 64, 32), (256, 576, 32), (256, 576, 128), (96, 1536, 64),
-                                           (64, 512, 256)])
-@pytest.mark.parametrize("rows", [1, 3, 32])
-def test_cpu_int4_kernel_matches_float64(N, K, groupsize, rows):
-    q, scales, zeros = quantize_int4(weights(N, K, seed=N + K), groupsize)
-    deq = dequantize_int4(q, scales.float(), zeros.float(), groupsize).double()
-    block_scales, block_zeros = cpu.block_params(scales.float(), zeros.float(), groupsize, K)
-    plain = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
-    x = plain.clone()
-    x[0, 5] = 40.0  # an outlier: the other values of its block keep their precision (the second int8 part)
-    x[-1, 32:64] = 0.0  # a block of zeros
-    for xs in (plain, x):
-        y = cpu.int4_linear(xs, q, block_scales, block_zeros)
-        ref = xs.double() @ deq.T
-        assert y.shape == (rows, N) and y.dtype == torch.float32
-        # x is carried to ~1/32000 of its block's largest value: measured 4e-5-1.3e-4 (max 1.8e-4).
-        assert ((y - ref).abs().max() / ref.abs().max()).item() < 4e-4
-        assert rel(y.double(), ref) < 2.5e-4
-    # Without outliers, 10-30x closer than x merely rounded to bf16 (PyTorch's int4 op's input).
-    y = cpu.int4_linear(plain, q, block_scales, block_zeros)
-    ref = plain.double() @ deq.T
-    assert rel(y.double(), ref) < rel(plain.bfloat16().double() @ deq.T, ref) / 8
-    assert torch.equal(cpu.int4_linear(torch.zeros(rows, K), q, block_scales, block_zeros),
-                       torch.zeros(rows, N))
-
-
-@needs_cpu_kernel
-@pytest.mark.parametrize("N,K", [(48, 64), (256, 576), (96, 1536), (40, 96)])
-@pytest.mark.parametrize("rows", [1, 3, 32])
-def test_cpu_int8_kernel_matches_float64(N, K, rows):
-    q, scales = quantize_int8(weights(N, K, seed=N + K))
-    deq = dequantize_int8(q, scales.float()).double()
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
-    ref = x.double() @ deq.T
-    y = cpu.int8_linear(x, q, scales.float())
-    assert y.shape == (rows, N) and y.dtype == torch.float32
-    assert rel(y.double(), ref) < min(2.5e-4, rel(x.bfloat16().double() @ deq.T, ref) / 8)  # measured 4e-5
-    x[0, 5] = 40.0
-    ref = x.double() @ deq.T
-    assert rel(cpu.int8_linear(x, q, scales.float()).double(), ref) < 2.5e-4
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        cpu.int8_linear(x[:, :K - 16].contiguous(), q[:, :K - 16].contiguous(), scales.float())
-
-
-@needs_cpu_kernel
-def test_cpu_int4_kernel_compiles_and_refuses_bad_shapes():
-    q, scales, zeros = quantize_int4(weights(64, 128), 32)
-    block_scales, block_zeros = cpu.block_params(scales.float(), zeros.float(), 32, 128)
-    x = torch.randn(2, 128)
-    compiled = torch.compile(cpu.int4_linear, fullgraph=True)  # an opaque op to Inductor
-    assert torch.equal(compiled(x, q, block_scales, block_zeros), cpu.int4_linear(x, q, block_scales, block_zeros))
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        cpu.int4_linear(torch.randn(2, 96), q[:, :48], block_scales, block_zeros)
-    with pytest.raises(RuntimeError, match="float32"):
-        cpu.int4_linear(x.bfloat16(), q, block_scales, block_zeros)
 
 
 def rounding_noise(w, mode, groupsize):

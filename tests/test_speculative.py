@@ -1,12 +1,15 @@
-"""Speculative decoding (speculative.py): greedy equals plain greedy, a perfect draft accepts
-everything, sampling follows the target's distribution exactly, stop tokens and max_new_tokens."""
+"""Speculative decoding (speculative.py): greedy equals plain greedy (eager and compiled), a perfect
+draft accepts everything, the draft's cache holds every accepted token, sampling follows the target's
+distribution exactly, stop tokens and max_new_tokens."""
 import copy
 import math
 
 import pytest
 import torch
 
-from generate import Generator, Sampling, logits_to_probs
+import speculative
+from common import Sampling, logits_to_probs
+from generate import Generator
 from model import ModelArgs, Transformer
 from speculative import SpeculativeGenerator
 
@@ -50,8 +53,8 @@ def plain(model, sampling, n, stop=frozenset(), prompt=PROMPT):
     return [t for chunk in gen.generate([list(prompt)], n, set(stop)) for t in chunk[0]]
 
 
-def spec(target, draft, sampling, k, n, stop=frozenset(), prompt=PROMPT):
-    gen = SpeculativeGenerator(target, draft, sampling, k)
+def spec(target, draft, sampling, k, n, stop=frozenset(), prompt=PROMPT, mode="eager"):
+    gen = SpeculativeGenerator(target, draft, sampling, k, mode)
     chunks = list(gen.generate(list(prompt), n, set(stop)))
     return [t for c in chunks for t in c], gen
 
@@ -70,6 +73,87 @@ def test_greedy_equals_plain_greedy(target, drafts, which, k):
         assert gen.mean_tokens_per_round == k + 1
     if which == "perturbed" and k == 3:
         assert gen.histogram[k] < gen.rounds  # the test exercises rejections, not only acceptance
+
+
+def clear_caches(*models):
+    """Zero the models' KV caches: an entry no call writes then reads as zeros, not as what an earlier
+    test wrote at that position (the same tokens, often)."""
+    for model in models:
+        for layer in model.layers:
+            if layer.attention.kv_cache is not None:
+                layer.attention.kv_cache.k_cache.zero_()
+                layer.attention.kv_cache.v_cache.zero_()
+
+
+def assert_caches_hold_the_sequence(gen, sequence):
+    """The draft's and the target's KV caches at every position before gen.pos (the next round's)
+    hold the keys and values of `sequence` there (prompt, then the tokens generated): what a prefill
+    of those tokens writes. A cache entry no step wrote (zeros) or one a rejected proposal left fails."""
+    pos = int(gen.pos)
+    assert len(sequence) >= pos
+    idx, positions = torch.tensor([sequence[:pos]]), torch.arange(pos)
+    for name, model in (("draft", gen.draft), ("target", gen.target)):
+        fresh = copy.deepcopy(model)
+        with torch.no_grad():
+            fresh(idx, positions)
+        for i, (layer, ref) in enumerate(zip(model.layers, fresh.layers)):
+            for kind in ("k_cache", "v_cache"):
+                got, want = getattr(layer.attention.kv_cache, kind)[0, :, :pos], getattr(ref.attention.kv_cache, kind)[0, :, :pos]
+                bad = ((got - want).abs() > 1e-4 + 1e-4 * want.abs()).any(-1).any(0).nonzero().flatten().tolist()
+                assert not bad, f"{name} layer {i} {kind}: positions {bad} of {pos} differ"
+
+
+@pytest.mark.parametrize("which", ["identical", "perturbed"])
+def test_caches_hold_every_accepted_token(target, drafts, which):
+    """After rounds that accept all K proposals (the identical draft, round after round) or some (the
+    perturbed one), both caches hold every token before the next round's position: the draft's too,
+    whose last proposal d_K verify feeds it (a round that accepts all K starts the next at pos + K + 1,
+    one past the last position the draft steps wrote)."""
+    k, n = 3, 30
+    expected = plain(target, GREEDY, n + k + 2)
+    clear_caches(target, drafts[which])
+    got, gen = spec(target, drafts[which], GREEDY, k, n)
+    assert got == expected[:n]
+    if which == "identical":
+        assert gen.histogram[k] == gen.rounds >= 5
+    else:
+        assert 0 < gen.histogram[k] < gen.rounds
+    assert_caches_hold_the_sequence(gen, PROMPT + expected)
+
+
+def test_the_cache_check_sees_a_draft_that_misses_its_last_proposal(target, drafts):
+    """(The checks above catch a hole: verify without its feeding the draft d_K leaves position
+    pos + K of each all-accepting round unwritten; the draft then proposes from a cache with a hole, the
+    output is still greedy's, but fewer rounds accept all K and the draft's cache differs.)"""
+    k, n = 3, 30
+    expected = plain(target, GREEDY, n + k + 2)
+    draft = drafts["identical"]
+    clear_caches(target, draft)
+    gen = SpeculativeGenerator(target, draft, GREEDY, k)
+    gen.verify_fn = lambda target, draft, *rest: speculative.verify(target, lambda *a: None, *rest)
+    assert [t for c in gen.generate(PROMPT, n) for t in c] == expected[:n]
+    assert gen.histogram[k] < gen.rounds
+    with pytest.raises(AssertionError, match="draft layer 0 k_cache: positions"):
+        assert_caches_hold_the_sequence(gen, PROMPT + expected)
+
+
+@pytest.mark.slow
+def test_compiled_greedy_equals_plain_greedy(target, drafts):
+    """Mode compile (each of the draft loop and the verification one Inductor graph, as mode graphs
+    captures them): the target's greedy tokens, with every proposal accepted round after round (the
+    identical draft) and with rejections (the perturbed one), and caches without holes."""
+    k, n = 3, 30
+    expected = plain(target, GREEDY, n + k + 2)
+    torch._dynamo.reset()
+    for which in ("identical", "perturbed"):
+        clear_caches(target, drafts[which])
+        got, gen = spec(target, drafts[which], GREEDY, k, n, mode="compile")
+        assert got == expected[:n], which
+        if which == "identical":
+            assert gen.histogram[k] == gen.rounds >= 5
+        else:
+            assert 0 < gen.histogram[k] < gen.rounds
+        assert_caches_hold_the_sequence(gen, PROMPT + expected)
 
 
 def test_perturbed_draft_partially_accepts(target, drafts):
