@@ -215,7 +215,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
                 times = timed_decode(gen, prompt_tokens, new_tokens)
                 runs.append(batch * new_tokens / sum(times))
     total = sum(times)
-    weight_bytes = weight_bytes_per_step(model, batch)
+    weight_bytes = weight_bytes_per_step(model)
     a = model.args
     mean_len = prompt_tokens + new_tokens / 2
     kv_bytes = 2 * a.n_layers * batch * a.n_kv_heads * mean_len * a.head_dim * model.tok_embeddings.weight.element_size()

@@ -72,3 +72,36 @@ def sample(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     if s.temperature == 0:
         return logits.argmax(-1)
     return draw(logits_to_probs(logits, s))
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on the device (the CPU: MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype: torch.dtype, device) -> None:
+    """Refuse, before loading anything, a KV cache that would not fit next to the weights."""
+    from safetensors import safe_open
+
+    a = config["args"]
+    kv = 2 * a.n_layers * batch * a.n_kv_heads * length * a.head_dim * dtype.itemsize
+    weights = 0
+    try:
+        with safe_open(checkpoint / "model.safetensors", framework="pt") as f:
+            for name in f.keys():
+                s = f.get_slice(name)
+                itemsize = dtype.itemsize if s.get_dtype() in ("BF16", "F16", "F32") else 1
+                weights += math.prod(s.get_shape()) * itemsize
+    except Exception:  # unreadable: from_checkpoint reports it properly
+        return
+    free = available_memory(device)
+    if kv + weights > free:
+        raise UsageError(f"the KV cache ({kv / 2**30:.1f} GiB for batch {batch} x {length} tokens) and weights "
+                         f"({weights / 2**30:.1f} GiB) do not fit in the {free / 2**30:.1f} GiB free on {device}; "
+                         f"lower --max-new-tokens")

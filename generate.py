@@ -12,7 +12,6 @@ kernels.apply() swaps in the fast kernels after loading (--no-kernels: the plain
 """
 import argparse
 import contextlib
-import math
 import resource
 import sys
 import time
@@ -21,11 +20,11 @@ from pathlib import Path
 import torch
 
 import kernels
-from common import DTYPES, Sampling, UsageError, sample, synchronize
+from common import DTYPES, Sampling, UsageError, check_memory, sample, synchronize
 from kernels.aot import AotStep
 from model import Transformer, read_config
 from quantize import load
-from speculative import SpeculativeGenerator
+from speculative import SpeculativeGenerator, load_draft
 from tokenizer import load_tokenizer
 
 
@@ -70,17 +69,15 @@ class Generator:
         if mode == "eager":
             self.step = decode_one_token
         elif mode == "compile":  # Inductor kernels, launched one by one
-            # On the CPU Inductor hands every loop over 512+ elements to the OpenMP threads; decode's
-            # loops are tiny and the hand-offs cost more than they save: +7% for the default model
-            # in int4 on 2 cores (BENCHMARKS.md). The matmuls (ATen calls) still use every core.
+            # (the CPU: decode's loops are too small to hand to the OpenMP threads; the matmuls still use them)
             options = {"cpp.min_chunk_size": 65536} if self.device.type == "cpu" else None
             self.step = torch.compile(decode_one_token, fullgraph=True, options=options)
         elif mode == "graphs":  # Inductor kernels in CUDA graphs (CUDAGraph Trees)
             if self.device.type != "cuda":
                 raise ValueError("mode 'graphs' needs a CUDA device")
             self.step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-        elif mode in ("aot", "aot-cached"):  # the CPU: compiled ahead of time, cached on disk (AotStep);
-            if self.device.type != "cpu":  # aot-cached: only if already built, else eager
+        elif mode in ("aot", "aot-cached"):  # the CPU: kernels/aot.py (aot-cached: only if built before)
+            if self.device.type != "cpu":
                 raise ValueError(f"mode {mode!r} is for the CPU")
             self.step = AotStep(decode_one_token, build=mode == "aot")
         else:
@@ -207,8 +204,7 @@ def launches_per_call(fn, device, calls: int) -> dict:
 
 def count_launches(gen: Generator, steps: int) -> dict:
     """launches_per_call for `steps` decode steps from the generator's current buffers."""
-    token, pos, tokens = gen.buffers
-    return launches_per_call(lambda: gen._decode_step(token, pos, tokens), gen.device, steps)
+    return launches_per_call(lambda: gen._decode_step(*gen.buffers), gen.device, steps)
 
 
 def expect_one_graph(counts: dict, sampling: Sampling, what: str) -> dict:
@@ -251,10 +247,9 @@ def check_speculative_graphs(gen, start: int) -> dict:
     return {"draft_loop": loop, "verify": verify}
 
 
-def weight_bytes_per_step(model: Transformer, rows: int = 1) -> int:
-    """Bytes of weights one decode step of `rows` sequences reads: every stored tensor once (quantized
-    weights and their scales included), except the embedding table, of which a step reads one row per
-    sequence (unless it doubles as the output head)."""
+def weight_bytes_per_step(model: Transformer) -> int:
+    """Bytes of weights a decode step reads: every stored tensor once (quantized weights and their
+    scales included), but the embedding table, of which it reads a row a sequence (unless tied)."""
     persistent = model.state_dict().keys()
     tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
     tensors.update((n, b) for n, b in model.named_buffers() if n in persistent)  # not the KV cache
@@ -296,38 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-checkpoint", type=Path, help="draft model for speculative decoding")
     p.add_argument("--speculate-k", type=int, default=None)
     return p
-
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 1 << 62
-
-
-def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype: torch.dtype, device) -> None:
-    """Refuse, before loading anything, a KV cache that would not fit next to the weights."""
-    from safetensors import safe_open
-
-    a = config["args"]
-    kv = 2 * a.n_layers * batch * a.n_kv_heads * length * a.head_dim * dtype.itemsize
-    weights = 0
-    try:
-        with safe_open(checkpoint / "model.safetensors", framework="pt") as f:
-            for name in f.keys():
-                s = f.get_slice(name)
-                itemsize = dtype.itemsize if s.get_dtype() in ("BF16", "F16", "F32") else 1
-                weights += math.prod(s.get_shape()) * itemsize
-    except Exception:  # unreadable: from_checkpoint reports it properly
-        return
-    free = available_memory(device)
-    if kv + weights > free:
-        raise UsageError(f"the KV cache ({kv / 2**30:.1f} GiB for batch {batch} x {length} tokens) and weights "
-                         f"({weights / 2**30:.1f} GiB) do not fit in the {free / 2**30:.1f} GiB free on {device}; "
-                         f"lower --max-new-tokens")
 
 
 def main(argv=None) -> int:
@@ -409,8 +372,8 @@ def run(args) -> None:
     length = context if args.interactive else len(first_prompt) + args.max_new_tokens + extra
     if args.check_graphs:  # it decodes 8 more steps (or a round) after the prompt, 3 more to warm up
         length = min(context, max(length, len(first_prompt) + 12 + extra))
-    # The cache length is part of the compiled step's shapes: rounded up to a multiple of 64, prompts
-    # of about the same length reuse a compiled step from Inductor's cache (CPU: ~12 s against ~85 s).
+    # The cache length is part of the compiled step's shapes: rounded up to 64, so that prompts of about
+    # the same length reuse a compiled step.
     length = min(context, -(-length // 64) * 64)
     check_memory(config, checkpoint, 1, length, dtype, device)
     model = load(checkpoint, device=device, dtype=dtype)
@@ -449,18 +412,8 @@ def run(args) -> None:
 
 
 def speculative_generator(args, model, tokenizer, sampling, device, dtype, length, use_kernels):
-    """--draft-checkpoint: the draft model, checked to share the target's tokenizer."""
-    draft_config = read_config(args.draft_checkpoint)
-    draft_tokenizer = load_tokenizer(args.draft_checkpoint)
-    probe = "Speculative decoding: 12345, naïve café, 東京, 🚀\n  def f(x): return x"
-    if (draft_config["args"].vocab_size != model.args.vocab_size
-            or draft_tokenizer.encode(probe) != tokenizer.encode(probe)
-            or draft_tokenizer.eos_ids != tokenizer.eos_ids):
-        raise UsageError(f"the draft {args.draft_checkpoint} does not share the target's tokenizer")
-    check_memory(draft_config, args.draft_checkpoint, 1, length, dtype, device)
-    draft = load(args.draft_checkpoint, device=device, dtype=dtype)
-    if use_kernels:
-        kernels.apply(draft)
+    """--draft-checkpoint: the draft model (speculative.load_draft) and a SpeculativeGenerator."""
+    draft = load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length, use_kernels)
     compiled = args.compile if args.compile is not None else device.type == "cuda"
     mode = ("graphs" if device.type == "cuda" else "compile") if compiled else "eager"
     gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, mode)
@@ -507,41 +460,32 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
 
 
 def speculative_round_bytes(gen) -> int:
-    """Bytes of weights one round of a SpeculativeGenerator reads: the draft's K steps (the first over
-    two rows, speculative.draft_loop) and the target's check over K + 1 rows."""
-    return (weight_bytes_per_step(gen.target, gen.k + 1) + weight_bytes_per_step(gen.draft, 2)
-            + (gen.k - 1) * weight_bytes_per_step(gen.draft))
+    """Bytes of weights a speculative round reads: the target once, the draft K + 1 times."""
+    return weight_bytes_per_step(gen.target) + (gen.k + 1) * weight_bytes_per_step(gen.draft)
 
 
 def decode_weight_bytes(gen) -> int:
-    """Bytes of weights that the last generate of gen read, prefill included (gen a Generator or a
-    SpeculativeGenerator): each model once for the prefill (several rows), then a step of one row for
-    each decode step it ran (those after a stop token too, up to the next check), or
-    speculative_round_bytes a round."""
+    """Bytes of weights the last generate of gen (a Generator or a SpeculativeGenerator) read: each
+    model once for the prefill, then once a decode step it ran (up to K - 1 past a stop), or a round."""
     if isinstance(gen, Generator):
-        return weight_bytes_per_step(gen.model, 2) + gen.decode_steps * weight_bytes_per_step(gen.model)
-    return (weight_bytes_per_step(gen.target, 2) + weight_bytes_per_step(gen.draft, 2)
-            + gen.rounds * speculative_round_bytes(gen))
+        return (1 + gen.decode_steps) * weight_bytes_per_step(gen.model)
+    prefill = weight_bytes_per_step(gen.target) + weight_bytes_per_step(gen.draft)
+    return prefill + gen.rounds * speculative_round_bytes(gen)
 
 
 def report_stats(device, n_new: int, total: float, compile_s: float, first_token_s: float, weight_bytes: int):
     """The run's figures to stderr; weight_bytes: the weights its decode steps read, all together."""
     gen_s = max(total - compile_s, 1e-9)
     tok_s = n_new / gen_s
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     log(f"{n_new} tokens in {gen_s:.2f} s: {tok_s:.1f} tok/s, {weight_bytes / gen_s / 1e9:.1f} GB/s of weights"
         + (f", compile {compile_s:.1f} s" if compile_s else "")
         + f", time to first token {first_token_s:.3f} s, peak memory {peak / 2**30:.2f} GiB")
 
 
 def profile(gen: Generator, prompt: list[int], path: Path) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gen.device.type == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
+    with torch.profiler.profile() as prof:  # (the CPU, and CUDA where there is one)
         for _ in gen.generate([prompt], 2 * gen.stop_check_interval + 1):
             pass
     prof.export_chrome_trace(str(path))

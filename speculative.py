@@ -23,9 +23,11 @@ p at the last position. Every draw is argmax(probs / Exponential(1)), never torc
 """
 import torch
 
-from common import Sampling, draw, logits_to_probs, sample, synchronize
-from kernels import register_fallbacks
-from model import Transformer
+import kernels
+from common import Sampling, UsageError, check_memory, draw, logits_to_probs, sample, synchronize
+from model import Transformer, read_config
+from quantize import load
+from tokenizer import load_tokenizer
 
 
 def draft_steps(draft: Transformer, token: torch.Tensor, pos: torch.Tensor, draft_tokens: torch.Tensor,
@@ -107,7 +109,7 @@ class SpeculativeGenerator:
         self.device = target.tok_embeddings.weight.device
         self.mode = mode
         if mode != "eager":
-            register_fallbacks()
+            kernels.register_fallbacks()
         if mode == "eager":
             self.draft_fn, self.verify_fn = draft_steps, verify
         elif mode == "compile":
@@ -195,3 +197,17 @@ class SpeculativeGenerator:
             emitted += len(new)
             yield new
         synchronize(self.device)
+
+
+def load_draft(path, target: Transformer, tokenizer, device, dtype, length: int, use_kernels: bool) -> Transformer:
+    """The draft checkpoint at `path`, checked to share the target's tokenizer, loaded (with the kernels)."""
+    config, draft_tokenizer = read_config(path), load_tokenizer(path)
+    probe = "Speculative decoding: 12345, naïve café, 東京, 🚀\n  def f(x): return x"
+    if (config["args"].vocab_size != target.args.vocab_size or draft_tokenizer.eos_ids != tokenizer.eos_ids
+            or draft_tokenizer.encode(probe) != tokenizer.encode(probe)):
+        raise UsageError(f"the draft {path} does not share the target's tokenizer")
+    check_memory(config, path, 1, length, dtype, device)
+    draft = load(path, device=device, dtype=dtype)
+    if use_kernels:
+        kernels.apply(draft)
+    return draft

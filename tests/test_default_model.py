@@ -1,7 +1,7 @@
 """The default model (SmolLM2-135M-Instruct), converted from its GGUF, against transformers'
 own loading of the same GGUF file: logits, and greedy decoding token for token, eager and
-compiled. Then its int4 form (quantize.load; with kernels.apply, what generate.py runs on the CPU)
-against transformers on the same, dequantized, weights."""
+compiled. Then its int4 form (quantize.load, alone and with kernels.apply) against transformers on
+the same, dequantized, weights."""
 import copy
 
 import pytest
@@ -56,9 +56,9 @@ def ours(ckpt):
     return Transformer.from_checkpoint(ckpt, device="cpu", dtype=torch.float32)
 
 
-def test_logits_match_transformers_gguf_loader(ckpt, ours, hf_model):
-    tok = load_tokenizer(ckpt)
-    ids = tok.encode(TEXT)
+def assert_logits_match(ckpt, ours, hf_model):
+    """Logits of a 150-token prefill within 1e-3 of transformers'."""
+    ids = load_tokenizer(ckpt).encode(TEXT)
     assert len(ids) >= 150
     idx = torch.tensor([ids[:150]])
     ours.setup_caches(1, 256)
@@ -67,6 +67,10 @@ def test_logits_match_transformers_gguf_loader(ckpt, ours, hf_model):
         got = ours(idx, torch.arange(150))
     err = (got - ref).abs().max().item()
     assert err <= 1e-3, f"max abs logit difference {err:.3g}"
+
+
+def test_logits_match_transformers_gguf_loader(ckpt, ours, hf_model):
+    assert_logits_match(ckpt, ours, hf_model)
 
 
 def decode_step(model: Transformer, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -146,12 +150,17 @@ def hf_int4(int4_ckpt, hf_model):
     return model
 
 
-@pytest.mark.parametrize("with_kernels,compiled", [(False, False), (True, True)],
-                         ids=["reference-eager", "kernels-compiled"])
-def test_int4_default_greedy_matches_transformers_on_its_weights(int4_ckpt, hf_int4, with_kernels, compiled):
-    """quantize.py's plain layers, eager; then kernels.apply's CPU matmuls in the compiled step."""
+def test_int4_default_logits_match_transformers_on_its_weights(int4_ckpt, hf_int4):
+    """quantize.py's plain int4 and int8 layers (dequantize, then F.linear), on a 150-token prefill."""
     assert read_config(int4_ckpt)["quantization"] == {"mode": "int4", "groupsize": 32}
     model = quantize.load(int4_ckpt, device="cpu", dtype=torch.float32)
-    if with_kernels:
-        kernels.apply(model)
+    assert_logits_match(int4_ckpt, model, hf_int4)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_int4_default_greedy_matches_transformers_on_its_weights(int4_ckpt, hf_int4, compiled):
+    """What generate.py runs on the CPU: kernels.apply's matmuls (cpu.cpp where it builds), the step
+    eager or compiled. (Its ahead-of-time step is held to the eager one in test_generate.py.)"""
+    model = quantize.load(int4_ckpt, device="cpu", dtype=torch.float32)
+    kernels.apply(model)
     assert_greedy_matches(int4_ckpt, model, hf_int4, compiled)
