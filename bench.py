@@ -1,29 +1,22 @@
-"""Measure decode speed on your own hardware: eager vs compiled vs graphed, against the memory
-bandwidth measured in the same run.
+"""Decode speed on your own hardware: eager vs compiled vs graphed, against the memory bandwidth measured in the run.
 
     python bench.py                                   # Llama-2-7B shape, all modes, batch 1 and 8
     python bench.py --model llama-3.1-8b --modes graphs --batch-sizes 1 --json out.json
     python bench.py --checkpoint checkpoints/SmolLM2-135M-Instruct --device cpu
 
-Modes (the three levels of CUDA-graph use, plus the baseline):
-  eager    PyTorch ops launched one by one from Python
-  compile  torch.compile's Inductor kernels, still launched one by one (no graphs)
-  graphs   torch.compile(mode="reduce-overhead"): Inductor kernels replayed as a CUDA graph
-           (CUDAGraph Trees) -- what generate.py runs
-  manual   the eager step captured by hand into one torch.cuda.CUDAGraph and replayed
+Modes:  eager    PyTorch ops launched one by one from Python
+        compile  torch.compile's Inductor kernels, still launched one by one (no graphs)
+        graphs   torch.compile(mode="reduce-overhead"): CUDAGraph Trees replay the kernels; what generate.py runs
+        manual   the eager step captured by hand into one torch.cuda.CUDAGraph and replayed
 
-Random weights of real shapes: decode speed does not depend on weight values. The kernels package
-is applied where the hardware allows (kernels.apply); --no-kernels measures the plain model.py.
-
-Speculative decoding (--speculate-k K with --draft-quantize MODE, the target's own quantized copy
-as draft, or --draft-checkpoint DIR): for each mode, a second record with mode "speculative-MODE":
-tok/s, acceptance histogram, mean tokens per round, and the draft loop's cost against K single
-draft decode steps timed the same way (the loop is one graph replay in mode graphs). Acceptance
-depends on the weights and the sampling (--temperature): with random weights it is a property of
-that set-up, not of a real model pair.
+Random weights of real shapes: decode speed does not depend on weight values. kernels.apply is used where the
+hardware allows (--no-kernels: the plain model.py). --speculate-k K with --draft-quantize MODE (the target's own
+quantized copy as draft) or --draft-checkpoint DIR adds per mode a record "speculative-MODE": tok/s, acceptance
+histogram (with random weights, a property of that set-up), tokens per round, the draft loop against K steps.
 """
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -34,25 +27,26 @@ import torch
 
 import kernels
 from common import DTYPES, Sampling, synchronize
-from generate import (Generator, check_graphs, decode_one_token, count_launches, launches_per_call, prefill, speculative_round_bytes,
-                      weight_bytes_per_step)
+from generate import (Generator, check_graphs, count_launches, decode_one_token, launches_per_call, prefill,
+                      speculative_round_bytes, weight_bytes_per_step)
 from model import ModelArgs, Transformer
 from quantize import load, quantize_model
+from speculative import SpeculativeGenerator
 
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 PRESETS = {
     "smollm2-135m": ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152,
                               intermediate_size=1536, rope_theta=1e5, max_seq_len=8192, tie_embeddings=True),
     "llama-3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
                               intermediate_size=8192, rope_theta=5e5, max_seq_len=131072, tie_embeddings=True,
-                              rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192}),
+                              rope_scaling={"factor": 32.0, **LLAMA3_ROPE}),
     "llama-2-7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, intermediate_size=11008,
                             max_seq_len=4096),
     "llama-3.1-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                               intermediate_size=14336, rope_theta=5e5, max_seq_len=131072,
-                              rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192}),
+                              rope_scaling={"factor": 8.0, **LLAMA3_ROPE}),
 }
+QUANTIZE_CHOICES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"]
 
 
 def random_model(args: ModelArgs, device, dtype) -> Transformer:
@@ -68,76 +62,72 @@ def random_model(args: ModelArgs, device, dtype) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
+def seconds_per_call(fn, device, reps: int = 20, warmup: int = 1) -> float:
+    """Mean wall time of fn() over reps calls after `warmup` more, by CUDA events on a GPU."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
 def copy_bandwidth(device, gib: float = 2.0) -> float:
-    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written: the ceiling
-    for a decode step that must read every weight once."""
-    if device.type != "cuda":
-        src = torch.randn(int(gib * 2**30) // 32)  # float32, a quarter of the GPU size
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        start = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src)
-        return 2 * src.numel() * 4 * 5 / (time.perf_counter() - start) / 1e9
-    n = int(gib * 2**30) // 2
-    src = torch.randn(n, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n * 2 * 20 / seconds / 1e9
+    """Copy rate in GB/s on the device (bytes read plus written): the ceiling for a step reading every weight once."""
+    cuda = device.type == "cuda"
+    src = torch.randn(int(gib * 2**30) // (2 if cuda else 32),  # bf16; on the CPU float32, an eighth of the bytes
+                      device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    copy = functools.partial(torch.empty_like(src).copy_, src)  # src into a buffer of its size
+    seconds = seconds_per_call(copy, device, reps=20 if cuda else 5, warmup=3 if cuda else 1)
+    copied = 2 * src.numel() * src.element_size()
+    del src, copy
+    torch.cuda.empty_cache()  # (a no-op without CUDA)
+    return copied / seconds / 1e9
 
 
 class ManualGraph:
-    """decode_one_token captured by hand in one torch.cuda.CUDAGraph: the teaching version of
-    what reduce-overhead automates. The step already reads and writes only static buffers
-    (token, pos, tokens, the KV cache), so 'copy-in' is what prefill writes into them; each
-    replay then runs every kernel of the step with no Python and no launch gaps."""
-
-    def __init__(self):
-        self.graph = None
+    """decode_one_token captured by hand in one torch.cuda.CUDAGraph, the teaching version of what reduce-overhead
+    automates: the step reads and writes only static buffers (token, pos, tokens, the KV cache), so 'copy-in' is
+    what prefill writes into them, and each replay runs every kernel of the step with no Python and no launch gaps."""
+    graph = None  # captured on the first call
 
     def __call__(self, model, token, pos, tokens, s):
+        """The first call captures: three steps warm up on a side stream (kernels built, lazy inits, cuBLAS
+        workspaces: none of it captured), the buffers and the CUDA generator are put back (so the warm-up changes
+        neither the tokens nor what a seeded sampler draws), and the step is recorded, not run. Each call replays it."""
         if self.graph is None:
-            self.capture(model, token, pos, tokens, s)
-        self.graph.replay()
-
-    def capture(self, model, token, pos, tokens, s):
-        """Three steps warm up on a side stream (kernels built, lazy inits, cuBLAS workspaces: none of it
-        captured); the buffers and the CUDA generator are then put back, so the warm-up changes neither
-        the tokens nor what a seeded sampler draws. The step is then recorded, not run: __call__ replays it."""
-        device = token.device
-        saved = [t.clone() for t in (token, pos, tokens)]
-        rng = torch.cuda.get_rng_state(device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.no_grad():
-            with torch.cuda.stream(stream):
-                for _ in range(3):
+            device = token.device
+            saved = [t.clone() for t in (token, pos, tokens)]
+            rng = torch.cuda.get_rng_state(device)
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.no_grad():
+                with torch.cuda.stream(stream):
+                    for _ in range(3):
+                        decode_one_token(model, token, pos, tokens, s)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                for t, v in zip((token, pos, tokens), saved):
+                    t.copy_(v)
+                torch.cuda.set_rng_state(rng, device)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
                     decode_one_token(model, token, pos, tokens, s)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            for t, v in zip((token, pos, tokens), saved):
-                t.copy_(v)
-            torch.cuda.set_rng_state(rng, device)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                decode_one_token(model, token, pos, tokens, s)
+        self.graph.replay()
 
 
 def make_generator(model, mode: str, sampling: Sampling = Sampling(temperature=0)) -> Generator:
+    gen = Generator(model, sampling, "eager" if mode == "manual" else mode)
     if mode == "manual":
-        gen = Generator(model, sampling, "eager")
         gen.step, gen.mode, gen.warmup_calls = ManualGraph(), "manual", 1
-        return gen
-    return Generator(model, sampling, mode)
+    return gen
 
 
 def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
@@ -158,11 +148,10 @@ def warmed(model, mode: str, batch: int, prompt_tokens: int, new_tokens: int,
            sampling: Sampling = Sampling(temperature=0)) -> Generator:
     """A generator of `mode` after a random prompt of prompt_tokens, its step compiled or captured (the first
     calls, timed apart as compile_s), with room for new_tokens more."""
-    device = model.tok_embeddings.weight.device
     gen = make_generator(model, mode, sampling)
     token, pos, tokens = gen.reserve(batch, prompt_tokens + new_tokens + 16)
     torch.manual_seed(0)
-    prompt = torch.randint(0, model.args.vocab_size, (1, prompt_tokens), device=device).expand(batch, -1)
+    prompt = torch.randint(0, model.args.vocab_size, (1, prompt_tokens), device=gen.device).expand(batch, -1)
     with torch.no_grad():
         token[:, 0] = prefill(model, prompt, gen.sampling)
         pos.fill_(prompt_tokens)
@@ -177,12 +166,8 @@ def timed_decode(gen: Generator, prompt_tokens: int, new_tokens: int) -> list[fl
     token, pos, tokens = gen.buffers
     pos.fill_(prompt_tokens)
     if gen.device.type != "cuda":
-        times = []
-        for _ in range(new_tokens):
-            t = time.perf_counter()
-            gen._decode_step(token, pos, tokens)
-            times.append(time.perf_counter() - t)
-        return times
+        step = functools.partial(gen._decode_step, token, pos, tokens)
+        return [seconds_per_call(step, gen.device, reps=1, warmup=0) for _ in range(new_tokens)]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(new_tokens + 1)]
     events[0].record()
     for i in range(new_tokens):
@@ -209,26 +194,20 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         if show_kernels:
             print(f"-- {mode} B={batch}: kernels of 4 decode steps\n{kernel_table(gen)}", file=sys.stderr)
         runs = []
-        ctx = gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad()
-        with ctx:
+        with gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad():
             for _ in range(repeat):
                 times = timed_decode(gen, prompt_tokens, new_tokens)
                 runs.append(batch * new_tokens / sum(times))
-    total = sum(times)
-    weight_bytes = weight_bytes_per_step(model)
-    a = model.args
-    mean_len = prompt_tokens + new_tokens / 2
-    kv_bytes = 2 * a.n_layers * batch * a.n_kv_heads * mean_len * a.head_dim * model.tok_embeddings.weight.element_size()
-    gb_s = (weight_bytes + kv_bytes) * new_tokens / total / 1e9  # bytes a step must read, once
+    total, a = sum(times), model.args
+    mean_len, itemsize = prompt_tokens + new_tokens / 2, model.tok_embeddings.weight.element_size()
+    kv_bytes = 2 * a.n_layers * batch * a.n_kv_heads * mean_len * a.head_dim * itemsize
+    gb_s = (weight_bytes_per_step(model) + kv_bytes) * new_tokens / total / 1e9  # bytes a step must read, once
     ms = sorted(t * 1e3 for t in times)
-    record = {
-        "mode": mode, "batch_size": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-        "tok_s": batch * new_tokens / total, "tok_s_runs": runs, "step_ms_median": statistics.median(ms),
-        "step_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "gb_s": gb_s,
-        "ceiling_gb_s": ceiling, "pct_of_ceiling": 100 * gb_s / ceiling, "compile_s": gen.compile_s,
-        **counts,
-    }
-    record["peak_mem_gb"] = peak_memory_gb(device)
+    record = {"mode": mode, "batch_size": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+              "tok_s": batch * new_tokens / total, "tok_s_runs": runs, "step_ms_median": statistics.median(ms),
+              "step_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "gb_s": gb_s, "ceiling_gb_s": ceiling,
+              "pct_of_ceiling": 100 * gb_s / ceiling, "compile_s": gen.compile_s, **counts,
+              "peak_mem_gb": peak_memory_gb(device)}
     if device.type == "cuda":
         record["warmup_reserved_gb"] = (torch.cuda.memory_reserved(device) - reserved_before) / 1e9
     return record
@@ -242,42 +221,21 @@ def peak_memory_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def seconds_per_call(fn, device, reps: int = 20) -> float:
-    """Mean wall time of fn() over reps calls after one more, by CUDA events on a GPU."""
-    fn()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
-
-
 @torch.no_grad()
 def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_tokens: int,
                       sampling: Sampling, ceiling: float = 0.0) -> dict:
     """Speculative decode of new_tokens after a random prompt (batch 1), timed from the first
     round (prefill apart, as bench_one does), and the draft loop against K single draft steps."""
-    from speculative import SpeculativeGenerator
-
     device = target.tok_embeddings.weight.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     gen = SpeculativeGenerator(target, draft, sampling, k, mode)
     torch.manual_seed(0)
     prompt = torch.randint(0, target.args.vocab_size, (prompt_tokens,)).tolist()
-    # Caches sized once for everything below (the timed run, and 24 single draft steps), so no
-    # call recompiles for a longer cache.
+    # Caches sized once for all below (the timed run, 24 single draft steps): no recompile for a longer cache.
     gen.reserve(prompt_tokens + max(new_tokens, 4 * (k + 1), 24) + k + 1 + 8)
     start = time.perf_counter()
-    for _ in gen.generate(prompt, 4 * (k + 1)):  # compile and record both functions
-        pass
+    list(gen.generate(prompt, 4 * (k + 1)))  # compile and record both functions
     compile_s = time.perf_counter() - start
     torch.manual_seed(1)
     chunks = gen.generate(prompt, new_tokens)
@@ -288,13 +246,11 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     synchronize(device)
     decode_s = time.perf_counter() - start
     gb_s = gen.rounds * speculative_round_bytes(gen) / decode_s / 1e9  # (the draft K times, the target once)
-    record = {"mode": f"speculative-{mode}", "batch_size": 1, "prompt_tokens": prompt_tokens,
-              "new_tokens": new_tokens, "speculate_k": k, "temperature": sampling.temperature,
-              "tok_s": n / decode_s, "rounds": gen.rounds, "acceptance_histogram": gen.histogram,
-              "mean_tokens_per_round": gen.mean_tokens_per_round, "compile_s": compile_s,
-              "gb_s": gb_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory_gb(device)}
-    # The draft loop (K steps, one graph in mode graphs) against K single draft decode steps,
-    # both from just after the prompt (the last round may have run up to the end of the cache).
+    record = {"mode": f"speculative-{mode}", "batch_size": 1, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+              "speculate_k": k, "temperature": sampling.temperature, "tok_s": n / decode_s, "rounds": gen.rounds,
+              "acceptance_histogram": gen.histogram, "mean_tokens_per_round": gen.mean_tokens_per_round,
+              "compile_s": compile_s, "gb_s": gb_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory_gb(device)}
+    # Both timed from just after the prompt: the last round may have run up to the end of the cache.
     gen.pos.fill_(prompt_tokens + 1)
     loop_s = seconds_per_call(gen.draft_loop, device)
     single = make_generator(draft, mode, sampling)
@@ -311,9 +267,6 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     return record
 
 
-QUANTIZE_CHOICES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"]
-
-
 def quantized(model: Transformer, spec: str) -> Transformer:
     """The model quantized in memory as quantize.py would: spec is one of QUANTIZE_CHOICES."""
     mode, _, group = spec.partition("-g")
@@ -324,8 +277,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b", help="preset shape, random weights")
     p.add_argument("--checkpoint", type=Path, help="a checkpoint directory instead of a preset")
-    p.add_argument("--modes", default=None, help="comma-separated: eager,compile,graphs,manual "
-                   "(default: all on CUDA, eager,compile on the CPU)")
+    p.add_argument("--modes", help="comma-separated eager,compile,graphs,manual (default all; CPU: eager,compile)")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--prompt-tokens", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=200)
@@ -334,10 +286,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--check-graphs", action="store_true", help="fail unless decode is one graph replay per token")
-    p.add_argument("--quantize", choices=QUANTIZE_CHOICES,
-                   help="weight-only quantization of the model, in memory (quantize.py)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, help="weight-only quantization, in memory (quantize.py)")
     p.add_argument("--no-kernels", action="store_true", help="the plain model.py, without the kernels package")
-    p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels (on the CPU: ops) of a few decode steps")
+    p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels (CPU: ops) of 4 steps")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
     p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
@@ -348,9 +299,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    modes = (a.modes or ("eager,compile,graphs,manual" if device.type == "cuda" else "eager,compile")).split(",")
-    bad = [m for m in modes if m not in ("eager", "compile", "graphs", "manual")]
-    if bad or (device.type != "cuda" and {"graphs", "manual"} & set(modes)):
+    allowed = ["eager", "compile", "graphs", "manual"] if device.type == "cuda" else ["eager", "compile"]
+    modes = a.modes.split(",") if a.modes else allowed
+    if not set(modes) <= set(allowed):
         print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
         return 1
     batches = [int(b) for b in a.batch_sizes.split(",")]
@@ -359,21 +310,17 @@ def main(argv=None) -> int:
         return 1
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
-        print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint",
-              file=sys.stderr)
+        print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint", file=sys.stderr)
         return 1
     use_kernels = not a.no_kernels and kernels.enabled()
     torch.manual_seed(0)
-    if a.checkpoint:
-        model, name = load(a.checkpoint, device=device, dtype=dtype), a.checkpoint.name
-    else:
-        model, name = random_model(PRESETS[a.model], device, dtype), a.model
+    name = a.checkpoint.name if a.checkpoint else a.model
+    model = load(a.checkpoint, device, dtype) if a.checkpoint else random_model(PRESETS[a.model], device, dtype)
     draft = None  # made from the float target, before --quantize applies to the target
     if a.draft_quantize:
         draft, draft_name = quantized(model, a.draft_quantize), a.draft_quantize
     elif a.draft_checkpoint:
-        draft = load(a.draft_checkpoint, device=device, dtype=dtype)
-        draft_name = a.draft_checkpoint.name
+        draft, draft_name = load(a.draft_checkpoint, device=device, dtype=dtype), a.draft_checkpoint.name
         if draft.args.vocab_size != model.args.vocab_size:
             print(f"error: the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
                   f"({model.args.vocab_size})", file=sys.stderr)
@@ -392,8 +339,7 @@ def main(argv=None) -> int:
 
     def keep(r):
         r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
-                 kernels=use_kernels, date=datetime.date.today().isoformat(),
-                 command="python " + " ".join(sys.argv))
+                 kernels=use_kernels, date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
         records.append(r)
         if a.json:  # one record at a time, so a run cut short keeps what it measured
             old = json.loads(a.json.read_text()) if a.json.exists() else []
@@ -405,15 +351,13 @@ def main(argv=None) -> int:
         for batch in batches:
             r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
                           a.check_graphs and mode in ("graphs", "manual"), a.kernels, sampling, a.repeat)
+            runs = f"  (runs: {', '.join(f'{t:.1f}' for t in r['tok_s_runs'])} tok/s)" if a.repeat > 1 else ""
             print(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
                   f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
-                  f"first call {r['compile_s']:.1f} s"
-                  + (f"  (runs: {', '.join(f'{t:.1f}' for t in r['tok_s_runs'])} tok/s)" if a.repeat > 1 else ""),
-                  file=sys.stderr, flush=True)
+                  f"first call {r['compile_s']:.1f} s{runs}", file=sys.stderr, flush=True)
             keep(r)
         if draft is not None and mode != "manual":  # (no hand-captured speculative loop)
-            r = bench_speculative(model, draft, a.speculate_k, mode, a.prompt_tokens, a.new_tokens, sampling,
-                                  ceiling)
+            r = bench_speculative(model, draft, a.speculate_k, mode, a.prompt_tokens, a.new_tokens, sampling, ceiling)
             r["draft"] = draft_name
             print(f"  speculative-{mode} K={a.speculate_k} {r['tok_s']:8.1f} tok/s  "
                   f"{r['mean_tokens_per_round']:.2f} tokens/round  accepted {r['acceptance_histogram']}  "
@@ -444,9 +388,8 @@ def plot(records, path):
     except ImportError:
         print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return
-    labels = [f"{r['mode']}\nB={r['batch_size']}" for r in records]
     fig, ax = plt.subplots(figsize=(1.2 * len(records) + 2, 4))
-    ax.bar(labels, [r["pct_of_ceiling"] for r in records])
+    ax.bar([f"{r['mode']}\nB={r['batch_size']}" for r in records], [r["pct_of_ceiling"] for r in records])
     ax.set_ylabel("% of copy bandwidth")
     ax.set_title(f"{records[0]['model']} decode on {records[0]['gpu']}")
     fig.tight_layout()

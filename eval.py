@@ -1,13 +1,6 @@
-"""Perplexity of a checkpoint on a text file: the standard strided sliding-window evaluation.
+"""Perplexity of a checkpoint on a text file: the standard strided sliding-window evaluation (see perplexity).
 
-    python eval.py --checkpoint DIR --text FILE [--window N] [--stride S] [--device cpu|cuda]
-                   [--dtype bf16|fp16|fp32]
-
-The text is tokenized whole (BOS first when the tokenizer adds one). The first window, of N
-tokens, scores its tokens 1..N-1; each next one ends S tokens further, spans the N tokens up to
-there, and scores only its last S tokens. So every token but the first is scored exactly once,
-with up to N - 1 tokens of left context (at least N - S after the first window). Perplexity =
-exp(mean negative log-likelihood). Used to check what quantization (quantize.py) costs.
+The text is tokenized whole (BOS first when the tokenizer adds one). Used to check what quantize.py costs.
 """
 import argparse
 import math
@@ -17,33 +10,30 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common import DTYPES
 from model import Transformer, read_config
 from tokenizer import load_tokenizer
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @torch.no_grad()
 def perplexity(model: Transformer, tokens: list[int], window: int = 512, stride: int = 256) -> float:
-    """exp(mean NLL) of tokens[1:] under the model, scored by windows of `window` tokens whose ends
-    are `stride` tokens apart (1 <= stride < window, so each window has context before what it scores)."""
+    """exp(mean NLL) of tokens[1:] under the model, by windows of `window` tokens whose ends are `stride` apart, each
+    scoring the tokens after the previous window's end: every token but the first is scored once, with at least
+    window - stride tokens of left context after the first window (1 <= stride < window)."""
     if not 1 <= stride < window:
         raise ValueError(f"need 1 <= stride < window (got stride {stride}, window {window})")
     if len(tokens) < 2:
         raise ValueError("the text has fewer than 2 tokens")
-    device = model.tok_embeddings.weight.device
     model.setup_caches(max_batch_size=1, max_seq_length=min(window, len(tokens)))
-    ids = torch.tensor(tokens, device=device)
-    nll, scored, end = 0.0, 1, min(window, len(tokens))  # tokens[:scored] are done; token 0 has no context
-    while True:
+    ids = torch.tensor(tokens, device=model.tok_embeddings.weight.device)
+    nll, scored = 0.0, 1  # tokens[:scored] are done; token 0 has no context
+    for end in [*range(window, len(tokens), stride), len(tokens)]:
         begin = max(0, end - window)
-        logits = model(ids[None, begin:end], torch.arange(end - begin, device=device))[0]  # [L, V]
-        # logits[i] predicts token begin + i + 1: score tokens[scored:end].
-        pred = logits[scored - 1 - begin:end - 1 - begin].float()
+        logits = model(ids[None, begin:end], torch.arange(end - begin, device=ids.device))[0]  # [L, V]
+        pred = logits[scored - 1 - begin:end - 1 - begin].float()  # logits[i] predicts token begin + i + 1
         nll += F.cross_entropy(pred, ids[scored:end], reduction="sum").item()
-        if end == len(tokens):
-            return math.exp(nll / (len(tokens) - 1))
-        scored, end = end, min(end + stride, len(tokens))
+        scored = end
+    return math.exp(nll / (len(tokens) - 1))
 
 
 def main(argv=None) -> int:

@@ -67,8 +67,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        # Embedding's own init, N(0, 1), but not on the meta device of from_checkpoint, where
-        # normal_ would import PyTorch's reference ops first: 2 s of every CPU start.
+        # (N(0, 1), but not on the meta device of from_checkpoint: normal_ there costs a CPU start 2 s)
         embedding = torch.empty(args.vocab_size, args.dim)
         if not embedding.is_meta:
             nn.init.normal_(embedding)
@@ -104,9 +103,7 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """idx [B, S] token ids at positions input_pos [S] (or per row, [B, S]) -> logits [B, S, vocab].
-
-        Writes the new keys and values into the cache at input_pos and attends to every cached
-        position <= the query's."""
+        Writes the new keys and values into the cache at input_pos; each query sees positions <= its own."""
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches() before forward()")
         x = self.tok_embeddings(idx)
@@ -117,12 +114,9 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path, device="cpu", dtype=torch.bfloat16, swap=None) -> "Transformer":
-        """Load a checkpoint directory written by convert_hf_checkpoint.py (or quantize.py).
-
-        The model is built on the meta device (no memory, no random init), the weights are
-        memory-mapped and each is cast and moved once, then assigned in place of the meta ones.
-        swap(model, quantization) replaces linear layers before loading: a quantized checkpoint
-        needs quantize.swap_linears (quantize.load passes it)."""
+        """Load a checkpoint directory (convert_hf_checkpoint.py's): built on the meta device (no memory, no
+        init), the weights memory-mapped, each cast and moved once and assigned in place of the meta ones.
+        swap(model, quantization) replaces the linear layers first: quantize.load passes quantize.swap_linears."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 

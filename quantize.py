@@ -1,29 +1,21 @@
 """Weight-only int8 / int4 quantization: a float checkpoint directory -> a new, quantized one.
 
-    python quantize.py --checkpoint DIR --mode int8|int4 [--groupsize 32|64|128|256] [--out DIR]
-                       [--calibration TEXTFILE]
-
-int8: every linear layer per output channel, symmetric (scale = max|w| / 127).
-int4: the blocks' linear layers in groups of G input columns, asymmetric: each group gets a scale
-      and a zero (the middle level's value), fitted by least squares over a few clipping ranges
-      (measured on the default model, it beats plain min/max and symmetric 4-bit: see
-      BENCHMARKS.md), then moved to a grid of 8 bits a row (_grid_fit: what lets the GPU kernel
-      read them as one byte each). The output head stays int8 per channel. With --calibration,
-      int4 uses GPTQ instead (Frantar et al. 2022): the float model reads the text, and each
-      layer's columns are rounded in turn, every rounding error compensated on the columns not yet
-      rounded, weighted by how the layer's inputs on that text correlate. Same format, better
-      where rounding alone loses most (the default model at group size 128: perplexity 1.39x
-      float -> 1.14x).
-Both: the embedding table stays float (one row read per token). The file formats, and the
-modules that run them in plain PyTorch, are below; kernels/ has their fast forwards. generate.py
-and eval.py load the result with no extra flag.
-
-The output defaults to DIR-int8 or DIR-int4-gG beside DIR and is never overwritten: it is written
-to a temporary directory and renamed into place once complete. Tokenizer files and the rest of
-config.json are copied; "quantization" records the format, and tie_embeddings becomes false (the
-float table and the int8 head are two tensors from then on).
+The formats, for a layer whose float weight W is [N, K] (every tensor per output row; scales and zeros bf16):
+  int8           Int8Linear: `weight` int8 [N, K], `scales` [N]; W = weight * scales[:, None]. Every linear layer.
+  int4, group G  Int4Linear: `weight` uint8 [N, K/2], two 4-bit values q a byte (column 2j in the low nibble),
+                 `scales` and `zeros` [N, ceil(K/G)]; W = (q - 8) * scale + zero per group of G columns (`zero`:
+                 the middle level's value). The blocks' linear layers; the head stays int8 (4-bit there costs ~5%
+                 perplexity). With --calibration, GPTQ (Frantar et al. 2022) rounds each layer's columns in turn,
+                 compensating every rounding error on the columns not yet rounded as the layer's inputs on that
+                 text correlate (the default model at group size 128: perplexity 1.39x float -> 1.14x).
+  embedding      stays float: a lookup reads one row per token, so quantizing it saves memory, not time.
+A tied embedding becomes two tensors (the float table, the int8 head): configs say tie_embeddings=false. The output
+(default: DIR-int8 or DIR-int4-gG beside DIR) is written to a temporary directory and renamed into place once
+complete, never overwritten; tokenizer files and config.json are copied ("quantization" records the format).
+quantize.load reads it (generate.py with no extra flag); kernels/ swaps in GEMVs that read the packed weights.
 """
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -44,29 +36,16 @@ from model import ModelArgs, Transformer, read_config
 SCALE_DTYPE = torch.bfloat16  # the kernels' dtype: scales are fitted to the values they will have
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                  "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+INT4_GROUPSIZES = (32, 64, 128, 256)
+INT4_DIMS = "int4 needs an input dim that is a multiple of 32 and an output dim that is a multiple of 16"
+CALIBRATION_WINDOW = 256  # tokens per calibration sequence
 
 
 class QuantizeError(Exception):
     """Bad input: printed as one line, exit status 1."""
 
 
-# -- the quantized layers: what quantize_checkpoint writes, in plain PyTorch -----------------------
-#
-# For a layer whose float weight W is [N, K] (every tensor is per output row, N first):
-#   int8           Int8Linear: `weight` int8 [N, K] and `scales` [N]; W = weight * scales[:, None]
-#                  (symmetric, per output channel). Every linear layer.
-#   int4, group G  Int4Linear: `weight` uint8 [N, K/2], two 4-bit values q per byte (column 2j in
-#                  the low nibble), `scales` and `zeros` [N, ceil(K/G)]; W = (q - 8) * scale + zero
-#                  for each group of G columns (asymmetric: `zero` is the middle level's value). The
-#                  blocks' linear layers; the output head is int8 (4-bit there costs ~5% perplexity).
-#   embedding      stays float: a lookup reads one row per token, so quantizing it saves memory,
-#                  not time.
-# Scales and zeros are bf16 in the file. A tied embedding becomes two tensors (the float table and
-# the int8 head), so quantized configs say tie_embeddings=false. The forwards below dequantize and
-# call F.linear (gpt-fast's int8 way); kernels/ swaps in GEMVs that read the packed weights.
-
-INT4_GROUPSIZES = (32, 64, 128, 256)
-
+# -- the quantized layers (the formats above): what quantize_checkpoint writes, in plain PyTorch ---------------
 
 def check_quantization(quantization) -> tuple[str, int | None]:
     """(mode, groupsize) of a config's "quantization" entry; ValueError on anything else."""
@@ -116,8 +95,7 @@ class Int4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
         super().__init__()
         if in_features % 32 or out_features % 16:
-            raise ValueError(f"int4 needs an input dim that is a multiple of 32 and an output dim that is a "
-                             f"multiple of 16 (got {in_features} -> {out_features})")
+            raise ValueError(f"{INT4_DIMS} (got {in_features} -> {out_features})")
         self.groupsize = groupsize
         groups = -(-in_features // groupsize)
         self.weight = _parameter(out_features, in_features // 2, dtype=torch.uint8)
@@ -131,18 +109,16 @@ class Int4Linear(nn.Module):
 
 
 def swap_linears(model: Transformer, quantization: dict) -> None:
-    """Replace the blocks' nn.Linear layers by quantized ones of `quantization`'s mode (the head by
-    Int8Linear), empty, ready to load a quantized state dict: Transformer.from_checkpoint's swap."""
+    """Replace the blocks' nn.Linear layers by quantized ones of `quantization`'s mode (the head by Int8Linear),
+    empty, ready to load a quantized state dict: Transformer.from_checkpoint's swap."""
     mode, groupsize = check_quantization(quantization)
     if model.args.tie_embeddings:
         raise ValueError("a quantized checkpoint keeps the head apart from the embedding: its config "
                          "must say tie_embeddings=false")
 
     def quantized(linear: nn.Linear, mode: str) -> nn.Module:
-        bias = linear.bias is not None
-        if mode == "int8":
-            return Int8Linear(linear.in_features, linear.out_features, bias)
-        return Int4Linear(linear.in_features, linear.out_features, groupsize, bias)
+        dims, bias = (linear.in_features, linear.out_features), linear.bias is not None
+        return Int8Linear(*dims, bias) if mode == "int8" else Int4Linear(*dims, groupsize, bias)
 
     for layer in model.layers:
         for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
@@ -157,15 +133,13 @@ def load(path, device="cpu", dtype=torch.bfloat16) -> Transformer:
 
 
 def int4_grid_unit(v: torch.Tensor, levels: int) -> torch.Tensor:
-    """v [N, G] -> [N, 1] float32: per row, the smallest power of two u with max |v| <= levels u
-    (1 for a row of zeros)."""
+    """v [N, G] -> [N, 1] float32: per row, the smallest power of two u with max |v| <= levels u (1 if all 0)."""
     m, e = torch.frexp(v.float().abs().amax(1, keepdim=True) / levels)
     return torch.where(m > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
 
 
 def int4_units(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """The units of the grid for int4 scales and zeros [N, G]: [N, 2] float32, the scales'
-    (int4_grid_unit with 255 levels) and the zeros' (127 levels)."""
+    """The grid's units for int4 scales and zeros [N, G]: [N, 2] float32, the scales' (255 levels), the zeros' (127)."""
     return torch.cat([int4_grid_unit(scales, 255), int4_grid_unit(zeros, 127)], dim=1)
 
 
@@ -180,42 +154,33 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(w: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric, per group of `groupsize` columns (the last group shorter when groupsize does
-    not divide K): (uint8 [N, K/2] two values a byte, scales [N, G], zeros [N, G]) with
-    w ~ (q - 8) * scale + zero, the scales and zeros on the grid (_grid_fit)."""
+    """Asymmetric, per group of `groupsize` columns (the last group shorter when groupsize does not divide K):
+    (uint8 [N, K/2] two values a byte, scales [N, G], zeros [N, G]), the scales and zeros on the grid (_grid_fit)."""
     if w.shape[1] % 2:
         raise QuantizeError(f"int4 needs an even input dim (got {w.shape[1]})")
-    pieces = _group_pieces(w, groupsize)
-    fits = [_fit_int4(piece) for piece in pieces]
-    units = _fit_units(fits)
+    pieces, fits, units = _group_fits(w, groupsize)
     parts = [_grid_fit(piece, fit[1], fit[2], units) for piece, fit in zip(pieces, fits)]
     q = torch.cat([p[0].flatten(1) for p in parts], dim=1).to(torch.uint8)  # [N, K] in 0..15
     scales, zeros = (torch.cat([p[i] for p in parts], dim=1) for i in (1, 2))
     return q[:, ::2] | q[:, 1::2] << 4, scales, zeros
 
 
-def _group_pieces(w: torch.Tensor, groupsize: int) -> list[torch.Tensor]:
-    """w [N, K] in float32 as groups: [N, K // groupsize, groupsize], then the shorter last group
-    [N, 1, K % groupsize] if groupsize does not divide K."""
+def _group_fits(w: torch.Tensor, groupsize: int) -> tuple[list, list, torch.Tensor]:
+    """w [N, K] in float32 as groups ([N, K // groupsize, groupsize], then [N, 1, K % groupsize] if that is not 0),
+    their _fit_int4 fits, and the grid's units [N, 2] of each row from those fits."""
     N, K = w.shape
     full = K // groupsize * groupsize
-    return ([w[:, :full].float().view(N, -1, groupsize)] if full else []) + \
-           ([w[:, full:].float().view(N, 1, K - full)] if full < K else [])
+    pieces = ([w[:, :full].float().view(N, -1, groupsize)] if full else []) + \
+             ([w[:, full:].float().view(N, 1, K - full)] if full < K else [])
+    fits = [_fit_int4(piece) for piece in pieces]
+    return pieces, fits, int4_units(*(torch.cat([f[i] for f in fits], dim=1) for i in (1, 2)))
 
 
-def _fit_units(fits: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-    """The grid's units [N, 2] of each row, from the _fit_int4 results of its pieces."""
-    return int4_units(*(torch.cat([f[i] for f in fits], dim=1) for i in (1, 2)))
-
-
-# Scales and zeros on a grid: each a whole number of a power of two per row, 8 bits (scales 1..255,
-# zeros -127..127). They stay bf16 in the file (exactly: 8 bits times a power of two), so every
-# kernel computes with the same weights, and kernels/int4.py's GEMV can read them as one byte
-# each. Cost on the default model: BENCHMARKS.md.
+# Scales and zeros on a grid: a whole number of a power of two per row, 8 bits (scales 1..255, zeros -127..127),
+# exact in bf16, so every kernel computes with the same weights and kernels/int4.py reads them as one byte each.
 
 def on_grid(scales: torch.Tensor, zeros: torch.Tensor, units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales and zeros [N, G] rounded to the nearest whole numbers of their rows' units [N, 2]
-    (scales at least one: no group loses its scale), in SCALE_DTYPE."""
+    """Scales and zeros [N, G] rounded to whole numbers of their rows' units [N, 2] (scales >= 1), in SCALE_DTYPE."""
     s = (scales.float() / units[:, :1]).round().clamp(1, 255) * units[:, :1]
     z = (zeros.float() / units[:, 1:]).round().clamp(-127, 127) * units[:, 1:]
     return s.to(SCALE_DTYPE), z.to(SCALE_DTYPE)
@@ -223,10 +188,9 @@ def on_grid(scales: torch.Tensor, zeros: torch.Tensor, units: torch.Tensor) -> t
 
 def _grid_fit(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A fit of groups w [N, G, g] (scale, zero [N, G]) moved onto the grid of `units` [N, 2]: of the
-    four grid points around it (each code rounded down and up), the one whose levels, rounded
-    again, leave the least squared error -> (levels [N, G, g] in 0..15, scale, zero in SCALE_DTYPE).
-    (Nearest rounding alone, on_grid, cost the default model 0.7% perplexity at group 128.)"""
+    """A fit of groups w [N, G, g] (scale, zero [N, G]) moved onto the grid of `units` [N, 2]: of the four grid
+    points around it, the one whose levels leave the least squared error -> (levels [N, G, g] in 0..15, scale,
+    zero in SCALE_DTYPE). (Nearest rounding alone, on_grid, cost the default model 0.7% perplexity at g128.)"""
     unit_s, unit_z = units[:, None, :1], units[:, None, 1:]  # [N, 1, 1]
     codes_s, codes_z = scale.float()[..., None] / unit_s, zero.float()[..., None] / unit_z  # [N, G, 1]
     best = None
@@ -242,10 +206,9 @@ def _grid_fit(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 
 def _fit_int4(w: torch.Tensor, clips=(0.0, 0.05, 0.1)) -> tuple[torch.Tensor, ...]:
-    """w [N, G, g] -> (q [N, G, g] in 0..15, scales [N, G], zeros [N, G]) minimising the squared
-    error per group. For each clipping of the group's [min, max] range (from below and from
-    above), round to the 16-level grid, refit scale and zero by least squares for those levels,
-    round once more; keep the best fit. Plain min/max is the first candidate."""
+    """w [N, G, g] -> (q [N, G, g] in 0..15, scales [N, G], zeros [N, G]) minimising the squared error per group:
+    for each clipping of the group's [min, max] range from below and above, round, refit scale and zero by least
+    squares for those levels, round again; keep the best (it beats plain min/max and symmetric 4-bit: BENCHMARKS.md)."""
     g = w.shape[-1]
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     span = (hi - lo).clamp(min=1e-12)
@@ -265,8 +228,7 @@ def _fit_int4(w: torch.Tensor, clips=(0.0, 0.05, 0.1)) -> tuple[torch.Tensor, ..
                     scale = torch.where(ok & (fit_scale > 0), fit_scale, scale)
                     zero = torch.where(ok, (sw - scale * sq) / g, zero)
             err = ((q * scale + zero - w) ** 2).sum(-1, keepdim=True)
-            better = err < best[0]
-            best = tuple(torch.where(better, new, old) for new, old in zip((err, scale, zero), best))
+            best = tuple(torch.where(err < best[0], new, old) for new, old in zip((err, scale, zero), best))
     _, scale, zero = best
     q = ((w - zero) / scale).round().clamp(-8, 7) + 8
     return q, scale.squeeze(-1).to(SCALE_DTYPE), zero.squeeze(-1).to(SCALE_DTYPE)
@@ -274,13 +236,10 @@ def _fit_int4(w: torch.Tensor, clips=(0.0, 0.05, 0.1)) -> tuple[torch.Tensor, ..
 
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: float = 0.01,
               block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantize_int4's format by GPTQ: w [N, K] and hessian [K, K] = sum of x x^T over the layer's
-    inputs x. Columns are rounded left to right with their group's scale and zero, fitted by
-    _fit_int4 when the group starts (on the weights as updated so far) and moved onto the grid
-    (_grid_fit; each row's units from the fits of W before any update, its dead columns zeroed);
-    each rounding error is spread over the columns to its right through the Cholesky factor of the
-    inverse Hessian, which minimises the error of x @ w.T rather than of w. Updates are applied
-    lazily per block of columns."""
+    """quantize_int4's format by GPTQ: w [N, K], hessian [K, K] = sum of x x^T over the layer's inputs x. Columns
+    are rounded left to right, each group's scale and zero fitted as it starts (the grid's units from W before any
+    update); each rounding error is spread over the columns to its right through the Cholesky factor of the inverse
+    Hessian (minimising the error of x @ w.T, not of w), lazily per block of columns."""
     N, K = w.shape
     if block % groupsize and groupsize % block:
         raise ValueError(f"gptq_int4: block {block} and group size {groupsize} must divide one another")
@@ -290,7 +249,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
     W[:, dead] = 0
     H += damp * torch.diag(H).mean() * torch.eye(K, dtype=H.dtype, device=H.device)  # dampened, as the paper does
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    units = _fit_units([_fit_int4(piece) for piece in _group_pieces(W.float(), groupsize)])  # W as it starts
+    units = _group_fits(W.float(), groupsize)[2]  # from W as it starts
     q = torch.zeros(N, K, dtype=torch.uint8, device=w.device)
     scales, zeros = [], []
     for b0 in range(0, K, block):
@@ -299,8 +258,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
         for i in range(b1 - b0):
             j = b0 + i
             if j % groupsize == 0:  # a new group: its scale and zero
-                group = torch.cat([Wb[:, i:], W[:, b1:j + groupsize]], dim=1)[:, :groupsize]
-                group = group.float().unsqueeze(1)
+                group = torch.cat([Wb[:, i:], W[:, b1:j + groupsize]], dim=1)[:, :groupsize].float().unsqueeze(1)
                 _, scale, zero = _grid_fit(group, *_fit_int4(group)[1:], units)
                 scales.append(scale)
                 zeros.append(zero)
@@ -313,9 +271,6 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
     return q[:, ::2] | q[:, 1::2] << 4, torch.cat(scales, dim=1), torch.cat(zeros, dim=1)
 
 
-CALIBRATION_WINDOW = 256  # tokens per calibration sequence
-
-
 def calibration_window(n_tokens: int, args: ModelArgs) -> int:
     """Tokens per calibration forward: CALIBRATION_WINDOW, or fewer for a short text or context."""
     return min(n_tokens, CALIBRATION_WINDOW, args.max_seq_len)
@@ -323,32 +278,27 @@ def calibration_window(n_tokens: int, args: ModelArgs) -> int:
 
 @torch.no_grad()
 def calibrate(model: Transformer, tokens: list[int]) -> dict[str, torch.Tensor]:
-    """Hessians for gptq_int4 (sum of x x^T of each block linear's input, float32: one K x K matrix
-    per distinct input, held all at once), from forwards of the float model over `tokens` in whole
-    windows of CALIBRATION_WINDOW (or the model's context, if shorter; a tail shorter than a window
-    is left out), keyed by the checkpoint's weight names (q, k, v share one, as do gate and up)."""
+    """Hessians for gptq_int4 (sum of x x^T of each block linear's input, float32: one K x K matrix per distinct
+    input, held all at once), from forwards of the float model over `tokens` in whole windows of calibration_window
+    (a shorter tail is left out), keyed by the checkpoint's weight names (q, k, v share one, as do gate and up)."""
     length = calibration_window(len(tokens), model.args)
-    n = len(tokens) // length
     hessians, hooks = {}, []
 
-    def hook(names):
-        def accumulate(module, args, out):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()  # the matmul's input
-            h = hessians.get(names[0], 0) + x.T @ x
-            hessians.update(dict.fromkeys(names, h))  # fused q/k/v and gate/up: one input
-        return accumulate
+    def accumulate(names, module, args, out):
+        x = args[0].reshape(-1, args[0].shape[-1]).float()  # the matmul's input
+        h = hessians.get(names[0], 0) + x.T @ x
+        hessians.update(dict.fromkeys(names, h))  # fused q/k/v and gate/up: one input
 
     for i, layer in enumerate(model.layers):
-        p = f"layers.{i}."
-        for module, names in ((layer.attention.wqkv, ("attention.wq", "attention.wk", "attention.wv")),
-                              (layer.attention.wo, ("attention.wo",)),
-                              (layer.feed_forward.w13, ("feed_forward.w1", "feed_forward.w3")),
-                              (layer.feed_forward.w2, ("feed_forward.w2",))):
-            hooks.append(module.register_forward_hook(hook([p + n + ".weight" for n in names])))
+        a, f = layer.attention, layer.feed_forward
+        for module, names in ((a.wqkv, ("attention.wq", "attention.wk", "attention.wv")), (a.wo, ("attention.wo",)),
+                              (f.w13, ("feed_forward.w1", "feed_forward.w3")), (f.w2, ("feed_forward.w2",))):
+            keys = [f"layers.{i}.{n}.weight" for n in names]
+            hooks.append(module.register_forward_hook(functools.partial(accumulate, keys)))
     device = model.tok_embeddings.weight.device
     try:
         model.setup_caches(1, length)
-        for k in range(n):
+        for k in range(len(tokens) // length):
             window = torch.tensor([tokens[k * length:(k + 1) * length]], device=device)
             model(window, torch.arange(window.shape[1], device=device))
     finally:
@@ -359,33 +309,28 @@ def calibrate(model: Transformer, tokens: list[int]) -> dict[str, torch.Tensor]:
 
 def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, groupsize: int | None,
                      tied: bool, hessians: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """A float checkpoint's (name, tensor) stream -> the quantized checkpoint's (int4 by GPTQ
-    where `hessians`, from calibrate, has the weight's name)."""
+    """A float checkpoint's (name, tensor) stream -> the quantized one's (int4 by GPTQ where `hessians` is given)."""
     for name, t in tensors:
-        module, _, kind = name.rpartition(".")
         if tied and name == "output.weight":
             continue  # the embedding's, made below
         if name == "tok_embeddings.weight":
             yield name, t  # a lookup reads one row per token: kept float
-            if tied:  # the head, stored apart from now on
-                q, scales = quantize_int8(t)
-                yield "output.weight", q
-                yield "output.scales", scales
-        elif kind == "weight" and (module == "output" or (mode == "int8" and module.endswith(BLOCK_LINEARS))):
+            if not tied:
+                continue
+            name = "output.weight"  # the tied head, stored apart from now on: int8 below
+        module, _, kind = name.rpartition(".")
+        if kind == "weight" and (module == "output" or (mode == "int8" and module.endswith(BLOCK_LINEARS))):
             q, scales = quantize_int8(t)
             yield name, q
             yield module + ".scales", scales
         elif kind == "weight" and module.endswith(BLOCK_LINEARS):
             N, K = t.shape
             if K % 32 or N % 16:
-                raise QuantizeError(f"{name}: int4 needs an input dim that is a multiple of 32 and an output "
-                                    f"dim that is a multiple of 16 (got {N} x {K})")
-            if hessians is not None:
-                if name not in hessians:
-                    raise QuantizeError(f"{name}: no calibration statistics for it (GPTQ)")
-                q, scales, zeros = gptq_int4(t, hessians[name], groupsize)
-            else:
-                q, scales, zeros = quantize_int4(t, groupsize)
+                raise QuantizeError(f"{name}: {INT4_DIMS} (got {N} x {K})")
+            if hessians is not None and name not in hessians:
+                raise QuantizeError(f"{name}: no calibration statistics for it (GPTQ)")
+            q, scales, zeros = (quantize_int4(t, groupsize) if hessians is None
+                                else gptq_int4(t, hessians[name], groupsize))
             yield name, q
             yield module + ".scales", scales
             yield module + ".zeros", zeros
@@ -402,13 +347,10 @@ def quantized_config(config: dict, mode: str, groupsize: int | None) -> dict:
 
 def quantize_model(model: Transformer, mode: str, groupsize: int | None = None,
                    calibration: list[int] | None = None) -> Transformer:
-    """The quantized twin of a float model, made in memory the way quantize_checkpoint makes the
-    file: the same tensors, loaded through the same modules and hooks. `calibration` (token ids):
-    int4 by GPTQ."""
+    """The quantized twin of a float model: quantize_checkpoint's tensors, made in memory (int4 by GPTQ on the
+    token ids `calibration`, if given), loaded through the same modules and hooks."""
     args = model.args
-    state = {k: v for k, v in model.state_dict().items()
-             if not (args.tie_embeddings and k == "output.weight")}
-    state = split_fused(state, args)
+    state = split_fused(model.state_dict(), args)  # (a tied output.weight: quantize_tensors skips it)
     config = quantized_config({"model": args.to_dict()}, mode, groupsize)
     with torch.device("meta"):
         qmodel = Transformer(ModelArgs.from_dict(config["model"]))
@@ -445,12 +387,10 @@ def default_out(checkpoint: Path, mode: str, groupsize: int | None) -> Path:
 
 
 def prepare_default_int4(checkpoint: Path) -> Path:
-    """The default model's int4 form (groups of 32), next to its float checkpoint, made once: what
-    generate.py runs on the CPU (README: the GGUF it comes from is Q4_1, so g32 costs nothing)."""
+    """The default model's int4 form (groups of 32), next to its float checkpoint, made once: what generate.py
+    runs on the CPU (README: the GGUF it comes from is Q4_1, so g32 costs nothing)."""
     out = default_out(checkpoint, "int4", 32)
-    if (out / "config.json").is_file():
-        return out
-    return quantize_checkpoint(checkpoint, "int4", 32, out)
+    return out if (out / "config.json").is_file() else quantize_checkpoint(checkpoint, "int4", 32, out)
 
 
 def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = None, out: Path | None = None,
@@ -461,8 +401,11 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
         raise QuantizeError(f"unknown mode {mode!r} (int8 or int4)")
     if calibration is not None and mode != "int4":
         raise QuantizeError("--calibration applies to --mode int4 (GPTQ); int8 rounds per channel")
+    groupsize = 32 if mode == "int4" and groupsize is None else groupsize
     try:
         config = read_config(checkpoint)
+        new_config = quantized_config(config, mode, groupsize)
+        check_quantization(new_config["quantization"])
     except (FileNotFoundError, ValueError) as e:
         raise QuantizeError(str(e)) from None
     if config.get("quantization"):
@@ -471,16 +414,9 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
     weights = checkpoint / "model.safetensors"
     if not weights.is_file():
         raise QuantizeError(f"{checkpoint}: no model.safetensors")
-    if mode == "int4" and groupsize is None:
-        groupsize = 32
     out = Path(out) if out else default_out(checkpoint, mode, groupsize)
     if out.exists():
         raise QuantizeError(f"{out} already exists")
-    new_config = quantized_config(config, mode, groupsize)
-    try:
-        check_quantization(new_config["quantization"])
-    except ValueError as e:
-        raise QuantizeError(str(e)) from None
     start = time.time()
     hessians = calibration_hessians(checkpoint, Path(calibration)) if calibration is not None else None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -510,8 +446,7 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
 
 
 def calibration_hessians(checkpoint: Path, text_file: Path) -> dict[str, torch.Tensor]:
-    """calibrate() on the float model of `checkpoint` (loaded whole, float32, on the CPU) reading
-    `text_file` through the checkpoint's tokenizer."""
+    """calibrate() on the float model of `checkpoint` (whole, float32, on the CPU) reading `text_file`, tokenized."""
     from tokenizer import load_tokenizer
 
     try:
@@ -548,9 +483,8 @@ def main(argv=None) -> int:
     p.add_argument("--groupsize", type=int, choices=INT4_GROUPSIZES, default=None,
                    help="int4 only: input columns per scale and zero (default 32)")
     p.add_argument("--out", type=Path, help="output directory (default: DIR-int8 or DIR-int4-gG)")
-    p.add_argument("--calibration", type=Path, metavar="TEXTFILE",
-                   help="int4 only: quantize by GPTQ, calibrated on this text (e.g. "
-                        "tests/data/calibration_text.txt); loads the float model in float32")
+    p.add_argument("--calibration", type=Path, metavar="TEXTFILE", help="int4 only: quantize by GPTQ, calibrated "
+                   "on this text (e.g. tests/data/calibration_text.txt); loads the float model in float32")
     args = p.parse_args(argv)
     if args.mode == "int8" and args.groupsize is not None:
         p.error("--groupsize applies to --mode int4 only (int8 has one scale per output channel)")

@@ -2,18 +2,11 @@
 one forward over K+1 positions, and the output follows exactly the target's distribution
 (greedy: exactly the target's greedy tokens).
 
-One round, in reading order:
-  draft_steps()   K draft forwards on static buffers: proposals and their draft distributions
-                  are written on the device; nothing in the loop talks to the host
-  verify()        one fixed-shape target forward over [last token, d_1..d_K] at pos..pos+K,
-                  acceptance with fixed-shape ops (cumprod of accept flags), the corrected or
-                  bonus token, and the next round's token/position, all on the device
-  SpeculativeGenerator.generate()   the host loop: ONE host sync per round (`result.tolist()`),
-                  stop tokens and max_new_tokens, statistics
-
-Both functions take only static buffers and the models, so each compiles with fullgraph=True,
-and mode "graphs" captures each as one CUDA graph (CUDAGraph Trees, as plain decode): the draft's
-K steps replay as ONE graph, each proposal written on the device into the next step's input.
+One round: draft_steps() (K one-token draft forwards, proposals written on the device), verify()
+(one target forward over [token, d_1..d_K], acceptance with fixed-shape ops, the next round's token
+and position), then SpeculativeGenerator.generate()'s ONE host sync (`result.tolist()`). Both
+functions take only static buffers and the models: each compiles with fullgraph=True, and mode
+"graphs" captures each as one CUDA graph, so the draft's K steps replay as ONE graph.
 
 The acceptance rule (Leviathan et al. 2023, Chen et al. 2023): with p the target's and q the
 draft's distribution at a position (both from common.logits_to_probs, same temperature, top-k,

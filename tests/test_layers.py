@@ -258,8 +258,7 @@ def test_cli_no_kernels_generates_the_same_greedy_text(int4_ckpt, tmp_path, monk
     argv = ["--checkpoint", str(int4_ckpt), "--prompt", "the quick brown fox", "--temperature", "0",
             "--max-new-tokens", "24", "--ignore-eos"]
     runs = {}
-    for name, extra in (("kernels", []), ("no-kernels", ["--no-kernels"]),
-                        ("no-kernels compiled", ["--no-kernels", "--compile"])):
+    for name, extra in (("kernels", []), ("no-kernels", ["--no-kernels"])):
         assert generate.main(argv + extra) == 0
         runs[name] = capsys.readouterr()
         assert "24 tokens" in runs[name].err, runs[name].err
@@ -267,9 +266,8 @@ def test_cli_no_kernels_generates_the_same_greedy_text(int4_ckpt, tmp_path, monk
     # with kernels: the CPU's int4 and int8 layers, and (by default) the ahead-of-time step if built: not here
     assert "kernels: 8 x int4 linear" in err and "decode aot-cached" in err and "run once with --compile" in err
     assert "kernels: off" in runs["no-kernels"].err and "decode eager" in runs["no-kernels"].err
-    assert "decode compile" in runs["no-kernels compiled"].err  # (torch.compile of the plain model)
     assert len(runs["kernels"].out.strip()) > 0
-    assert runs["no-kernels"].out == runs["kernels"].out == runs["no-kernels compiled"].out
+    assert runs["no-kernels"].out == runs["kernels"].out
     # GRAPHDECODE_KERNELS=0 in a process of its own: what --no-kernels does
     r = subprocess.run([sys.executable, str(ROOT / "generate.py"), *argv], capture_output=True, text=True, cwd=ROOT,
                        timeout=300, env={**os.environ, "GRAPHDECODE_KERNELS": "0"})

@@ -295,16 +295,21 @@ def test_bench_measures_speculative_decoding(target, drafts):
 
 
 def test_bench_cli_writes_plain_and_speculative_records(tmp_path):
+    """bench.py on a checkpoint (a tiny one: the presets are real models' shapes), with the kernels
+    where they apply (the int8 draft's, on the CPU)."""
     import json
 
     from bench import main
+    from test_quantize import write_float_checkpoint
 
+    write_float_checkpoint(tmp_path / "tiny", ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                                        intermediate_size=128, max_seq_len=256))
     out = tmp_path / "records.json"
-    assert main(["--device", "cpu", "--model", "smollm2-135m", "--modes", "eager", "--batch-sizes", "1",
+    assert main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), "--modes", "eager", "--batch-sizes", "1",
                  "--prompt-tokens", "2", "--new-tokens", "4", "--speculate-k", "1", "--draft-quantize", "int8",
                  "--json", str(out)]) == 0
     plain, spec = json.loads(out.read_text())
-    assert (plain["mode"], spec["mode"], spec["draft"]) == ("eager", "speculative-eager", "int8")
+    assert (plain["mode"], spec["mode"], spec["draft"], plain["model"]) == ("eager", "speculative-eager", "int8", "tiny")
     for r in (plain, spec):  # the fields DESIGN.md promises
         assert {"gpu", "torch", "model", "dtype", "mode", "batch_size", "prompt_tokens", "new_tokens", "tok_s",
                 "gb_s", "ceiling_gb_s", "compile_s", "peak_mem_gb", "date", "command"} <= set(r)
