@@ -9,7 +9,7 @@ Modes:  eager    PyTorch ops launched one by one from Python
         graphs   torch.compile(mode="reduce-overhead"): CUDAGraph Trees replay the kernels; what generate.py runs
         manual   the eager step captured by hand into one torch.cuda.CUDAGraph and replayed
 
-Random weights of real shapes: decode speed does not depend on weight values. kernels.apply is used where the
+Random weights of real shapes: decode speed does not depend on weight values. gdkernels.apply is used where the
 hardware allows (--no-kernels: the plain model.py). --speculate-k K with --draft-quantize MODE (the target's own
 quantized copy as draft) or --draft-checkpoint DIR adds per mode a record "speculative-MODE": tok/s, acceptance
 histogram (with random weights, a property of that set-up), tokens per round, the draft loop against K steps.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
+import gdkernels
 from common import DTYPES, Sampling, synchronize
 from generate import (Generator, check_graphs, count_launches, decode_one_token, launches_per_call, prefill,
                       speculative_round_bytes, weight_bytes_per_step)
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint", file=sys.stderr)
         return 1
-    use_kernels = not a.no_kernels and kernels.enabled()
+    use_kernels = not a.no_kernels and gdkernels.enabled()
     torch.manual_seed(0)
     name = a.checkpoint.name if a.checkpoint else a.model
     model = load(a.checkpoint, device, dtype) if a.checkpoint else random_model(PRESETS[a.model], device, dtype)
@@ -327,9 +327,9 @@ def main(argv=None) -> int:
             return 1
     if a.quantize:
         model, name = quantized(model, a.quantize), f"{name} {a.quantize}"
-    swapped = kernels.apply(model) if use_kernels else []
+    swapped = gdkernels.apply(model) if use_kernels else []
     if use_kernels and draft is not None:
-        kernels.apply(draft)
+        gdkernels.apply(draft)
     sampling = Sampling(temperature=a.temperature, top_k=None)
     ceiling = copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -8,7 +8,7 @@ The decode path, in reading order (sampling: common.py):
   decode_one_token()         one step on static buffers: the unit that is compiled and graphed
   Generator.generate()       the host loop: runs steps, reads tokens back every K steps, stops
   check_graphs()             --check-graphs: one graph replay per step, counted by the profiler
-kernels.apply() swaps in the fast kernels after loading (--no-kernels: the plain model).
+gdkernels.apply() swaps in the fast kernels after loading (--no-kernels: the plain model).
 """
 import argparse
 import contextlib
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-import kernels
+import gdkernels
 from common import DTYPES, Sampling, UsageError, check_memory, sample, synchronize
-from kernels.aot import AotStep
+from gdkernels.aot import AotStep
 from model import Transformer, read_config
 from quantize import load
 from speculative import SpeculativeGenerator, load_draft
@@ -65,7 +65,7 @@ class Generator:
         self.decode_steps = 0  # decode steps the last generate ran (up to K - 1 past a stop: GB/s counts them)
         self.mode = mode
         if mode in ("compile", "graphs") or compile_prefill:
-            kernels.register_fallbacks()
+            gdkernels.register_fallbacks()
         if mode == "eager":
             self.step = decode_one_token
         elif mode == "compile":  # Inductor kernels, launched one by one
@@ -76,7 +76,7 @@ class Generator:
             if self.device.type != "cuda":
                 raise ValueError("mode 'graphs' needs a CUDA device")
             self.step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-        elif mode in ("aot", "aot-cached"):  # the CPU: kernels/aot.py (aot-cached: only if built before)
+        elif mode in ("aot", "aot-cached"):  # the CPU: gdkernels/aot.py (aot-cached: only if built before)
             if self.device.type != "cpu":
                 raise ValueError(f"mode {mode!r} is for the CPU")
             self.step = AotStep(decode_one_token, build=mode == "aot")
@@ -325,7 +325,7 @@ def run(args) -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    use_kernels = not args.no_kernels and kernels.enabled()
+    use_kernels = not args.no_kernels and gdkernels.enabled()
     if device.type == "cuda":
         mode = "eager" if args.compile is False else "graphs"
     elif use_kernels:  # compiled ahead of time with --compile; by default that step if built before, else eager
@@ -377,7 +377,7 @@ def run(args) -> None:
     length = min(context, -(-length // 64) * 64)
     check_memory(config, checkpoint, 1, length, dtype, device)
     model = load(checkpoint, device=device, dtype=dtype)
-    swapped = kernels.apply(model) if use_kernels else []
+    swapped = gdkernels.apply(model) if use_kernels else []
     synchronize(device)
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
         + ("; ".join(swapped) or "none" if use_kernels else "off"))

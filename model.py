@@ -1,5 +1,5 @@
 """A Llama-family transformer in plain PyTorch, with a static KV cache, written to be compiled and
-CUDA-graphed (generate.py). Nothing here knows about custom kernels: kernels/ swaps in faster
+CUDA-graphed (generate.py). Nothing here knows about custom kernels: gdkernels/ swaps in faster
 modules after loading, and this file is what they must agree with.
 
 Read top to bottom: ModelArgs (the config), Transformer (embedding, layers, head, caches,
@@ -207,7 +207,7 @@ class Attention(nn.Module):
 
     def attend(self, qkv, input_pos, rope_cos, rope_sin, mask):
         """qkv [B, S, (H + 2 Hkv) D], the new tokens' q, k, v -> [B, S, H D]: RoPE, the cache
-        write, and attention over the cache (kernels/ replaces this step for decode)."""
+        write, and attention over the cache (gdkernels/ replaces this step for decode)."""
         B, S, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)

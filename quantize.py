@@ -12,7 +12,7 @@ The formats, for a layer whose float weight W is [N, K] (every tensor per output
 A tied embedding becomes two tensors (the float table, the int8 head): configs say tie_embeddings=false. The output
 (default: DIR-int8 or DIR-int4-gG beside DIR) is written to a temporary directory and renamed into place once
 complete, never overwritten; tokenizer files and config.json are copied ("quantization" records the format).
-quantize.load reads it (generate.py with no extra flag); kernels/ swaps in GEMVs that read the packed weights.
+quantize.load reads it (generate.py with no extra flag); gdkernels/ swaps in GEMVs that read the packed weights.
 """
 import argparse
 import functools
@@ -177,7 +177,7 @@ def _group_fits(w: torch.Tensor, groupsize: int) -> tuple[list, list, torch.Tens
 
 
 # Scales and zeros on a grid: a whole number of a power of two per row, 8 bits (scales 1..255, zeros -127..127),
-# exact in bf16, so every kernel computes with the same weights and kernels/int4.py reads them as one byte each.
+# exact in bf16, so every kernel computes with the same weights and gdkernels/int4.py reads them as one byte each.
 
 def on_grid(scales: torch.Tensor, zeros: torch.Tensor, units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and zeros [N, G] rounded to whole numbers of their rows' units [N, 2] (scales >= 1), in SCALE_DTYPE."""

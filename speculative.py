@@ -16,7 +16,7 @@ p at the last position. Every draw is argmax(probs / Exponential(1)), never torc
 """
 import torch
 
-import kernels
+import gdkernels
 from common import Sampling, UsageError, check_memory, draw, logits_to_probs, sample, synchronize
 from model import Transformer, read_config
 from quantize import load
@@ -102,7 +102,7 @@ class SpeculativeGenerator:
         self.device = target.tok_embeddings.weight.device
         self.mode = mode
         if mode != "eager":
-            kernels.register_fallbacks()
+            gdkernels.register_fallbacks()
         if mode == "eager":
             self.draft_fn, self.verify_fn = draft_steps, verify
         elif mode == "compile":
@@ -202,5 +202,5 @@ def load_draft(path, target: Transformer, tokenizer, device, dtype, length: int,
     check_memory(config, path, 1, length, dtype, device)
     draft = load(path, device=device, dtype=dtype)
     if use_kernels:
-        kernels.apply(draft)
+        gdkernels.apply(draft)
     return draft

@@ -1,4 +1,4 @@
-"""What each fast path of kernels/ buys in the whole decode step: the plain model.py, then the GEMVs
+"""What each fast path of gdkernels/ buys in the whole decode step: the plain model.py, then the GEMVs
 alone, then with the norms and residuals fused into them, then with the attention kernel, then all
 (BENCHMARKS.md's gains table). Graphs mode, batch 1, random weights of a preset shape.
 
@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (run from anywhere)
-import kernels  # noqa: E402
+import gdkernels  # noqa: E402
 from bench import PRESETS, QUANTIZE_CHOICES, bench_one, copy_bandwidth, quantized, random_model  # noqa: E402
 
-VARIANTS = {  # name: kernels.apply's arguments, or None for the plain model
+VARIANTS = {  # name: gdkernels.apply's arguments, or None for the plain model
     "reference": None,
     "GEMVs": dict(fuse=False, attend=False),
     "GEMVs + fused norms": dict(fuse=True, attend=False),
@@ -42,7 +42,7 @@ def main() -> int:
         if a.quantize:
             model = quantized(model, a.quantize)
         if options is not None:
-            kernels.apply(model, **options)
+            gdkernels.apply(model, **options)
         r = bench_one(model, "graphs", a.batch, 8, 200, ceiling, repeat=a.repeat)
         r.update(variant=name, model=a.model, quantize=a.quantize, gpu=torch.cuda.get_device_name(device),
                  torch=torch.__version__, date=datetime.date.today().isoformat(), command=" ".join(sys.argv))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    # kernels/' Triton kernels then run in Triton's CPU interpreter (tests/test_kernels.py); it must
+    # gdkernels/' Triton kernels then run in Triton's CPU interpreter (tests/test_kernels.py); it must
     # be chosen before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -1,5 +1,5 @@
 """GPU behaviour of the decode path: graphed and hand-captured decode equal eager, one graph replay
-per token, no recompiles, kept outputs never overwritten; and the kernels (kernels.apply) against the
+per token, no recompiles, kept outputs never overwritten; and the kernels (gdkernels.apply) against the
 plain model: the same logits within bf16 rounding and the same greedy tokens, in bf16, int8 and int4,
 with each int4 weight held once. Run with `pytest -m cuda`."""
 import copy
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import kernels
+import gdkernels
 from bench import make_generator, random_model
 from common import Sampling
 from generate import RNG_KERNELS_PER_REPLAY, check_graphs, check_speculative_graphs, count_launches
@@ -42,7 +42,7 @@ def model32():
 def with_kernels(plain):
     """A copy of the model with the kernels swapped in, as generate.py runs it on CUDA."""
     fast = copy.deepcopy(plain)
-    swapped = kernels.apply(fast)
+    swapped = gdkernels.apply(fast)
     assert swapped, "no kernel applies on this GPU"
     return fast
 
@@ -155,10 +155,10 @@ def test_fused_decode_steps_match_the_plain_model(model, mode, B, monkeypatch):
             return m(idx, pos).float()
 
     calls = []
-    gemv, int4, attention = kernels.gemv.matmul, kernels.int4.matmul, kernels.attention.attention
-    monkeypatch.setattr(kernels.gemv, "matmul", lambda *a, **k: calls.append(("gemv", a)) or gemv(*a, **k))
-    monkeypatch.setattr(kernels.int4, "matmul", lambda *a, **k: calls.append(("int4", a)) or int4(*a, **k))
-    monkeypatch.setattr(kernels.attention, "attention",
+    gemv, int4, attention = gdkernels.gemv.matmul, gdkernels.int4.matmul, gdkernels.attention.attention
+    monkeypatch.setattr(gdkernels.gemv, "matmul", lambda *a, **k: calls.append(("gemv", a)) or gemv(*a, **k))
+    monkeypatch.setattr(gdkernels.int4, "matmul", lambda *a, **k: calls.append(("int4", a)) or int4(*a, **k))
+    monkeypatch.setattr(gdkernels.attention, "attention",
                         lambda *a, **k: calls.append(("attention", a)) or attention(*a, **k))
     got = decode_logits(fast)
     n = ARGS.n_layers
@@ -221,7 +221,7 @@ def test_int4_kernel_on_wide_layers_matches_the_plain_model(group):
 
 
 def test_int4_with_kernels_holds_each_weight_once(model):
-    """kernels.apply re-lays each int4 layer for int4.py's GEMV and drops the file's layout: no
+    """gdkernels.apply re-lays each int4 layer for int4.py's GEMV and drops the file's layout: no
     weight, scales or zeros left in the Int4Gemv layers, only words, sz and units (and the ones the
     kernel multiplies x by, not saved), and the GPU memory they took is given back. The step reads no
     more bytes than the plain int4 model's."""
@@ -234,11 +234,11 @@ def test_int4_with_kernels_holds_each_weight_once(model):
     fast = copy.deepcopy(plain)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    kernels.apply(fast)
+    gdkernels.apply(fast)
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated()
     layers = {n: m for n, m in fast.named_modules() if isinstance(m, Int4Linear)}
-    assert set(layers) == file_layout and all(type(m) is kernels.Int4Gemv for m in layers.values())
+    assert set(layers) == file_layout and all(type(m) is gdkernels.Int4Gemv for m in layers.values())
     for name, m in layers.items():
         for gone in ("weight", "scales", "zeros"):
             assert not hasattr(m, gone), (name, gone)
@@ -251,12 +251,12 @@ def test_int4_with_kernels_holds_each_weight_once(model):
 
 
 def test_decode_attention_kernel_matches_pytorch_many_slices_repeated():
-    """kernels.attention.decode_attention with many cache slices (merged by the last slice to finish, an
+    """gdkernels.attention.decode_attention with many cache slices (merged by the last slice to finish, an
     atomic count), batch 8 and grouped heads on a long cache, launched again and again, eagerly
     and as replays of one captured graph: every output matches PyTorch's and the counts are back at
     zero. (The CPU interpreter runs programs one after another, so only a GPU tests the merge's
     ordering.)"""
-    from kernels.attention import decode_attention
+    from gdkernels.attention import decode_attention
 
     B, H, Hkv, D, L, splits = 8, 32, 8, 128, 4096, 16
     torch.manual_seed(0)
@@ -320,7 +320,7 @@ def test_pdl_chain_of_dependent_kernels_equals_plain_launches(monkeypatch):
     reading the one before's output (norm, SwiGLU and residual fused in, as in decode), with the
     attention kernel in between, gives bit for bit what plain launches give, eagerly and as replays
     of one captured graph."""
-    from kernels import attention, gemv
+    from gdkernels import attention, gemv
 
     torch.manual_seed(0)
     D, F = 1024, 2816

@@ -1,6 +1,6 @@
 """The default model (SmolLM2-135M-Instruct), converted from its GGUF, against transformers'
 own loading of the same GGUF file: logits, and greedy decoding token for token, eager and
-compiled. Then its int4 form (quantize.load, alone and with kernels.apply) against transformers on
+compiled. Then its int4 form (quantize.load, alone and with gdkernels.apply) against transformers on
 the same, dequantized, weights."""
 import copy
 
@@ -9,7 +9,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-import kernels
+import gdkernels
 import quantize
 from common import Sampling, sample
 from model import Transformer, read_config
@@ -159,8 +159,8 @@ def test_int4_default_logits_match_transformers_on_its_weights(int4_ckpt, hf_int
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_int4_default_greedy_matches_transformers_on_its_weights(int4_ckpt, hf_int4, compiled):
-    """What generate.py runs on the CPU: kernels.apply's matmuls (cpu.cpp where it builds), the step
+    """What generate.py runs on the CPU: gdkernels.apply's matmuls (cpu.cpp where it builds), the step
     eager or compiled. (Its ahead-of-time step is held to the eager one in test_generate.py.)"""
     model = quantize.load(int4_ckpt, device="cpu", dtype=torch.float32)
-    kernels.apply(model)
+    gdkernels.apply(model)
     assert_greedy_matches(int4_ckpt, model, hf_int4, compiled)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import generate
-import kernels
-import kernels.aot
+import gdkernels
+import gdkernels.aot
 from common import Sampling, sample
 from generate import Generator
 from model import ModelArgs, Transformer
@@ -97,21 +97,21 @@ def test_batch_rows_stop_independently(tiny):
 
 def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
     """Compiled decode registers the graphdecode ops as Inductor fallbacks first
-    (kernels.register_fallbacks), with the layout constraint Inductor itself would give them, so
+    (gdkernels.register_fallbacks), with the layout constraint Inductor itself would give them, so
     Inductor never takes its implicit-fallback path: on torch 2.11 that path formats the str() of
     every argument, which grows ~2x a layer through the residual (a 32-layer int4 model never
-    finished compiling). Here the CPU's int4 and int8 ops (kernels/cpu.py, swapped in by
-    kernels.apply) stand for all of them; the compiled step picks eager's tokens."""
+    finished compiling). Here the CPU's int4 and int8 ops (gdkernels/cpu.py, swapped in by
+    gdkernels.apply) stand for all of them; the compiled step picks eager's tokens."""
     import logging
 
-    from kernels import cpu
+    from gdkernels import cpu
     from quantize import quantize_model
     from torch._inductor import lowering
     from torch._library.utils import get_layout_constraint_tag
 
     assert cpu.available()  # (else the model has no graphdecode op on the CPU)
     qmodel = quantize_model(tiny, "int4", 32)
-    assert kernels.apply(qmodel)
+    assert gdkernels.apply(qmodel)
     ops = [getattr(torch.ops.graphdecode, n).default for n in ("int4_linear", "int8_linear", "gemv")]
     for op in ops:  # as in a fresh process, whatever other tests compiled before
         lowering.lowerings.pop(op, None)
@@ -139,20 +139,20 @@ def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
     assert compiled == run_gen(qmodel, Sampling(temperature=0), n=12)
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/__init__.py register_fallbacks catches only ImportError: a torch "
+@pytest.mark.xfail(strict=True, reason="gdkernels/__init__.py register_fallbacks catches only ImportError: a torch "
                    "whose torch._inductor.lowering lacks make_fallback (or tag_to_layout_constraint) raises "
                    "AttributeError instead of leaving the ops to Inductor, as its docstring says")
 def test_register_fallbacks_does_nothing_where_inductor_lacks_what_it_uses(monkeypatch):
     """Without the private Inductor functions register_fallbacks uses, it registers nothing and raises
     nothing (Inductor then makes its own fallbacks)."""
-    from kernels import cpu
+    from gdkernels import cpu
     from torch._inductor import lowering
 
     assert cpu.available()  # (a graphdecode op to register)
     op = torch.ops.graphdecode.int4_linear.default
     monkeypatch.delitem(lowering.lowerings, op, raising=False)  # (put back afterwards)
     monkeypatch.delattr(lowering, "make_fallback")
-    kernels.register_fallbacks()
+    gdkernels.register_fallbacks()
     assert op not in lowering.lowerings
 
 
@@ -171,16 +171,16 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tmp_path, monkeypatch, ca
     """Mode aot (generate.py --compile on the CPU) exports and compiles the decode step once into
     the cache directory; aot-cached (its default) loads it, or decodes eagerly with a hint. The package
     holds no weights: another model of the same shapes loads it and follows its own. On the model
-    generate.py runs on the CPU: int4, through kernels/cpu.py's ops. (The only test that builds a
+    generate.py runs on the CPU: int4, through gdkernels/cpu.py's ops. (The only test that builds a
     package: ~30 s.)"""
     from quantize import quantize_model
 
-    monkeypatch.setattr(kernels.aot, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(gdkernels.aot, "cache_dir", lambda: tmp_path)
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
                      max_seq_len=64)
     one, other = (quantize_model(fresh(seed, args), "int4", 32) for seed in (0, 1))
     for m in (one, other):
-        assert kernels.apply(m)
+        assert gdkernels.apply(m)
 
     def aot(model, sampling, mode="aot", seed=None):
         if seed is not None:
@@ -207,20 +207,20 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tmp_path, monkeypatch, ca
 
 def test_ahead_of_time_key_follows_the_sources_the_cpu_step_runs(tiny, tmp_path, monkeypatch):
     """The compiled CPU step's package key changes with the sources it runs (the step function's own
-    file, model.py, quantize.py, kernels/__init__.py, kernels/cpu.py and cpu.cpp) and not with the CUDA
+    file, model.py, quantize.py, gdkernels/__init__.py, gdkernels/cpu.py and cpu.cpp) and not with the CUDA
     kernels' files, which the CPU step never runs (keying on them rebuilt the CPU step at every GPU
     kernel edit)."""
     import importlib.util
     import shutil
 
-    names = [p.relative_to(Path(kernels.__file__).parent.parent).as_posix() for p in kernels.aot.SOURCES]
-    assert all(p.is_file() for p in kernels.aot.SOURCES), names
-    assert {"model.py", "quantize.py", "kernels/__init__.py", "kernels/cpu.py", "kernels/cpu.cpp"} <= set(names)
-    assert not {"kernels/gemv.py", "kernels/int4.py", "kernels/attention.py"} & set(names)
-    copies = [tmp_path / f"{i}-{p.name}" for i, p in enumerate(kernels.aot.SOURCES)]
-    for p, c in zip(kernels.aot.SOURCES, copies):
+    names = [p.relative_to(Path(kernels.__file__).parent.parent).as_posix() for p in gdkernels.aot.SOURCES]
+    assert all(p.is_file() for p in gdkernels.aot.SOURCES), names
+    assert {"model.py", "quantize.py", "gdkernels/__init__.py", "gdkernels/cpu.py", "gdkernels/cpu.cpp"} <= set(names)
+    assert not {"gdkernels/gemv.py", "gdkernels/int4.py", "gdkernels/attention.py"} & set(names)
+    copies = [tmp_path / f"{i}-{p.name}" for i, p in enumerate(gdkernels.aot.SOURCES)]
+    for p, c in zip(gdkernels.aot.SOURCES, copies):
         shutil.copy(p, c)
-    monkeypatch.setattr(kernels.aot, "SOURCES", copies)
+    monkeypatch.setattr(gdkernels.aot, "SOURCES", copies)
     step_file = tmp_path / "step.py"
     step_file.write_text("def step(model, token, pos, tokens, s):\n    pass\n")
     spec = importlib.util.spec_from_file_location("step", step_file)
@@ -229,7 +229,7 @@ def test_ahead_of_time_key_follows_the_sources_the_cpu_step_runs(tiny, tmp_path,
     token, tokens = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 64, dtype=torch.long)
 
     def key(step=module.step):
-        return kernels.aot.AotStep(step).key(tiny, token, tokens, Sampling(temperature=0))
+        return gdkernels.aot.AotStep(step).key(tiny, token, tokens, Sampling(temperature=0))
 
     before = key()
     assert key() == before and key(generate.decode_one_token) != before  # (generate.py is another file)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels import attention, cpu, gemv, int4
+from gdkernels import attention, cpu, gemv, int4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROUNDING = 2**-8 if DEVICE == "cuda" else 2**-7  # bf16's rounding (the interpreter truncates)

@@ -1,5 +1,5 @@
-"""The two layers: model.py and quantize.py are the plain PyTorch model, kernels/ swaps faster modules
-into it after loading (kernels.apply). The plain layer imports nothing of the kernels; the kernels
+"""The two layers: model.py and quantize.py are the plain PyTorch model, gdkernels/ swaps faster modules
+into it after loading (gdkernels.apply). The plain layer imports nothing of the kernels; the kernels
 change no result beyond their own rounding; --no-kernels and GRAPHDECODE_KERNELS=0 run the plain
 model; the import graph has no cycle and only bench.py and the tests import generate.py."""
 import ast
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import generate
-import kernels
+import gdkernels
 from common import Sampling
 from generate import Generator
-from kernels import cpu
+from gdkernels import cpu
 from model import ModelArgs, Transformer
 from quantize import Int4Linear, Int8Linear, load, quantize_checkpoint, quantize_model
 
@@ -25,8 +25,8 @@ GREEDY = Sampling(temperature=0)
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
                  max_seq_len=256)
 needs_cpu_kernel = pytest.mark.skipif(cpu.unsupported() is not None,
-                                      reason=f"kernels/cpu.cpp does not run here: {cpu.unsupported()}")
-# kernels/cpu.cpp carries x to ~1/32000 of each block of 32's largest value: at most 2.5e-4 of a
+                                      reason=f"gdkernels/cpu.cpp does not run here: {cpu.unsupported()}")
+# gdkernels/cpu.cpp carries x to ~1/32000 of each block of 32's largest value: at most 2.5e-4 of a
 # layer's output (measured ~5e-5: tests/test_quantize.py's test_quantized_linear_is_close_to_float),
 # on each quantized layer a token passes: 4 a block, and the head.
 CPU_KERNEL_REL = 2.5e-4 * (4 * ARGS.n_layers + 1)
@@ -128,15 +128,15 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_import_graph_has_no_cycle_and_only_bench_imports_generate():
     modules = repository_modules()
-    assert {"model", "quantize", "common", "generate", "speculative", "bench", "kernels", "kernels.aot",
-            "kernels.cpu"} <= set(modules)
+    assert {"model", "quantize", "common", "generate", "speculative", "bench", "kernels", "gdkernels.aot",
+            "gdkernels.cpu"} <= set(modules)
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    assert {"kernels.attention", "kernels.cpu", "kernels.gemv", "kernels.int4"} <= graph["kernels"]  # (it parses)
-    assert "kernels" in graph["kernels.aot"] and "kernels.gemv" in graph["kernels.int4"]  # (relative imports)
+    assert {"gdkernels.attention", "gdkernels.cpu", "gdkernels.gemv", "gdkernels.int4"} <= graph["kernels"]  # (it parses)
+    assert "kernels" in graph["gdkernels.aot"] and "gdkernels.gemv" in graph["gdkernels.int4"]  # (relative imports)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
     assert {name for name, deps in graph.items() if "generate" in deps} == {"bench"}
-    assert not {"kernels", "kernels.aot"} & (graph["model"] | graph["quantize"] | graph["common"])
+    assert not {"kernels", "gdkernels.aot"} & (graph["model"] | graph["quantize"] | graph["common"])
 
 
 def test_the_import_graph_check_finds_a_cycle_through_a_function(tmp_path):
@@ -172,7 +172,7 @@ def test_from_checkpoint_refuses_a_quantized_checkpoint_that_quantize_load_loads
         assert rel(loaded(idx, torch.arange(4)), ref) < 0.03
 
 
-# -- kernels.apply on the CPU ------------------------------------------------------------------------
+# -- gdkernels.apply on the CPU ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def float_model():
@@ -184,23 +184,23 @@ def float_model():
 def test_apply_on_the_cpu_swaps_quantized_layers_and_keeps_the_results(float_model, mode, groupsize):
     plain = quantize_model(float_model, mode, groupsize)
     fast = copy.deepcopy(plain)
-    swapped = kernels.apply(fast)
+    swapped = gdkernels.apply(fast)
     assert swapped and all(" x " in line for line in swapped)
-    kind = {"int8": (Int8Linear, kernels.Int8Cpu), "int4": (Int4Linear, kernels.Int4Cpu)}[mode]
+    kind = {"int8": (Int8Linear, gdkernels.Int8Cpu), "int4": (Int4Linear, gdkernels.Int4Cpu)}[mode]
     for name, m in plain.named_modules():  # each quantized layer of the plain model, and only those
         if type(m) in (Int8Linear, Int4Linear):
-            want = kernels.Int8Cpu if type(m) is Int8Linear else kernels.Int4Cpu
+            want = gdkernels.Int8Cpu if type(m) is Int8Linear else gdkernels.Int4Cpu
             assert type(fast.get_submodule(name)) is want, name
         else:
             assert type(fast.get_submodule(name)) is type(m), name
-    assert type(fast.layers[1].feed_forward.w2) is kind[1] and type(fast.output) is kernels.Int8Cpu
+    assert type(fast.layers[1].feed_forward.w2) is kind[1] and type(fast.output) is gdkernels.Int8Cpu
     # the weights as the file has them: the kernels read that layout (int4's scales and zeros one a block)
     assert torch.equal(fast.layers[0].attention.wqkv.weight, plain.layers[0].attention.wqkv.weight)
 
     prompt = torch.tensor([[(7 * i + 3) % ARGS.vocab_size for i in range(40)]])
     for m in (plain, fast):
         m.setup_caches(1, 64)
-    with torch.no_grad():  # prefill of 40 rows (more than kernels.CPU_MAX_ROWS): the same weights, F.linear
+    with torch.no_grad():  # prefill of 40 rows (more than gdkernels.CPU_MAX_ROWS): the same weights, F.linear
         assert torch.equal(fast(prompt, torch.arange(40)), plain(prompt, torch.arange(40)))
     # greedy decode: the same tokens
     tokens = greedy(plain, [1, 2, 3], 24)
@@ -218,21 +218,21 @@ def test_apply_on_the_cpu_swaps_quantized_layers_and_keeps_the_results(float_mod
 
 def test_apply_on_the_cpu_leaves_float_models_and_a_cpu_without_the_kernel_alone(float_model, monkeypatch):
     model = copy.deepcopy(float_model)
-    assert kernels.apply(model) == []
+    assert gdkernels.apply(model) == []
     assert [type(m) for m in model.modules()] == [type(m) for m in float_model.modules()]
     qmodel = quantize_model(float_model, "int8")
     monkeypatch.setattr(cpu, "available", lambda: False)  # no AVX2 or no compiler: PyTorch's ops
-    assert kernels.apply(qmodel) == []
+    assert gdkernels.apply(qmodel) == []
     assert type(qmodel.output) is Int8Linear
 
 
 def test_kernels_enabled_follows_graphdecode_kernels(monkeypatch):
     monkeypatch.delenv("GRAPHDECODE_KERNELS", raising=False)
-    assert kernels.enabled()
+    assert gdkernels.enabled()
     monkeypatch.setenv("GRAPHDECODE_KERNELS", "0")
-    assert not kernels.enabled()
+    assert not gdkernels.enabled()
     monkeypatch.setenv("GRAPHDECODE_KERNELS", "1")
-    assert kernels.enabled()
+    assert gdkernels.enabled()
 
 
 # -- the command line: --no-kernels and GRAPHDECODE_KERNELS=0 -----------------------------------------
@@ -240,7 +240,7 @@ def test_kernels_enabled_follows_graphdecode_kernels(monkeypatch):
 @pytest.fixture(scope="module")
 def int4_ckpt(tmp_path_factory):
     """A tiny random model with a real (small) tokenizer, in int4 (g32): on the CPU its layers are the
-    ones kernels.apply swaps."""
+    ones gdkernels.apply swaps."""
     from test_quantize import write_float_checkpoint
     from test_tokenizer import train_bytelevel_bpe
 
@@ -252,9 +252,9 @@ def int4_ckpt(tmp_path_factory):
 
 
 def test_cli_no_kernels_generates_the_same_greedy_text(int4_ckpt, tmp_path, monkeypatch, capsys):
-    import kernels.aot
+    import gdkernels.aot
 
-    monkeypatch.setattr(kernels.aot, "cache_dir", lambda: tmp_path)  # no compiled step from elsewhere
+    monkeypatch.setattr(gdkernels.aot, "cache_dir", lambda: tmp_path)  # no compiled step from elsewhere
     argv = ["--checkpoint", str(int4_ckpt), "--prompt", "the quick brown fox", "--temperature", "0",
             "--max-new-tokens", "24", "--ignore-eos"]
     runs = {}

@@ -1,5 +1,5 @@
 """Weight-only quantization (quantize.py) and perplexity (eval.py): error bounds of the quantizers,
-the quantized layers (plain PyTorch, and kernels/cpu.py's after kernels.apply) against float ones,
+the quantized layers (plain PyTorch, and gdkernels/cpu.py's after gdkernels.apply) against float ones,
 the CPU kernels against float64, quantized checkpoints against quantizing in memory, the command
 line's errors, and quality on the default model."""
 import json
@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import gdkernels
 from common import Sampling
 from convert_hf_checkpoint import write_safetensors
 from eval import perplexity
 from generate import Generator
-from kernels import cpu
+from gdkernels import cpu
 from model import ModelArgs, Transformer
 from quantize import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, gptq_int4, int4_units, load,
                       quantize_checkpoint, quantize_int4, quantize_int8, quantize_model, split_fused, unpack_int4)
@@ -30,7 +30,7 @@ GROUPSIZES = (32, 64, 128, 256)
 
 
 def on_grid(scales, zeros) -> bool:
-    """Whether int4 scales and zeros [N, G] lie on quantize.py's grid (what kernels/int4.py reads as
+    """Whether int4 scales and zeros [N, G] lie on quantize.py's grid (what gdkernels/int4.py reads as
     8-bit codes): each a whole number of its row's unit (int4_units), scales 1..255, zeros -127..127."""
     units = int4_units(scales, zeros)
     s, z = scales.float() / units[:, :1], zeros.float() / units[:, 1:]
@@ -139,8 +139,8 @@ def test_gptq_beats_rounding_on_the_layer_output(groupsize):
 
 def quantized_linear(w, mode, groupsize=None, bias=None, kernel=False):
     """An Int8Linear / Int4Linear loaded from w the way a checkpoint loads, and the float weight it
-    stands for (its dequantized weight). kernel: then swapped for kernels/cpu.py's layer, as
-    kernels.apply does on the CPU."""
+    stands for (its dequantized weight). kernel: then swapped for gdkernels/cpu.py's layer, as
+    gdkernels.apply does on the CPU."""
     n, k = w.shape
     if mode == "int8":
         q, scales = quantize_int8(w)
@@ -160,9 +160,9 @@ def quantized_linear(w, mode, groupsize=None, bias=None, kernel=False):
 
 
 def cpu_layer(layer):
-    """What kernels.apply does to one quantized linear layer on the CPU: the same parameters, the
-    class of kernels/cpu.py's forward (and its convert, where the class has one)."""
-    layer.__class__ = kernels.Int8Cpu if isinstance(layer, Int8Linear) else kernels.Int4Cpu
+    """What gdkernels.apply does to one quantized linear layer on the CPU: the same parameters, the
+    class of gdkernels/cpu.py's forward (and its convert, where the class has one)."""
+    layer.__class__ = gdkernels.Int8Cpu if isinstance(layer, Int8Linear) else gdkernels.Int4Cpu
     if hasattr(layer, "convert"):
         layer.convert(torch.device("cpu"))
     return layer
@@ -173,8 +173,8 @@ def rel(a, b):
 
 
 needs_cpu_kernel = pytest.mark.skipif(cpu.unsupported() is not None,
-                                      reason=f"kernels/cpu.cpp does not run here: {cpu.unsupported()}")
-# Each quantized layer with its plain forward (quantize.py) and kernels/cpu.py's
+                                      reason=f"gdkernels/cpu.cpp does not run here: {cpu.unsupported()}")
+# Each quantized layer with its plain forward (quantize.py) and gdkernels/cpu.py's
 KINDS = ["plain", pytest.param("cpu", marks=needs_cpu_kernel)]
 
 
@@ -190,9 +190,9 @@ def test_quantized_linear_is_close_to_float(mode, groupsize, rows, kind):
     assert y.dtype == torch.float32
     # Against its own dequantized weight: the plain layers dequantize and multiply in float32 (so do
     # the CPU layers for prefill, more than 32 rows): float rounding alone. Decode through
-    # kernels/cpu.cpp carries x to ~1/32000 of each block's largest value (measured ~5e-5).
+    # gdkernels/cpu.cpp carries x to ~1/32000 of each block's largest value (measured ~5e-5).
     exact = F.linear(x, deq, b)
-    assert rel(y, exact) < (2.5e-4 if kind == "cpu" and rows <= kernels.CPU_MAX_ROWS else 1e-5)
+    assert rel(y, exact) < (2.5e-4 if kind == "cpu" and rows <= gdkernels.CPU_MAX_ROWS else 1e-5)
     # The weight's relative error is that of rounding to nearest on the grid: step^2 / 12 per weight
     # (measured: int8 1.00x that, int4 0.9x, its fit beating min/max). For inputs in random
     # directions the output's relative error is the weight's.
@@ -201,16 +201,16 @@ def test_quantized_linear_is_close_to_float(mode, groupsize, rows, kind):
     assert rel(y, F.linear(x, w, b)) < 1.3 * weight_err + 1e-3
 
 
-# -- the CPU kernels' layers (kernels/cpu.py; the kernels themselves: tests/test_kernels.py) ------------
+# -- the CPU kernels' layers (gdkernels/cpu.py; the kernels themselves: tests/test_kernels.py) ------------
 
 @needs_cpu_kernel
 def test_cpu_kernel_builds_and_its_layers_keep_the_file_layout():
     assert cpu.available()  # a failed build would otherwise pass unseen, through PyTorch's op
     layer, _ = quantized_linear(weights(32, 64), "int4", 32, kernel=True)
-    assert isinstance(layer, kernels.Int4Cpu) and layer.weight.shape == (32, 32)  # the file's layout, kept
+    assert isinstance(layer, gdkernels.Int4Cpu) and layer.weight.shape == (32, 32)  # the file's layout, kept
     assert layer.block_scales.dtype == torch.bfloat16 and not hasattr(layer, "scales")  # (one per block of 32)
     layer, _ = quantized_linear(weights(32, 64), "int8", kernel=True)
-    assert isinstance(layer, kernels.Int8Cpu) and layer.scales.dtype == torch.float32  # (the kernel's dtype)
+    assert isinstance(layer, gdkernels.Int8Cpu) and layer.scales.dtype == torch.float32  # (the kernel's dtype)
 
 
 def rounding_noise(w, mode, groupsize):
@@ -287,17 +287,17 @@ def test_quantized_checkpoint_loads_like_quantizing_in_memory(tiny_ckpt, tmp_pat
     assert torch.equal(got, logits(in_memory, idx))
     assert rel(got, ref) < (0.03 if mode == "int8" else 0.2)  # quantized, yet the same model
     # Decode (one token at a time) agrees with the prompt's forward: to float rounding with the plain
-    # layers; with kernels/cpu.py's (kernels.apply) within its rounding of x (~2.5e-4 a layer at
+    # layers; with gdkernels/cpu.py's (gdkernels.apply) within its rounding of x (~2.5e-4 a layer at
     # most, test_quantized_linear_is_close_to_float) on each of the 4 n_layers + 1 quantized layers.
     def decode(model):
         return torch.cat([model(idx[:, i:i + 1], torch.tensor([i])) for i in range(idx.shape[1])], dim=1)
 
     assert rel(decode(loaded), got) < 1e-5
     if cpu.unsupported() is None:
-        swapped = kernels.apply(loaded)
-        assert swapped and type(layer) is (kernels.Int8Cpu if mode == "int8" else kernels.Int4Cpu)
+        swapped = gdkernels.apply(loaded)
+        assert swapped and type(layer) is (gdkernels.Int8Cpu if mode == "int8" else gdkernels.Int4Cpu)
         # (int4: w2's 96 input columns are no whole number of the kernel's 64: that layer stays plain)
-        assert type(loaded.layers[0].feed_forward.w2) is (kernels.Int8Cpu if mode == "int8" else Int4Linear)
+        assert type(loaded.layers[0].feed_forward.w2) is (gdkernels.Int8Cpu if mode == "int8" else Int4Linear)
         assert torch.equal(logits(loaded, idx), got)  # prefill: 40 rows, dequantized as before
         assert rel(decode(loaded), got) < 2.5e-4 * (4 * TINY.n_layers + 1)
 
@@ -447,17 +447,42 @@ def test_perplexity_on_the_default_model(default_ckpt, default_float, default_in
     ratios = {"int8": perplexity(default_int8, tokens, 256, 192) / base}
     for g in (32, 128):
         ratios[f"int4 g{g}"] = perplexity(quantize_model(default_float, "int4", g), tokens, 256, 192) / base
-    calibration = load_tokenizer(default_ckpt).encode(CALIBRATION.read_text())  # not the evaluated text
-    gptq = quantize_model(default_float, "int4", 128, calibration=calibration)
-    ratios["int4 g128 GPTQ"] = perplexity(gptq, tokens, 256, 192) / base
     print(f"\nperplexity {base:.3f} float; ratios " + ", ".join(f"{k} {v:.4f}" for k, v in ratios.items()))
     assert ratios["int8"] <= 1.01  # measured 1.005 (shorter texts: up to 1.010)
     assert ratios["int4 g32"] <= 1.10  # the default model is Q4_1 (blocks of 32) at heart: ~1.00
     # Measured 1.34-1.38: this 135M model, already 4-bit, loses more than the 1.20 aimed for
-    # when regrouped by 128 with round-to-nearest (see BENCHMARKS.md); GPTQ reaches it.
+    # when regrouped by 128 with round-to-nearest (see BENCHMARKS.md); GPTQ reaches it (1.15: the
+    # next test checks GPTQ layer by layer, in a tenth of the time the whole model's would take).
     assert ratios["int4 g128"] <= 1.50
-    assert ratios["int4 g128 GPTQ"] <= 1.20
     assert ratios["int4 g32"] < ratios["int4 g128"]
+
+
+@pytest.mark.slow
+def test_gptq_beats_rounding_on_the_default_models_layers(default_ckpt, default_float):
+    """GPTQ on the default model's own weights and inputs (group 128, where rounding loses most):
+    calibrated on 2,048 tokens of the calibration text, the layers' output error on other text (the
+    evaluation text's second moments, from calibrate too) is clearly below round-to-nearest's, in a
+    first, a middle and the last block. (quantize_model with a calibration runs the same functions on
+    every layer; its whole-model perplexity, 1.15x float against 1.36x by rounding, takes ~90 s.)"""
+    from quantize import calibrate
+
+    tok = load_tokenizer(default_ckpt)
+    hessians = calibrate(default_float, tok.encode(CALIBRATION.read_text())[:2048])
+    held_out = calibrate(default_float, tok.encode(TEXT.read_text())[:512])  # sum of x x^T on other text
+    state = split_fused(default_float.state_dict(), default_float.args)
+    errors = {}
+    for name in ("layers.0.feed_forward.w2.weight", "layers.10.attention.wo.weight", "layers.15.attention.wq.weight",
+                 "layers.29.feed_forward.w1.weight"):
+        w, h = state[name].float(), held_out[name].double()
+        gptq, rtn = gptq_int4(w, hessians[name], 128), quantize_int4(w, 128)
+        # || X (W_q - W)^T || over the held-out inputs X: sqrt(trace(E H E^T))
+        errors[name] = [torch.trace(e @ h @ e.T).sqrt().item() for e in
+                        ((dequantize_int4(q, s.float(), z.float(), 128) - w).double() for q, s, z in (gptq, rtn))]
+    ratios = {name: g / r for name, (g, r) in errors.items()}
+    print("\nGPTQ / rounding, output error on held-out text: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    assert all(r < 1.05 for r in ratios.values()), ratios  # measured 0.44-0.94 (0.94: 1,536 inputs, 2,048 tokens)
+    total = sum(g * g for g, _ in errors.values()) ** 0.5 / sum(r * r for _, r in errors.values()) ** 0.5
+    assert total < 0.75, total
 
 
 @pytest.mark.slow

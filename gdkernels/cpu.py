@@ -95,7 +95,7 @@ def block_params(scales: torch.Tensor, zeros: torch.Tensor, groupsize: int, K: i
 
 def _check() -> None:
     if not _loaded and not available():
-        raise RuntimeError("kernels/cpu.cpp cannot run here (see the note above)")
+        raise RuntimeError("gdkernels/cpu.cpp cannot run here (see the note above)")
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ reference, and each class here is a subclass whose forward calls a kernel where 
 the reference forward everywhere else.
 
     model = quantize.load(path, device, dtype)
-    kernels.apply(model)            # -> what it swapped; GRAPHDECODE_KERNELS=0 or --no-kernels: nothing
+    gdkernels.apply(model)            # -> what it swapped; GRAPHDECODE_KERNELS=0 or --no-kernels: nothing
 
 On CUDA (BENCHMARKS.md has each one's gain in the whole decode step):
   FusedBlock       hands RMSNorm, SwiGLU and the residual adds to the matmuls around them, so they cost
@@ -53,19 +53,20 @@ def apply(model: Transformer, fuse: bool = True, attend: bool = True) -> list[st
             module.convert(device)
         done[what] = done.get(what, 0) + 1
 
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear, Int4Linear))]
+    # (exact types: a module swapped already is left alone, so a second apply changes nothing)
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, Int8Linear, Int4Linear)]
     if device.type == "cuda" and gemv.triton is not None:
         for m in linears:
             if isinstance(m, Int4Linear):
-                swap(m, Int4Gemv, "int4 linear -> int4.py GEMV (one row)")
+                swap(m, Int4Gemv, "int4 linear -> int4.py GEMV (up to 8 rows)")
             elif isinstance(m, Int8Linear):
                 swap(m, Int8Gemv, "int8 linear -> gemv.py GEMV")
             else:
                 swap(m, GemvLinear, "bf16 linear -> gemv.py GEMV")
         for layer in model.layers:
-            if fuse:
+            if fuse and type(layer) is TransformerBlock:
                 swap(layer, FusedBlock, "block -> norms, SwiGLU, residuals fused into the GEMVs")
-            if attend and not model.args.qk_norm:
+            if attend and not model.args.qk_norm and type(layer.attention) is Attention:
                 swap(layer.attention, KernelAttention, "decode attention -> attention.py")
     elif device.type == "cpu" and any(isinstance(m, (Int8Linear, Int4Linear)) for m in linears) and cpu.available():
         for m in linears:
