@@ -220,7 +220,9 @@ def register_fallbacks() -> None:
     try:
         from torch._inductor import lowering
         from torch._library.utils import get_layout_constraint_tag
-    except ImportError:
+
+        lowering.make_fallback, lowering.tag_to_layout_constraint, lowering.lowerings  # noqa: B018 (present?)
+    except (ImportError, AttributeError):
         return
     for name in ("gemv", "int4_gemv", "decode_attention", "int4_linear", "int8_linear"):
         try:
