@@ -18,6 +18,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GRAPHDECODE_CACHE", Path.home() / ".cache" / "graphdecode"))
 
 
+def compiled(fn, mode: str, device: torch.device):
+    """fn as decode runs it: "eager"; "compile", Inductor's kernels launched one by one (on the CPU not
+    handing decode's small loops to OpenMP threads); "graphs", those kernels replayed as CUDA graphs."""
+    if mode == "eager":
+        return fn
+    if mode == "compile":
+        return torch.compile(fn, fullgraph=True, options={"cpp.min_chunk_size": 65536} if device.type == "cpu" else None)
+    if mode != "graphs":
+        raise ValueError(f"unknown decode mode {mode!r}")
+    if device.type != "cuda":
+        raise ValueError("mode 'graphs' needs a CUDA device")
+    return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

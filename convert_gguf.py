@@ -10,6 +10,7 @@ Weights stay in the memory-mapped file and are dequantized one tensor at a time 
 Architectures: llama (Llama 2/3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3. The embedded
 vocabulary is rebuilt as a Hugging Face tokenizer.json with the pre-tokenizer `tokenizer.ggml.pre` names.
 """
+import contextlib
 import functools
 import json
 import math
@@ -18,8 +19,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+import gguf
 import numpy as np
 import torch
+from gguf import TokenType as TT
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from tokenizer import LLAMA3_PATTERN
 
@@ -33,9 +37,6 @@ class ConversionError(Exception):
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
-# GGUF token types (gguf.TokenType)
-_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
-
 # tokenizer.ggml.pre value -> pre-tokenizer kind (byte-level BPE vocabularies only).
 _PRE_TOKENIZERS = {"default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "llama-bpe": "llama3", "llama3": "llama3",
                    "llama-v3": "llama3", "qwen2": "qwen2", "smollm": "smollm"}
@@ -43,34 +44,29 @@ _PRE_TOKENIZERS = {"default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "llama-bp
 _SPLIT_PATTERNS = {"llama3": LLAMA3_PATTERN, "qwen2": LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")}
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+def _one_line(exc: BaseException) -> str:  # ConversionError joins its lines
+    return f"{type(exc).__name__}: {exc}" if str(exc).strip() else type(exc).__name__
 
 
-def _strict_reader(path: Path):
+class _StrictGGUFReader(gguf.GGUFReader):
     """gguf-py's GGUFReader, made to fail on any read past the end of the file, and faster.
 
     The stock reader slices its memory map, so a read past EOF yields a short (or empty) array: a
     truncated file fails late with an odd error, and a corrupt array length can loop for a very
     long time over empty reads. Slicing a plain ndarray view of the map (nothing is copied) also
     skips np.memmap's per-slice overhead, which dominates parsing a 100k-entry vocabulary."""
-    import gguf
 
-    class StrictGGUFReader(gguf.GGUFReader):
-        def _get(self, offset, dtype, count=1, override_order=None):
-            buf = self.__dict__.get("_buf")
-            if buf is None or buf.base is not self.data:
-                buf = self._buf = self.data.view(np.ndarray)
-            offset, count, dtype = int(offset), int(count), np.dtype(dtype)
-            end = offset + dtype.itemsize * count
-            if offset < 0 or count < 0 or end > buf.shape[0]:
-                raise ValueError(f"unexpected end of file (a read of {end - offset} bytes at offset {offset} "
-                                 f"passes the end, {buf.shape[0]} bytes)")
-            arr = buf[offset:end].view(dtype=dtype)
-            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-    return StrictGGUFReader(path)
+    def _get(self, offset, dtype, count=1, override_order=None):
+        buf = self.__dict__.get("_buf")
+        if buf is None or buf.base is not self.data:
+            buf = self._buf = self.data.view(np.ndarray)
+        offset, count, dtype = int(offset), int(count), np.dtype(dtype)
+        end = offset + dtype.itemsize * count
+        if offset < 0 or count < 0 or end > buf.shape[0]:
+            raise ValueError(f"unexpected end of file (a read of {end - offset} bytes at offset {offset} "
+                             f"passes the end, {buf.shape[0]} bytes)")
+        arr = buf[offset:end].view(dtype=dtype)
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -151,7 +147,6 @@ class GGUFSource:
         self.description = f"gguf:{path.name} ({arch}, {self._file_type()})"
 
     # -- metadata ------------------------------------------------------------------------------
-
     def _value(self, key: str, required: bool = True, default: Any = None) -> Any:
         field = self._reader.fields.get(key)
         if field is None:
@@ -248,19 +243,14 @@ class GGUFSource:
                     qk_norm="blk.0.attn_q_norm.weight" in self._tensors)
 
     def _file_type(self) -> str:
-        import gguf
-
         ft = self._value("general.file_type", required=False)
         if isinstance(ft, int) and not isinstance(ft, bool):
-            try:
+            with contextlib.suppress(ValueError):  # an unknown file type: named from the tensors below
                 return gguf.LlamaFileType(ft).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-            except ValueError:
-                pass
         counts = Counter(t.tensor_type.name for t in self._reader.tensors if len(t.shape) >= 2)
         return counts.most_common(1)[0][0] if counts else "unknown"
 
     # -- tensors -------------------------------------------------------------------------------
-
     @staticmethod
     def _shape(t) -> tuple[int, ...]:
         # GGUF lists dimensions in ggml "ne" order (fastest-varying first): reverse for torch
@@ -271,11 +261,10 @@ class GGUFSource:
         m = self.model_args
         dim, hd, ffn, vocab = m["dim"], m["head_dim"], m["intermediate_size"], m["vocab_size"]
         nq, nkv = m["n_heads"], m["n_kv_heads"]
-        permuted = self.arch == "llama"
         layer = [("attention_norm.weight", "attn_norm.weight", (dim,), None)]
         for ours, theirs, rows, heads in (("wq", "attn_q", nq * hd, nq), ("wk", "attn_k", nkv * hd, nkv),
                                           ("wv", "attn_v", nkv * hd, None)):
-            heads = heads if permuted else None
+            heads = heads if self.arch == "llama" else None  # see unpermute_qk
             layer.append((f"attention.{ours}.weight", f"{theirs}.weight", (rows, dim), heads))
             if m["attention_bias"]:
                 layer.append((f"attention.{ours}.bias", f"{theirs}.bias", (rows,), heads))
@@ -310,16 +299,13 @@ class GGUFSource:
 
     def _check_tensor_types(self) -> None:
         """Fail early (before any output is written) on tensor types gguf-py cannot dequantize."""
-        import gguf
-
         ok: dict[Any, bool] = {}
         for t in self._reader.tensors:
             qt = t.tensor_type
             if qt not in ok:
                 block, type_size = gguf.GGML_QUANT_SIZES[qt]
                 try:
-                    with warnings.catch_warnings(), np.errstate(all="ignore"):
-                        warnings.simplefilter("ignore")
+                    with warnings.catch_warnings(action="ignore"), np.errstate(all="ignore"):
                         out = gguf.quants.dequantize(np.zeros((type_size,), dtype=np.uint8), qt)
                     ok[qt] = out.dtype == np.float32 and out.size == block
                 except Exception:
@@ -331,11 +317,8 @@ class GGUFSource:
                 raise ConversionError(f"{self.path.name}: tensor {t.name} data is truncated")
 
     def _dequantize(self, name: str, t) -> np.ndarray:
-        import gguf.quants
-
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with warnings.catch_warnings(action="ignore"):
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
                 return np.array(arr, dtype=np.float32, copy=True).reshape(self._shape(t))  # copy: off the mmap
         except Exception as e:
@@ -356,7 +339,6 @@ class GGUFSource:
             yield ours, torch.from_numpy(np.ascontiguousarray(arr))
 
     # -- tokenizer -----------------------------------------------------------------------------
-
     def _tokenizer_metadata(self) -> dict:
         name = self.path.name
         kind = self._typed("tokenizer.ggml.model", str)
@@ -398,12 +380,10 @@ class GGUFSource:
 
     @functools.cached_property
     def _tokenizer_files(self) -> dict[str, bytes]:
-        from tokenizers import AddedToken
-
         meta, ids = self._tokenizer_meta, self._tokenizer_meta["ids"]
         tokens = self._value("tokenizer.ggml.tokens")
         n = len(tokens)
-        types = self._value("tokenizer.ggml.token_type", required=False) or [_TT_NORMAL] * n
+        types = self._value("tokenizer.ggml.token_type", required=False) or [TT.NORMAL] * n
         if not isinstance(tokens, list) or not isinstance(types, list) or len(types) != n \
                 or not all(isinstance(t, str) for t in tokens):
             raise ConversionError(f"{self.path.name}: malformed tokenizer.ggml.tokens / token_type arrays")
@@ -421,7 +401,7 @@ class GGUFSource:
         if post is not None:
             tok.post_processor = post
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, tt in zip(tokens, types)
-                                if tt in (_TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED) and t])
+                                if tt in (TT.UNKNOWN, TT.CONTROL, TT.USER_DEFINED) and t])
 
         token = lambda key: tokens[ids[key]] if ids[key] is not None else None  # noqa: E731
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": bool(meta["add_bos"]),
@@ -443,8 +423,6 @@ class GGUFSource:
 # -- tokenizer builders ---------------------------------------------------------------------------
 
 def _post_processor(tokens: list[str], meta: dict, byte_level: bool):
-    from tokenizers import processors
-
     ids = meta["ids"]
     pre = [ids["bos"]] if meta["add_bos"] and ids["bos"] is not None else []
     post = [ids["eos"]] if meta["add_eos"] and ids["eos"] is not None else []
@@ -462,8 +440,6 @@ def _vocab_dict(tokens: list[str]) -> dict[str, int]:
 
 def _byte_level_tokenizer(tokens: list[str], merges: list[str], kind: str):
     """GPT-2 style byte-level BPE (tokenizer.ggml.model == "gpt2"); kind: a _PRE_TOKENIZERS value."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
     pairs = []
     for m in merges:
         pos = m.find(" ", 1)  # as llama.cpp: the first part may itself start with a space
@@ -493,10 +469,8 @@ def _sentencepiece_tokenizer(tokens: list[str], types: list[int], scores: list[f
     highest-scoring vocabulary piece. The equivalent Hugging Face BPE model has one merge per
     way of splitting a piece into two pieces, ranked by the merged piece's score.
     """
-    from tokenizers import Tokenizer, decoders, models, normalizers
-
     vocab = _vocab_dict(tokens)
-    mergeable = {t: i for t, i in vocab.items() if types[i] in (_TT_NORMAL, _TT_USER_DEFINED, _TT_UNUSED)}
+    mergeable = {t: i for t, i in vocab.items() if types[i] in (TT.NORMAL, TT.USER_DEFINED, TT.UNUSED)}
     ranked = []
     for piece, i in mergeable.items():
         for k in range(1, len(piece)):
@@ -521,9 +495,8 @@ def read_gguf(path) -> GGUFSource:
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
     try:
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.simplefilter("ignore")
-            reader = _strict_reader(path)
+        with warnings.catch_warnings(action="ignore"), np.errstate(all="ignore"):
+            reader = _StrictGGUFReader(path)
     except Exception as e:  # the reader raises ValueError, IndexError, KeyError, ... on bad files
         raise ConversionError(f"{path.name}: not a valid GGUF file or truncated ({_one_line(e)})") from None
     try:

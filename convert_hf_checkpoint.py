@@ -71,13 +71,10 @@ def hf_config_to_args(cfg: dict) -> dict:
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "llama3":
-        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                        "original_max_position_embeddings")}
-    elif rope_type == "default":
-        scaling = None
-    else:
+    if rope_type not in ("default", "llama3"):
         raise ConversionError(f"unsupported rope scaling type {rope_type!r} (supported: llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    scaling = {k: rope[k] for k in keys} if rope_type == "llama3" else None
     try:
         return dict(
             dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
@@ -96,9 +93,7 @@ def hf_config_to_args(cfg: dict) -> dict:
 
 LAYER_WEIGHTS = {  # Hugging Face name after "model.layers.N." -> ours after "layers.N."
     "input_layernorm.weight": "attention_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight", "self_attn.q_proj.bias": "attention.wq.bias",
-    "self_attn.k_proj.weight": "attention.wk.weight", "self_attn.k_proj.bias": "attention.wk.bias",
-    "self_attn.v_proj.weight": "attention.wv.weight", "self_attn.v_proj.bias": "attention.wv.bias",
+    **{f"self_attn.{p}_proj.{kind}": f"attention.w{p}.{kind}" for p in "qkv" for kind in ("weight", "bias")},
     "self_attn.o_proj.weight": "attention.wo.weight", "self_attn.q_norm.weight": "attention.q_norm.weight",
     "self_attn.k_norm.weight": "attention.k_norm.weight", "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight", "mlp.down_proj.weight": "feed_forward.w2.weight",
@@ -108,16 +103,13 @@ WEIGHT_MAP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.
               "lm_head.weight": "output.weight",
               **{f"model.layers.{{}}.{hf}": f"layers.{{}}.{ours}" for hf, ours in LAYER_WEIGHTS.items()}}
 INVERSE_WEIGHT_MAP = {ours: hf for hf, ours in WEIGHT_MAP.items()}
-IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def rename(name: str, mapping: dict) -> str | None:
     """Map one weight name through `mapping` (layer index abstracted as {})."""
     layer = re.search(r"\.(\d+)\.", name)
-    key = name.replace(f".{layer.group(1)}.", ".{}.", 1) if layer else name
-    if key not in mapping:
-        return None
-    return mapping[key].format(layer.group(1)) if layer else mapping[key]
+    key = name.replace(layer.group(0), ".{}.", 1) if layer else name
+    return mapping[key].format(layer and layer.group(1)) if key in mapping else None
 
 
 def hf_weight_files(src: Path) -> list[Path]:
@@ -183,7 +175,7 @@ class HFSource:
         for name, tensor in read_hf_tensors(self.files):
             ours = rename(name, WEIGHT_MAP)
             if ours is None:
-                if IGNORED.match(name):
+                if name.endswith("rotary_emb.inv_freq"):
                     continue
                 raise ConversionError(f"unexpected weight {name!r} in {self.src}")
             if tied and ours == "output.weight":
@@ -255,8 +247,7 @@ def write_safetensors(path: Path, tensors: Iterator[tuple[str, torch.Tensor]], m
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format allows space padding; aligns the data
     with open(path, "wb") as out, open(data_path, "rb") as data:
-        out.write(struct.pack("<Q", len(blob)))
-        out.write(blob)
+        out.write(struct.pack("<Q", len(blob)) + blob)
         shutil.copyfileobj(data, out, 1 << 24)
     data_path.unlink()
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}

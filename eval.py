@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from common import DTYPES
 from model import Transformer, read_config
+from quantize import load
 from tokenizer import load_tokenizer
 
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{args.text}: cannot read the text ({e})") from None
         tokens = load_tokenizer(args.checkpoint).encode(text)
-        model = Transformer.from_checkpoint(args.checkpoint, device=device, dtype=dtype)
+        model = load(args.checkpoint, device=device, dtype=dtype)
         if args.window > model.args.max_seq_len:
             raise ValueError(f"--window {args.window} exceeds the model's context of {model.args.max_seq_len}")
         ppl = perplexity(model, tokens, args.window, stride)

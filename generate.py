@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import gdkernels
-from common import DTYPES, Sampling, UsageError, check_memory, sample, synchronize
+from common import DTYPES, Sampling, UsageError, check_memory, compiled, sample, synchronize
 from gdkernels.aot import AotStep
 from model import Transformer, read_config
 from quantize import load
@@ -66,22 +66,12 @@ class Generator:
         self.mode = mode
         if mode in ("compile", "graphs") or compile_prefill:
             gdkernels.register_fallbacks()
-        if mode == "eager":
-            self.step = decode_one_token
-        elif mode == "compile":  # Inductor kernels, launched one by one
-            # (the CPU: decode's loops are too small to hand to the OpenMP threads; the matmuls still use them)
-            options = {"cpp.min_chunk_size": 65536} if self.device.type == "cpu" else None
-            self.step = torch.compile(decode_one_token, fullgraph=True, options=options)
-        elif mode == "graphs":  # Inductor kernels in CUDA graphs (CUDAGraph Trees)
-            if self.device.type != "cuda":
-                raise ValueError("mode 'graphs' needs a CUDA device")
-            self.step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-        elif mode in ("aot", "aot-cached"):  # the CPU: gdkernels/aot.py (aot-cached: only if built before)
+        if mode in ("aot", "aot-cached"):  # the CPU: gdkernels/aot.py (aot-cached: only if built before)
             if self.device.type != "cpu":
                 raise ValueError(f"mode {mode!r} is for the CPU")
             self.step = AotStep(decode_one_token, build=mode == "aot")
-        else:
-            raise ValueError(f"unknown decode mode {mode!r}")
+        else:  # eager, compile, or graphs (CUDAGraph Trees): common.compiled
+            self.step = compiled(decode_one_token, mode, self.device)
         self.warmup_calls = self.MODES[mode]
         self.prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
         self.buffers = None

@@ -17,7 +17,7 @@ p at the last position. Every draw is argmax(probs / Exponential(1)), never torc
 import torch
 
 import gdkernels
-from common import Sampling, UsageError, check_memory, draw, logits_to_probs, sample, synchronize
+from common import Sampling, UsageError, check_memory, compiled, draw, logits_to_probs, sample, synchronize
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -103,18 +103,8 @@ class SpeculativeGenerator:
         self.mode = mode
         if mode != "eager":
             gdkernels.register_fallbacks()
-        if mode == "eager":
-            self.draft_fn, self.verify_fn = draft_steps, verify
-        elif mode == "compile":
-            self.draft_fn = torch.compile(draft_steps, fullgraph=True)
-            self.verify_fn = torch.compile(verify, fullgraph=True)
-        elif mode == "graphs":  # one graph for the K draft steps, one for the verification
-            if self.device.type != "cuda":
-                raise ValueError("mode 'graphs' needs a CUDA device")
-            self.draft_fn = torch.compile(draft_steps, mode="reduce-overhead", fullgraph=True)
-            self.verify_fn = torch.compile(verify, mode="reduce-overhead", fullgraph=True)
-        else:
-            raise ValueError(f"unknown mode {mode!r} (eager, compile or graphs)")
+        # graphs: one graph for the K draft steps, one for the verification
+        self.draft_fn, self.verify_fn = (compiled(f, mode, self.device) for f in (draft_steps, verify))
         dev, V = self.device, target.args.vocab_size
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)

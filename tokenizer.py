@@ -29,16 +29,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-# Llama 3 (tiktoken) constants, as in Meta's llama-models llama3 tokenizer.py (also the split of
-# Llama 3's tokenizer.json: convert_gguf.py uses it).
+# Llama 3 (tiktoken) constants, as in Meta's llama-models llama3 tokenizer.py (convert_gguf.py uses the split).
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_NUM_SPECIAL = 256
-# The named ones first, reserved ones fill the rest: the Llama 3.1/3.2/3.3 text tokenizers' naming
-# (Meta's later multimodal code renames reserved_2 and reserved_3 to <|step_id|> and <|image|>).
-# <|eom_id|>: end of message (a tool call follows); <|eot_id|>: end of turn.
+# Named ones first, reserved ones fill the rest, as Llama 3.1-3.3 text tokenizers name them (Meta's multimodal
+# code renames reserved_2/3). <|eom_id|>: end of message (a tool call follows); <|eot_id|>: end of turn.
 _LLAMA3_NAMED = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
                  "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
@@ -46,29 +44,24 @@ LLAMA3_SPECIAL_TOKENS = _LLAMA3_NAMED + [
     f"<|reserved_special_token_{3 + i}|>" for i in range(LLAMA3_NUM_SPECIAL - len(_LLAMA3_NAMED))]
 LLAMA3_STOP_TOKENS = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")
 
-# Special tokens that end generation in the common chat formats; a tokenizer.json backend treats
-# those of them that are registered as special tokens as its own stop tokens, so that a checkpoint
-# without generation_config.json still stops.
+# Special tokens that end generation in the common chat formats; a tokenizer.json backend stops on those it
+# registers as special, so that a checkpoint without generation_config.json still stops.
 KNOWN_STOP_TOKENS = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "</s>")
 
 # Built-in chat templates, used only when the checkpoint has none. Each is one logical line (the
 # Python strings are concatenated), so trim_blocks/lstrip_blocks cannot change their output.
-
 # Meta Llama 3 Instruct: <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>...
 LLAMA3_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
+    "{{ bos_token }}{% for message in messages %}"
     "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
-    "{{ message['content'] | trim }}{{ '<|eot_id|>' }}"
-    "{% endfor %}"
+    "{{ message['content'] | trim }}{{ '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 
 # ChatML: <|im_start|>user\nHi<|im_end|>\n ... <|im_start|>assistant\n
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
@@ -79,19 +72,12 @@ LLAMA2_TEMPLATE = (
     "{% if messages and messages[0]['role'] == 'system' %}"
     "{% set system_message = messages[0]['content'] | trim %}{% set turns = messages[1:] %}"
     "{% else %}{% set system_message = none %}{% set turns = messages %}{% endif %}"
-    "{% for message in turns %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Llama 2 chat needs alternating user/assistant messages after the system one') }}"
-    "{% endif %}"
-    "{% if message['role'] == 'user' %}"
-    "{% if loop.first and system_message is not none %}"
+    "{% for message in turns %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Llama 2 chat needs alternating user/assistant messages after the system one') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{% if loop.first and system_message is not none %}"
     "{{ bos_token + '[INST] <<SYS>>\n' + system_message + '\n<</SYS>>\n\n' + message['content'] | trim + ' [/INST]' }}"
-    "{% else %}"
-    "{{ bos_token + '[INST] ' + message['content'] | trim + ' [/INST]' }}"
-    "{% endif %}"
-    "{% else %}"
-    "{{ ' ' + message['content'] | trim + ' ' + eos_token }}"
-    "{% endif %}"
+    "{% else %}{{ bos_token + '[INST] ' + message['content'] | trim + ' [/INST]' }}{% endif %}"
+    "{% else %}{{ ' ' + message['content'] | trim + ' ' + eos_token }}{% endif %}"
     "{% endfor %}"
 )
 
@@ -99,13 +85,11 @@ LLAMA2_TEMPLATE = (
 class StreamDecoder:
     """Incremental detokenizer: push(id) returns the newly completed text.
 
-    It emits decode(window) minus decode(context), over a short window of ids: already-emitted
-    context, then pending tokens. Position-dependent rendering (SentencePiece drops the first
-    piece's "▁" space) is then the same in both decodes. The context is the last emission's tokens,
-    extended while they show no visible character (a context decoding to "" would make
-    SentencePiece strip the next piece's space too). Text ending in U+FFFD, an incomplete UTF-8
-    character (an emoji split over byte tokens), is held back.
-    """
+    It emits decode(context + pending ids) minus decode(context), so position-dependent rendering
+    (SentencePiece drops the first piece's "▁" space) is the same in both. The context is the last
+    emission's tokens, extended while they show no visible character (a context decoding to "" would
+    make SentencePiece strip the next piece's space too). Text ending in U+FFFD, an incomplete UTF-8
+    character (an emoji split over byte tokens), is held back."""
 
     def __init__(self, tokenizer: "Tokenizer"):
         self._tok = tokenizer
@@ -177,10 +161,9 @@ class Tokenizer:
                                bos_token=self.bos_token, eos_token=self.eos_token, tools=None, documents=None)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt ids for a chat: the rendered template with its special-token text (including
-        SentencePiece's "<s>"/"</s>", which encode() leaves as text) mapped to the special ids.
-        When the model expects BOS, the result starts with exactly one, whether or not the
-        template emitted it."""
+        """Prompt ids for a chat: the rendered template with its special-token text (SentencePiece's
+        "<s>"/"</s>" too, which encode() leaves as text) mapped to the special ids. When the model
+        expects BOS, the result starts with exactly one, whether or not the template emitted it."""
         ids = self._encode_chat_text(self.apply_chat_template(messages, add_generation_prompt))
         return self._with_bos(ids) if self.add_bos else ids
 
@@ -202,22 +185,18 @@ class Tokenizer:
         config = _read_json(directory / "tokenizer_config.json")
         gen = _read_json(directory / "generation_config.json")
 
-        for key, entry in (config.get("added_tokens_decoder") or {}).items():
-            self._added_tokens[entry["content"]] = int(key)
+        self._added_tokens = {e["content"]: int(k) for k, e in (config.get("added_tokens_decoder") or {}).items()}
 
         bos_text, eos_text = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
         self.bos_id = self._resolve(bos_text, "bos_token")
-        if self.bos_id is None and isinstance(gen.get("bos_token_id"), int):
-            self.bos_id = gen["bos_token_id"]
         if self.bos_id is None:
-            self.bos_id = self._default_bos_id
+            gen_bos = gen.get("bos_token_id")
+            self.bos_id = gen_bos if isinstance(gen_bos, int) else self._default_bos_id
 
-        self.eos_ids = set(self._default_stop_tokens)
-        config_eos = self._resolve(eos_text, "eos_token")
-        if config_eos is not None:
-            self.eos_ids.add(config_eos)
         gen_eos = gen.get("eos_token_id")
-        self.eos_ids.update(i for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) if isinstance(i, int))
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos_ids = set(self._default_stop_tokens)
+        self.eos_ids.update(i for i in [self._resolve(eos_text, "eos_token"), *gen_eos] if isinstance(i, int))
 
         add_bos = config.get("add_bos_token")
         self.add_bos = add_bos if isinstance(add_bos, bool) else self._default_add_bos
@@ -291,9 +270,9 @@ class SentencePieceTokenizer(Tokenizer):
             self._sp = sentencepiece.SentencePieceProcessor(model_proto=data)
         except RuntimeError as e:
             raise ValueError(f"{path} is neither a SentencePiece model nor a tiktoken file: {_one_line(e)}") from e
-        if self._sp.vocab_size() == 0:  # an empty protobuf parses fine
-            raise ValueError(f"{path} is a SentencePiece model with an empty vocabulary")
         n = self._sp.vocab_size()
+        if n == 0:  # an empty protobuf parses fine
+            raise ValueError(f"{path} is a SentencePiece model with an empty vocabulary")
         # Control symbols (<s>, </s>, Mistral's [INST]...) are never matched in text by
         # SentencePiece; encode_chat splits them out itself and decode renders them as text.
         self._control = {self._sp.id_to_piece(i): i for i in range(n) if self._sp.is_control(i)}
@@ -344,7 +323,8 @@ class SentencePieceTokenizer(Tokenizer):
 
 class TiktokenTokenizer(Tokenizer):
     """tokenizer.model holding tiktoken BPE ranks (Llama 3's `original/tokenizer.model`), with
-    Llama 3's split pattern and its 256 special tokens after the base vocabulary."""
+    Llama 3's split pattern and its 256 special tokens after the base vocabulary. Meta splits inputs
+    over 400k characters (a tiktoken limit) and long runs without whitespace; prompts here are shorter."""
 
     def __init__(self, data: bytes, path: Path):
         super().__init__()
@@ -355,15 +335,12 @@ class TiktokenTokenizer(Tokenizer):
         if max(ranks.values()) >= base:  # special ids would collide with base ranks
             raise ValueError(f"{path}: tiktoken ranks are not 0..{base - 1}")
         self._special = {t: base + i for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
-        self._special_text = {i: t for t, i in self._special.items()}
         self._ranks = ranks
         self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
                                       special_tokens=self._special)
         self._default_bos_id = self._special["<|begin_of_text|>"]
         self._default_add_bos = True
         self._default_stop_tokens = {self._special[t] for t in LLAMA3_STOP_TOKENS}
-        # Meta splits inputs over 400k characters (a tiktoken limit) and very long runs without
-        # whitespace (slow); prompts for this decoder are far shorter, so that is left out.
 
     def _encode_text(self, text: str) -> list[int]:
         return self._enc.encode(text, allowed_special="all")
@@ -375,8 +352,10 @@ class TiktokenTokenizer(Tokenizer):
         return self._special.get(token, self._ranks.get(token.encode("utf-8")))
 
     def _vocab_text(self, token_id: int) -> str | None:
-        special = self._special_text.get(token_id)
-        return special or self._enc.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
+        return self._enc.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")  # specials too
+
+
+_TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} [0-9]+")
 
 
 def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
@@ -387,20 +366,14 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
         tok: Tokenizer = HFTokenizer(json_path)
     elif model_path.is_file():
         data = model_path.read_bytes()
-        tok = (TiktokenTokenizer if _looks_like_tiktoken(data) else SentencePieceTokenizer)(data, model_path)
+        # A tiktoken file is text lines "<base64 bytes> <rank>"; a SentencePiece protobuf is binary
+        # and starts with a field tag (0x0a), so the first line decides.
+        is_tiktoken = _TIKTOKEN_LINE.fullmatch(data.split(b"\n", 1)[0].strip()) is not None
+        tok = (TiktokenTokenizer if is_tiktoken else SentencePieceTokenizer)(data, model_path)
     else:
         raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {directory}")
     tok._configure(directory)
     return tok
-
-
-_TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} [0-9]+")
-
-
-def _looks_like_tiktoken(data: bytes) -> bool:
-    # A tiktoken file is text lines "<base64 bytes> <rank>"; a SentencePiece protobuf is binary
-    # and starts with a field tag (0x0a), so the first line decides.
-    return _TIKTOKEN_LINE.fullmatch(data.split(b"\n", 1)[0].strip()) is not None
 
 
 def _parse_tiktoken_ranks(data: bytes, path: Path) -> dict[bytes, int]:
