@@ -1,8 +1,5 @@
-"""What several modules share, below all of them: graph-safe sampling, the cache directory, dtypes.
-
-Sampling is written for the compiled decode step: fixed-shape ops only and no host sync, so one
-step (sampling included) is one CUDA graph replay.
-"""
+"""What several modules share, below all of them: graph-safe sampling (fixed-shape ops, no host sync:
+sampling stays inside the step's one CUDA graph), the decode modes, the cache directory, dtypes."""
 import math
 import os
 from dataclasses import dataclass
@@ -93,10 +90,8 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 1 << 62
+        free = [line for line in f if line.startswith("MemAvailable:")]
+    return int(free[0].split()[1]) * 1024 if free else 1 << 62
 
 
 def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype: torch.dtype, device) -> None:

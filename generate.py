@@ -298,16 +298,11 @@ def main(argv=None) -> int:
 def run(args) -> None:
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     sampling.check()
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    if args.num_samples < 1:
-        raise UsageError(f"--num-samples must be >= 1 (got {args.num_samples})")
-    if args.stop_check_interval < 1:
-        raise UsageError("--stop-check-interval must be >= 1")
+    for flag in ("max_new_tokens", "num_samples", "stop_check_interval", "speculate_k"):
+        if (value := getattr(args, flag)) is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
     if bool(args.draft_checkpoint) != bool(args.speculate_k):
         raise UsageError("--draft-checkpoint and --speculate-k go together")
-    if args.speculate_k is not None and args.speculate_k < 1:
-        raise UsageError(f"--speculate-k must be >= 1 (got {args.speculate_k})")
     extra = args.speculate_k + 1 if args.speculate_k else 0  # the target verifies K + 1 positions
     if not args.interactive and not args.prompt:
         raise UsageError("the prompt is empty")

@@ -30,8 +30,7 @@ class ModelArgs:
     head_dim: int | None = None  # None: dim // n_heads (Qwen3 and some Mistrals set it apart)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # Llama-3.1 style: {"factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None for plain RoPE.
+    # Llama-3.1: {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     rope_scaling: dict | None = None
     max_seq_len: int = 4096  # the model's context length
     tie_embeddings: bool = False  # output head shares the token embedding (SmolLM2, Llama 3.2 1B/3B)
@@ -82,8 +81,7 @@ class Transformer(nn.Module):
         self._register_load_state_dict_pre_hook(self._load_hook)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
-        """Allocate the KV cache, RoPE table and key positions once; a call with a smaller or
-        equal size keeps (and reuses) what is there."""
+        """Allocate the KV cache, RoPE table and key positions once (a call for no more keeps them)."""
         if max_batch_size <= self.max_batch_size and max_seq_length <= self.max_seq_length:
             return
         if max_seq_length > self.args.max_seq_len:
@@ -146,9 +144,8 @@ class Transformer(nn.Module):
         return model.eval().requires_grad_(False)
 
     def _load_hook(self, state, prefix, *args):
-        """Checkpoints hold q, k, v and gate, up separately (as every source does); fuse them here
-        into one matrix each (and a quantized layer's per-row scales and zeros alike), so decode
-        launches fewer, larger matmuls."""
+        """Checkpoints hold q, k, v and gate, up apart: fuse each set (weights, biases, a quantized layer's
+        per-row scales and zeros) into one matrix, so decode launches fewer, larger matmuls."""
         if self.args.tie_embeddings:
             state.pop(prefix + "output.weight", None)
             state[prefix + "output.weight"] = state[prefix + "tok_embeddings.weight"]
