@@ -9,8 +9,8 @@ the reference forward everywhere else.
 On CUDA (BENCHMARKS.md has each one's gain in the whole decode step):
   FusedBlock       hands RMSNorm, SwiGLU and the residual adds to the matmuls around them, so they cost
                    no kernel of their own: h = wo(attend(wqkv(x, norm=attention_norm)), residual=x), ...
-  GemvLinear       bf16 weights, 1-16 rows: gemv.py's Triton GEMV (cuBLAS is slow on decode's narrow
-                   matrices), with the norm, SwiGLU and residual fused in
+  GemvLinear       bf16 weights, 1-16 rows: gemv.py's Triton GEMV (alone it ties cuBLAS in the step;
+                   it is what takes the norm, SwiGLU and residual in)
   Int8Gemv         int8 weights: the same GEMV, dequantizing in registers
   Int4Gemv         int4 weights, up to 8 rows: int4.py's one-row GEMV in integers, once a row; the
                    weights are re-laid once for it (the file's layout is dropped: each weight is held
