@@ -38,6 +38,13 @@ class UsageError(Exception):
     """Bad input from the user: printed as one `error:` line, exit status 1."""
 
 
+class ConversionError(Exception):
+    """A problem with a checkpoint to convert, reported as one line by the CLI."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.8  # 0: greedy

@@ -25,14 +25,8 @@ import torch
 from gguf import TokenType as TT
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from common import ConversionError
 from tokenizer import LLAMA3_PATTERN
-
-
-class ConversionError(Exception):
-    """A problem with the input, reported as one line by the CLI."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
 
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")

@@ -21,8 +21,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from common import DTYPES, cache_dir
-from convert_gguf import ConversionError, read_gguf
+from common import DTYPES, ConversionError, cache_dir
 from model import ModelArgs, Transformer
 
 DEFAULT_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -189,6 +188,8 @@ class HFSource:
 def read_source(source: str) -> "HFSource":
     path = Path(source)
     if path.is_file():
+        from convert_gguf import read_gguf  # gguf is needed only for .gguf files
+
         return read_gguf(path)
     if path.is_dir():
         return HFSource(path)

@@ -59,6 +59,13 @@ def test_model_and_quantize_import_no_kernels():
         assert r.returncode == 0, (module, r.stderr)
 
 
+def test_decoding_does_not_need_gguf():
+    """gguf reads .gguf files only: generate.py, bench.py and the kernels import without it."""
+    r = subprocess.run([sys.executable, "-c", "import generate, bench, sys; assert 'gguf' not in sys.modules"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 def repository_modules() -> dict[str, Path]:
     """Every module of the repository (its top-level .py files and packages) by import name."""
     modules = {p.stem: p for p in ROOT.glob("*.py")}
