@@ -1,5 +1,6 @@
 """What several modules share, below all of them: graph-safe sampling (fixed-shape ops, no host sync:
 sampling stays inside the step's one CUDA graph), the decode modes, the cache directory, dtypes."""
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -15,18 +16,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GRAPHDECODE_CACHE", Path.home() / ".cache" / "graphdecode"))
 
 
-def compiled(fn, mode: str, device: torch.device):
+def compiled(fn, mode: str, device: torch.device, dynamic: bool | None = None):
     """fn as decode runs it: "eager"; "compile", Inductor's kernels launched one by one (on the CPU not
-    handing decode's small loops to OpenMP threads); "graphs", those kernels replayed as CUDA graphs."""
+    handing decode's small loops to OpenMP threads); "graphs", those kernels replayed as CUDA graphs.
+    dynamic=False: one static compilation per input shape (serve.py's buckets), never a dynamic one."""
     if mode == "eager":
         return fn
     if mode == "compile":
-        return torch.compile(fn, fullgraph=True, options={"cpp.min_chunk_size": 65536} if device.type == "cpu" else None)
+        return torch.compile(fn, fullgraph=True, dynamic=dynamic,
+                             options={"cpp.min_chunk_size": 65536} if device.type == "cpu" else None)
     if mode != "graphs":
         raise ValueError(f"unknown decode mode {mode!r}")
     if device.type != "cuda":
         raise ValueError("mode 'graphs' needs a CUDA device")
-    return torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=dynamic)
+
+
+@contextlib.contextmanager
+def no_recompiles(mode: str):
+    """After warm-up a recompile is an error naming the guard that failed, never a silent slowdown
+    (dynamo raises with the failed guard in its message). Modes that trace nothing pass through."""
+    if mode not in ("compile", "graphs"):
+        yield
+        return
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        try:
+            yield
+        except torch._dynamo.exc.RecompileError as e:
+            raise RuntimeError(f"decode recompiled after warm-up: {str(e).strip().splitlines()[-1]}") from e
 
 
 def synchronize(device: torch.device) -> None:

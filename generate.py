@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 import gdkernels
-from common import DTYPES, Sampling, UsageError, check_memory, compiled, sample, synchronize
+import serve
+from common import DTYPES, Sampling, UsageError, check_memory, compiled, no_recompiles, sample, synchronize
 from gdkernels.aot import AotStep
 from model import Transformer, read_config
 from quantize import load
@@ -149,18 +150,8 @@ class Generator:
         self.compile_s += time.perf_counter() - start
         self.calls += 1
 
-    @contextlib.contextmanager
     def no_recompiles(self):
-        """After warm-up a recompile is an error naming the guard that failed, never a silent
-        slowdown (dynamo raises with the failed guard in its message)."""
-        if self.mode in ("eager", "aot", "aot-cached"):  # (nothing traces at run time)
-            yield
-            return
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            try:
-                yield
-            except torch._dynamo.exc.RecompileError as e:
-                raise RuntimeError(f"decode recompiled after warm-up: {str(e).strip().splitlines()[-1]}") from e
+        return no_recompiles(self.mode)
 
 
 # -- graph verification (--check-graphs) ---------------------------------------------------------
@@ -280,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after generating, verify that decode is one CUDA graph replay per token (exit 1 if not)")
     p.add_argument("--draft-checkpoint", type=Path, help="draft model for speculative decoding")
     p.add_argument("--speculate-k", type=int, default=None)
+    g = p.add_argument_group("many prompts at once (serve.py: continuous batching over graph buckets)")
+    g.add_argument("--prompts-file", type=Path, help="one prompt a line, or JSONL {\"prompt\", \"max_new_tokens\"}")
+    g.add_argument("--output", type=Path, help="write the JSONL results here (default: stdout)")
+    g.add_argument("--max-batch", type=int, default=16, help="KV-cache rows: requests decoded at once")
+    g.add_argument("--buckets", help="comma-separated graph batch sizes (default 1, 2, 4, ... --max-batch)")
+    g.add_argument("--decode-steps", type=int, default=1, metavar="K", help="decode steps a round between schedulings")
     return p
 
 
@@ -298,13 +295,13 @@ def main(argv=None) -> int:
 def run(args) -> None:
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     sampling.check()
-    for flag in ("max_new_tokens", "num_samples", "stop_check_interval", "speculate_k"):
+    for flag in ("max_new_tokens", "num_samples", "stop_check_interval", "speculate_k", "max_batch", "decode_steps"):
         if (value := getattr(args, flag)) is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
     if bool(args.draft_checkpoint) != bool(args.speculate_k):
         raise UsageError("--draft-checkpoint and --speculate-k go together")
     extra = args.speculate_k + 1 if args.speculate_k else 0  # the target verifies K + 1 positions
-    if not args.interactive and not args.prompt:
+    if not args.interactive and not args.prompt.strip():
         raise UsageError("the prompt is empty")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -334,6 +331,10 @@ def run(args) -> None:
                 checkpoint = prepare_default_int4(checkpoint)
         except (ConversionError, QuantizeError) as e:
             raise UsageError(f"could not prepare the default model: {e}") from None
+    if args.prompts_file:
+        if args.interactive or args.draft_checkpoint or args.check_graphs or args.profile:
+            raise UsageError("--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile")
+        return serve.main_file(args, checkpoint, device, dtype, use_kernels, sampling, log)
     config = read_config(checkpoint)
     context = config["args"].max_seq_len
 

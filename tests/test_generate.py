@@ -339,7 +339,8 @@ def test_compiled_decode_equals_eager_and_a_recompile_after_warm_up_is_an_error(
             run(30)
 
 
-def test_per_row_positions_give_each_row_its_own_logits(tiny):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_per_row_positions_give_each_row_its_own_logits(tiny, compiled):
     """Positions per row, input_pos [B, S], flow through RoPE, the mask and the cache write (a scatter
     per row): two rows at different offsets, prefilled S > 1 at a time and then decoded a few steps,
     give at every call the logits each row gets alone (batch 1, positions [S]). Row 1's later calls
@@ -361,6 +362,7 @@ def test_per_row_positions_give_each_row_its_own_logits(tiny):
             layer.attention.kv_cache.v_cache.zero_()
 
     tiny.setup_caches(2, 64)
+    model = torch.compile(tiny, dynamic=True) if compiled else tiny  # (the batched calls below: [B, S] positions)
     alone = []
     with torch.no_grad():
         for row in (0, 1):
@@ -370,7 +372,7 @@ def test_per_row_positions_give_each_row_its_own_logits(tiny):
         for i, c in enumerate(calls):
             idx = torch.tensor([c[0][0], c[1][0]])
             pos = torch.tensor([list(c[0][1]), list(c[1][1])])  # [2, S]: each row at its own positions
-            both = tiny(idx, pos)
+            both = model(idx, pos)
             for row in (0, 1):
                 # (row 1's first call: its padding's logits are its own as well)
                 assert torch.allclose(both[row], alone[row][i], atol=1e-5, rtol=1e-5), (i, row)
