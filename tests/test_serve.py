@@ -185,7 +185,7 @@ def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps):
                      max_seq_len=1024)
     model = Transformer(args).cuda().float().eval().requires_grad_(False)
     for p in model.parameters():
-        p.normal_(0, 0.1)
+        p.normal_(0, 0.3)  # peaky: compiled and eager rounding do not decide greedy
     prompts, budgets = workload(20, seed=4)
     ref = [alone(model, p, n) for p, n in zip(prompts, budgets)]
     got, llm = engine(model, prompts, budgets, max_batch=8, max_length=128, steps=steps, compile=True)

@@ -1,0 +1,250 @@
+"""The serving engine's tables in BENCHMARKS.md (serve.py), on one GPU, random weights of a preset's shape.
+
+    python benchmarks/serving.py --model llama-2-7b --parts pools,padding,throughput,steps --json OUT.json
+
+Parts (each appends records to --json as it goes):
+  pools       every bucket 1..64 captured by hand (torch.cuda.CUDAGraph, the eager step): graph memory with one
+              pool captured largest first, smallest first, and one pool per bucket; capture time; device memory
+              per captured kernel (free memory lost beyond what the allocator's pool holds, per kernel node)
+  padding     by hand as well: the step at active counts 5, 12, 40 against the buckets they pad to (8, 16, 64),
+              and bucket 64 against bucket 1, every row at 256 cached positions
+  throughput  256 requests, prompts and outputs uniform in 16-512 tokens (seed 0), --max-batch 64: output tok/s
+              graphed (serve.py's CUDAGraph Trees buckets) and eager; the same engine admitting one request at a
+              time (the first 8) for batch 1; the warm-up of every bucket; the padded rows' share; host overhead
+              (wall time over the GPU time of the prefills, row moves and steps, by CUDA events)
+  steps       multi-step rounds: K = 1, 4, 8 steps a round for buckets 1 and 64: tok/s and host overhead
+"""
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gdkernels  # noqa: E402
+from bench import PRESETS, random_model  # noqa: E402
+from common import Sampling  # noqa: E402
+from generate import launches_per_call  # noqa: E402
+from serve import LLM, Request, default_buckets, serve_step  # noqa: E402
+
+GREEDY = Sampling(temperature=0)
+CUDA = torch.device("cuda")
+
+
+def record(path, **r):
+    r.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    print(json.dumps(r), flush=True)
+    if path:
+        old = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(old + [r], indent=1))
+
+
+class Bucket:
+    """One bucket's step captured by hand: static views of the largest buffers, warmed on a side stream,
+    recorded into `pool`. replay() runs it with every row at position `at` (col reset: out has 64 columns)."""
+
+    def __init__(self, model, b, buffers, pool, at):
+        self.token, self.pos, self.out, self.col = buffers[0][:b], buffers[1][:b], buffers[2][:b], buffers[3]
+        self.model, self.at = model, at
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                self.reset()
+                serve_step(model, self.token, self.pos, self.out, self.col, GREEDY)
+        torch.cuda.current_stream().wait_stream(side)
+        self.reset()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
+            serve_step(model, self.token, self.pos, self.out, self.col, GREEDY)
+
+    def reset(self):
+        self.pos.fill_(self.at)
+        self.col.zero_()
+
+    def seconds_per_step(self, reps=40) -> float:
+        self.reset()
+        self.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.reset()
+        start.record()
+        for _ in range(reps):
+            self.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+
+def buffers(n):
+    z = lambda *s: torch.zeros(*s, dtype=torch.long, device=CUDA)  # noqa: E731
+    return z(n, 1), z(n, 1), z(n, 64), z(1)
+
+
+def part_pools(model, out):
+    kernels = launches_per_call(lambda: serve_step(model, *buffers(1), GREEDY), CUDA, 2)["kernels_outside_graphs_per_step"]
+    buckets = default_buckets(64)
+    for how in ("one pool, largest first", "one pool, smallest first", "a pool per bucket"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        bufs = buffers(64)
+        free0, reserved0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        graphs = [Bucket(model, b, bufs, torch.cuda.graph_pool_handle() if how.startswith("a pool") else pool, 0)
+                  for b in (reversed(buckets) if "largest" in how else buckets)]
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        pool_bytes = torch.cuda.memory_reserved() - reserved0
+        lost = free0 - torch.cuda.mem_get_info()[0]
+        record(out, part="pools", how=how, buckets=buckets, capture_s=round(seconds, 2), pool_mb=pool_bytes / 2**20,
+               device_mb=lost / 2**20, kernels_per_step=kernels,
+               kb_per_kernel_node=(lost - pool_bytes) / (kernels * len(buckets)) / 1024)
+        del graphs, bufs
+
+
+def part_padding(model, out):
+    bufs = buffers(64)
+    pool = torch.cuda.graph_pool_handle()
+    graphs = {b: Bucket(model, b, bufs, pool, 256) for b in (64, 40, 16, 12, 8, 5, 1)}
+    t = {b: g.seconds_per_step() for b, g in graphs.items()}
+    for n, b in ((5, 8), (12, 16), (40, 64)):
+        record(out, part="padding", active=n, bucket=b, exact_ms=t[n] * 1e3, padded_ms=t[b] * 1e3,
+               tax=t[b] / t[n] - 1)
+    record(out, part="padding", what="bucket 64 step / bucket 1 step at 256 cached positions",
+           b1_ms=t[1] * 1e3, b64_ms=t[64] * 1e3, ratio=t[64] / t[1])
+    del graphs, bufs
+
+
+def workload(n=256, seed=0, vocab=32000):
+    rng = random.Random(seed)
+    return [Request([rng.randrange(vocab) for _ in range(rng.randint(16, 512))], rng.randint(16, 512))
+            for _ in range(n)]
+
+
+class Timed:
+    """Wraps the runner's prefill, move and step with CUDA events (their GPU time, not the gaps between),
+    and counts the rows and padding of each round."""
+
+    def __init__(self, runner):
+        self.events, self.rows, self.padded = [], 0, 0
+        for name in ("prefill", "move", "step"):
+            setattr(runner, name, self.wrap(getattr(runner, name)))
+        decode = runner.decode
+
+        def counted(rows):
+            self.rows += len(rows)
+            self.padded += runner.bucket(len(rows)) - len(rows)
+            return decode(rows)
+        runner.decode = counted
+
+    def wrap(self, fn):
+        def timed(*a):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            r = fn(*a)
+            e.record()
+            self.events.append((s, e))
+            return r
+        return timed
+
+    def gpu_s(self):
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+
+    @staticmethod
+    def remove(runner):
+        for name in ("prefill", "move", "step", "decode"):
+            delattr(runner, name)  # the runner's own methods again
+
+
+def run_engine(llm, reqs, steps):
+    runner = llm.make_runner(GREEDY)
+    runner.steps = steps
+    timed = Timed(runner)
+    llm.run(reqs, GREEDY)
+    timed.gpu_s()
+    Timed.remove(runner)
+    return timed
+
+
+def part_throughput(model, out, args):
+    reqs = lambda: workload(args.requests, vocab=model.args.vocab_size)  # noqa: E731
+    for compile in (True, False):
+        torch._dynamo.reset()
+        llm = LLM(model=model, max_batch=64, max_length=1024, steps=8, compile=compile)
+        torch.cuda.synchronize()
+        reserved0 = torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        llm.make_runner(GREEDY)
+        warm_s = time.perf_counter() - start
+        pool_mb = (torch.cuda.memory_reserved() - reserved0) / 2**20
+        rs = reqs()
+        timed = run_engine(llm, rs, 1)
+        record(out, part="throughput", mode=llm.mode, requests=len(rs), max_batch=64, steps_a_round=1,
+               tok_s=llm.tokens_out / llm.seconds, seconds=llm.seconds, tokens=llm.tokens_out, warmup_s=warm_s,
+               pool_mb_after_warmup=pool_mb, padded_row_share=timed.padded / (timed.rows + timed.padded),
+               host_overhead=llm.seconds / timed.gpu_s())
+        if not compile:
+            break
+        llm.max_batch = 1  # the same engine and graphs, one request at a time: batch 1
+        one = reqs()[:8]
+        timed = run_engine(llm, one, 1)
+        record(out, part="throughput", mode=llm.mode, requests=len(one), max_batch=1, steps_a_round=1,
+               tok_s=llm.tokens_out / llm.seconds, host_overhead=llm.seconds / timed.gpu_s())
+        llm.max_batch = 64
+        part_steps(llm, out, "throughput engine")
+        del llm
+
+
+def part_steps(llm, out, what):
+    """Rounds of K steps on buckets 1 and 64, every row at 256 cached positions."""
+    runner = llm.make_runner(GREEDY)
+    for b in (1, 64):
+        if b not in runner.buckets:
+            continue
+        rows = [Request([1] * 256, 10**6, out=[3]) for _ in range(b)]
+        for k in (1, 4, 8):
+            runner.steps = k
+            gpu = Timed(runner)
+            rounds = max(4, 64 // k)
+            runner.decode(rows)  # (its k steps' events are left out below)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(rounds):
+                runner.decode(rows)
+            wall = time.perf_counter() - start
+            torch.cuda.synchronize()
+            step_s = sum(s.elapsed_time(e) for s, e in gpu.events[k:]) / 1e3
+            Timed.remove(runner)
+            record(out, part="steps", engine=what, dim=llm.model.args.dim, bucket=b, steps_a_round=k,
+                   tok_s=b * k * rounds / wall, step_ms=step_s / (k * rounds) * 1e3, host_overhead=wall / step_s)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b")
+    p.add_argument("--parts", default="pools,padding,throughput,steps")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    model = random_model(PRESETS[args.model], CUDA, torch.bfloat16)
+    print("kernels:", gdkernels.apply(model), file=sys.stderr)
+    model.setup_caches(64, 320)  # (pools, padding: 256 positions and room; the engine grows it)
+    for part in args.parts.split(","):
+        print(f"== {part} {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
+        if part == "throughput":
+            part_throughput(model, args.json, args)
+        elif part == "steps":
+            torch._dynamo.reset()
+            part_steps(LLM(model=model, max_batch=64, max_length=320, buckets=[1, 64], steps=8), args.json,
+                       "buckets 1 and 64 alone")
+        else:
+            {"pools": part_pools, "padding": part_padding}[part](model, args.json)
+
+
+if __name__ == "__main__":
+    main()
