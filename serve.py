@@ -102,7 +102,7 @@ class Runner:
         self.warmup_s = 0.0
 
     @torch.no_grad()
-    def warm_up(self) -> None:
+    def warm_up(self, progress=None) -> None:
         """Compile (and on CUDA record) every bucket's step, largest first, so the smaller buckets'
         graphs are recorded into the memory the largest one's left in the shared pool."""
         if self.mode == "eager":
@@ -114,6 +114,9 @@ class Runner:
                     self.pos.zero_()
                     self.col.zero_()
                     self.step(self.model, *self.views[b], self.col, self.sampling)
+                if progress is not None:
+                    synchronize(self.device)
+                    progress(b, time.perf_counter() - start)
         synchronize(self.device)
         self.warmup_s = time.perf_counter() - start
 
@@ -186,13 +189,14 @@ class LLM:
         self.run(reqs, sampling, stop_ids, progress)
         return [self.tokenizer.decode([t for t in r.out if t not in stop_ids]) for r in reqs]
 
-    def make_runner(self, sampling: Sampling) -> Runner:
-        """The runner for a sampling setting (part of the compiled step), warmed up once."""
+    def make_runner(self, sampling: Sampling, progress=None) -> Runner:
+        """The runner for a sampling setting (part of the compiled step), warmed up once (progress(bucket,
+        seconds so far) after each bucket)."""
         sampling.check()
         if self.runner is None or self.runner.sampling != sampling:
             self.runner = Runner(self.model, sampling, self.max_batch, self.max_length, self.buckets, self.mode,
                                  self.steps)
-            self.runner.warm_up()
+            self.runner.warm_up(progress)
         return self.runner
 
     def run(self, requests: list[Request], sampling: Sampling, stop_ids=frozenset(), progress=None) -> None:
@@ -284,7 +288,7 @@ def main_file(args, checkpoint, device, dtype, use_kernels: bool, sampling: Samp
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
     llm = LLM(checkpoint, device, dtype, args.max_batch, length, buckets, args.decode_steps, use_kernels,
               args.compile, tokenizer=tokenizer)
-    runner = llm.make_runner(sampling)
+    runner = llm.make_runner(sampling, lambda b, sec: log(f"engine: bucket {b} compiled and warm ({sec:.1f} s)"))
     log(f"engine: {llm.mode}, buckets {runner.buckets}, {llm.steps} decode steps a round, {runner.length} "
         f"positions a row, warm-up {runner.warmup_s:.1f} s")
     stop_ids = set() if args.ignore_eos else set(tokenizer.eos_ids)

@@ -129,7 +129,7 @@ class Timed:
     and counts the rows and padding of each round."""
 
     def __init__(self, runner):
-        self.events, self.rows, self.padded = [], 0, 0
+        self.events, self.rows, self.padded, self.step = [], 0, 0, runner.step
         for name in ("prefill", "move", "step"):
             setattr(runner, name, self.wrap(getattr(runner, name)))
         decode = runner.decode
@@ -154,10 +154,10 @@ class Timed:
         torch.cuda.synchronize()
         return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
 
-    @staticmethod
-    def remove(runner):
-        for name in ("prefill", "move", "step", "decode"):
+    def remove(self, runner):
+        for name in ("prefill", "move", "decode"):
             delattr(runner, name)  # the runner's own methods again
+        runner.step = self.step
 
 
 def run_engine(llm, reqs, steps):
@@ -166,7 +166,7 @@ def run_engine(llm, reqs, steps):
     timed = Timed(runner)
     llm.run(reqs, GREEDY)
     timed.gpu_s()
-    Timed.remove(runner)
+    timed.remove(runner)
     return timed
 
 
@@ -178,7 +178,7 @@ def part_throughput(model, out, args):
         torch.cuda.synchronize()
         reserved0 = torch.cuda.memory_reserved()
         start = time.perf_counter()
-        llm.make_runner(GREEDY)
+        llm.make_runner(GREEDY, lambda b, sec: print(f"bucket {b} warm in {sec:.1f} s", file=sys.stderr, flush=True))
         warm_s = time.perf_counter() - start
         pool_mb = (torch.cuda.memory_reserved() - reserved0) / 2**20
         rs = reqs()
@@ -218,7 +218,7 @@ def part_steps(llm, out, what):
             wall = time.perf_counter() - start
             torch.cuda.synchronize()
             step_s = sum(s.elapsed_time(e) for s, e in gpu.events[k:]) / 1e3
-            Timed.remove(runner)
+            gpu.remove(runner)
             record(out, part="steps", engine=what, dim=llm.model.args.dim, bucket=b, steps_a_round=k,
                    tok_s=b * k * rounds / wall, step_ms=step_s / (k * rounds) * 1e3, host_overhead=wall / step_s)
 
