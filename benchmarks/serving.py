@@ -115,6 +115,11 @@ def part_padding(model, out):
                tax=t[b] / t[n] - 1)
     record(out, part="padding", what="bucket 64 step / bucket 1 step at 256 cached positions",
            b1_ms=t[1] * 1e3, b64_ms=t[64] * 1e3, ratio=t[64] / t[1])
+    from torch.profiler import ProfilerActivity, profile  # where bucket 64's step goes
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graphs[64].seconds_per_step(reps=5)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), file=sys.stderr)
     del graphs, bufs
 
 
