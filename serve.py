@@ -151,7 +151,7 @@ class Runner:
         self.col.zero_()
         for _ in range(self.steps):
             self.step(self.model, token, pos, out, self.col, self.sampling)
-        return out[: len(rows)].tolist()
+        return out[: len(rows), : self.steps].tolist()
 
 
 class LLM:

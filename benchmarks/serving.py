@@ -175,15 +175,39 @@ def run_engine(llm, reqs, steps):
     return timed
 
 
+def by_hand(runner):
+    """The runner's buckets captured by hand into one pool, largest first, on the runner's own static views:
+    its step becomes a replay of the bucket's graph (what CUDAGraph Trees does for serve.py, without Inductor)."""
+    pool, graphs = torch.cuda.graph_pool_handle(), {}
+    for b in reversed(runner.buckets):
+        token, pos, out = runner.views[b]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                runner.col.zero_()
+                serve_step(runner.model, token, pos, out, runner.col, runner.sampling)
+        torch.cuda.current_stream().wait_stream(side)
+        runner.col.zero_()
+        graphs[b] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[b], pool=pool), torch.no_grad():
+            serve_step(runner.model, token, pos, out, runner.col, runner.sampling)
+    runner.step = lambda model, token, *rest: graphs[token.shape[0]].replay()
+    runner.mode = "graphs by hand"
+
+
 def part_throughput(model, out, args):
     reqs = lambda: workload(args.requests, vocab=model.args.vocab_size)  # noqa: E731
-    for compile in (True, False):
+    for compile in args.engines.split(","):
         torch._dynamo.reset()
-        llm = LLM(model=model, max_batch=64, max_length=1024, steps=8, compile=compile)
+        llm = LLM(model=model, max_batch=64, max_length=1024, steps=8, compile=compile == "graphs")
         torch.cuda.synchronize()
         reserved0 = torch.cuda.memory_reserved()
         start = time.perf_counter()
         llm.make_runner(GREEDY, lambda b, sec: print(f"bucket {b} warm in {sec:.1f} s", file=sys.stderr, flush=True))
+        if compile == "manual":
+            by_hand(llm.runner)
+            llm.mode = llm.runner.mode
         warm_s = time.perf_counter() - start
         pool_mb = (torch.cuda.memory_reserved() - reserved0) / 2**20
         rs = reqs()
@@ -192,8 +216,8 @@ def part_throughput(model, out, args):
                tok_s=llm.tokens_out / llm.seconds, seconds=llm.seconds, tokens=llm.tokens_out, warmup_s=warm_s,
                pool_mb_after_warmup=pool_mb, padded_row_share=timed.padded / (timed.rows + timed.padded),
                host_overhead=llm.seconds / timed.gpu_s())
-        if not compile:
-            break
+        if compile == "eager":
+            continue
         llm.max_batch = 1  # the same engine and graphs, one request at a time: batch 1
         one = reqs()[:8]
         timed = run_engine(llm, one, 1)
@@ -233,6 +257,7 @@ def main():
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b")
     p.add_argument("--parts", default="pools,padding,throughput,steps")
     p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--engines", default="graphs,eager", help="throughput: graphs (serve.py's), manual (by hand), eager")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.manual_seed(0)
