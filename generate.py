@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", type=Path, help="write the JSONL results here (default: stdout)")
     g.add_argument("--max-batch", type=int, default=16, help="KV-cache rows: requests decoded at once")
     g.add_argument("--buckets", help="comma-separated graph batch sizes (default 1, 2, 4, ... --max-batch)")
-    g.add_argument("--decode-steps", type=int, default=1, metavar="K", help="decode steps a round between schedulings")
+    g.add_argument("--decode-steps", type=int, default=8, metavar="K",
+                   help="decode steps a round: the host schedules once per K steps (BENCHMARKS.md)")
     return p
 
 

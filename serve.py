@@ -159,7 +159,7 @@ class LLM:
     max_length: positions a row holds (a prompt and its output), fixed at start-up as the graphs are."""
 
     def __init__(self, checkpoint=None, device=None, dtype=None, max_batch: int = 16, max_length: int = 1024,
-                 buckets: list[int] | None = None, steps: int = 1, kernels: bool = True,
+                 buckets: list[int] | None = None, steps: int = 8, kernels: bool = True,
                  compile: bool | None = None, model: Transformer | None = None, tokenizer=None):
         if max_batch < 1 or steps < 1:
             raise UsageError(f"--max-batch and --decode-steps must be >= 1 (got {max_batch}, {steps})")

@@ -25,9 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gdkernels  # noqa: E402
-from bench import PRESETS, random_model  # noqa: E402
+from bench import PRESETS, launches_per_call, random_model  # noqa: E402 (generate.py's, through bench)
 from common import Sampling  # noqa: E402
-from generate import launches_per_call  # noqa: E402
 from serve import LLM, Request, default_buckets, serve_step  # noqa: E402
 
 GREEDY = Sampling(temperature=0)
