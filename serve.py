@@ -108,6 +108,7 @@ class Runner:
         if self.mode == "eager":
             return
         start = time.perf_counter()
+        skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
         with torch._dynamo.config.patch(recompile_limit=len(self.buckets) + 8):
             for b in reversed(self.buckets):
                 for _ in range(3):  # CUDAGraph Trees: a warm-up run, then the recording, then a replay
@@ -118,6 +119,8 @@ class Runner:
                     synchronize(self.device)
                     progress(b, time.perf_counter() - start)
         synchronize(self.device)
+        if torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] > skips:  # Inductor logged why
+            raise RuntimeError("a bucket's decode step was not CUDA-graphed (see the log of torch._inductor)")
         self.warmup_s = time.perf_counter() - start
 
     def bucket(self, n: int) -> int:
