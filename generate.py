@@ -97,8 +97,8 @@ class Generator:
                 for t in (token, pos, tokens):
                     torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
             if self.mode.startswith("aot"):  # new shapes: a step built for them (or loaded) at the next call
-                self.step, self.calls = AotStep(decode_one_token, build=self.mode == "aot"), 0
-            self.buffers = (token, pos, tokens)
+                self.step = AotStep(decode_one_token, build=self.mode == "aot")
+            self.buffers, self.calls = (token, pos, tokens), 0  # new buffers: compiled steps warm up again
         return self.buffers
 
     @torch.no_grad()
@@ -242,42 +242,46 @@ def weight_bytes_per_step(model: Transformer) -> int:
 # -- the command line ---------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Generate text with a Llama-family model.")
-    p.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: the default model, prepared on first use)")
-    p.add_argument("--prompt", default="Hello, my name is", help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=200)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p = argparse.ArgumentParser(
+        description="Generate text with a Llama-family model. Without --checkpoint it runs the default model, "
+                    "SmolLM2-135M-Instruct, prepared on first use in ~/.cache/graphdecode ($GRAPHDECODE_CACHE); "
+                    "on the CPU in its int4 form (groups of 32), on CUDA in bf16.")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: the default model)")
+    p.add_argument("--prompt", default="Hello, my name is", help="prompt text (default: %(default)r)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=200, help="sample among the K likeliest tokens (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample within the smallest set of tokens whose probability reaches P (default: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed the sampler: the same seed, the same text (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin until EOF")
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
+    p.add_argument("--num-samples", type=int, default=1, help="generate this many texts from the prompt (default: %(default)s)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="(default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: bf16 on CUDA, fp32 on the CPU (see README)")
+                   help="activation and float weight dtype (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--compile", dest="compile", action="store_true", default=None,
                    help="compile decode (CUDA: CUDA graphs, the default there; the CPU: ahead of time, "
                         "built once and cached, then used by default; with --no-kernels torch.compile)")
-    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="decode eagerly, op by op")
     p.add_argument("--no-kernels", action="store_true",
                    help="run the plain model.py, without the kernels package (also GRAPHDECODE_KERNELS=0)")
     p.add_argument("--compile-prefill", action="store_true", help="compile prefill with dynamic shapes")
     p.add_argument("--stop-check-interval", type=int, default=8, metavar="K",
-                   help="read tokens back and check stop tokens every K decode steps")
+                   help="read tokens back and check stop tokens every K decode steps (default: %(default)s)")
     p.add_argument("--profile", type=Path, help="write a torch.profiler trace of a few decode steps")
     p.add_argument("--check-graphs", action="store_true",
                    help="after generating, verify that decode is one CUDA graph replay per token (exit 1 if not)")
     p.add_argument("--draft-checkpoint", type=Path, help="draft model for speculative decoding")
-    p.add_argument("--speculate-k", type=int, default=None)
+    p.add_argument("--speculate-k", type=int, default=None, help="draft tokens proposed a round (with --draft-checkpoint)")
     g = p.add_argument_group("many prompts at once (serve.py: continuous batching over graph buckets)")
     g.add_argument("--prompts-file", type=Path, help="one prompt a line, or JSONL {\"prompt\", \"max_new_tokens\"}")
     g.add_argument("--output", type=Path, help="write the JSONL results here (default: stdout)")
-    g.add_argument("--max-batch", type=int, default=16, help="KV-cache rows: requests decoded at once")
+    g.add_argument("--max-batch", type=int, default=16, help="KV-cache rows: requests decoded at once (default: %(default)s)")
     g.add_argument("--buckets", help="comma-separated graph batch sizes (default 1, 2, 4, ... --max-batch)")
     g.add_argument("--decode-steps", type=int, default=8, metavar="K",
-                   help="decode steps a round: the host schedules once per K steps (BENCHMARKS.md)")
+                   help="decode steps a round: the host schedules once per K steps (default: %(default)s)")
     return p
 
 
@@ -355,14 +359,16 @@ def run(args) -> None:
 
     first_prompt = None if args.interactive else encode(
         [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
-    # Interactive chats grow: reserve the whole context for them (checked against memory below).
-    length = context if args.interactive else len(first_prompt) + args.max_new_tokens + extra
+    # Interactive chats grow: the cache starts at 512 positions and doubles when a turn needs more (a
+    # speculative chat reserves the whole context); the memory check below is for the whole context.
+    length = (context if args.draft_checkpoint else 512) if args.interactive else \
+        len(first_prompt) + args.max_new_tokens + extra
     if args.check_graphs:  # it decodes 8 more steps (or a round) after the prompt, 3 more to warm up
         length = min(context, max(length, len(first_prompt) + 12 + extra))
     # The cache length is part of the compiled step's shapes: rounded up to 64, so that prompts of about
     # the same length reuse a compiled step.
     length = min(context, -(-length // 64) * 64)
-    check_memory(config, checkpoint, 1, length, dtype, device)
+    check_memory(config, checkpoint, 1, context if args.interactive else length, dtype, device)
     model = load(checkpoint, device=device, dtype=dtype)
     swapped = gdkernels.apply(model) if use_kernels else []
     synchronize(device)
@@ -377,17 +383,23 @@ def run(args) -> None:
     if args.interactive:
         history = []
         while True:
-            print("> ", end="", file=sys.stderr, flush=True)  # stdout carries only generated text
+            print("\n> ", end="", file=sys.stderr, flush=True)  # stdout carries only generated text
             line = sys.stdin.readline()
             if not line:
                 break
-            line = line.rstrip("\n")
-            history.append({"role": "user", "content": line})
-            reply = stream(gen, tokenizer, encode(history), args.max_new_tokens, stop_ids)
+            history.append({"role": "user", "content": line.rstrip("\n")})
+            ids = encode(history)
+            need = len(ids) + args.max_new_tokens + extra
+            if isinstance(gen, Generator) and need > gen.buffers[2].shape[1]:  # (the whole conversation is prefilled)
+                gen.reserve(1, min(context, max(-(-need // 64) * 64, 2 * gen.buffers[2].shape[1])))
+                log(f"cache: {gen.buffers[2].shape[1]} positions")
+            reply = stream(gen, tokenizer, ids, args.max_new_tokens, stop_ids, bool(swapped))
             history.append({"role": "assistant", "content": reply})
         return
     for i in range(args.num_samples):
-        stream(gen, tokenizer, first_prompt, args.max_new_tokens, stop_ids)
+        if args.num_samples > 1:
+            print(f"{chr(10) if i else ''}--- sample {i + 1} of {args.num_samples} ---", flush=True)
+        stream(gen, tokenizer, first_prompt, args.max_new_tokens, stop_ids, bool(swapped))
     if args.profile and isinstance(gen, Generator):
         profile(gen, first_prompt, args.profile)
     if args.check_graphs:
@@ -408,7 +420,7 @@ def speculative_generator(args, model, tokenizer, sampling, device, dtype, lengt
     return gen
 
 
-def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> str:
+def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set[int], kernels: bool = False) -> str:
     """Generate for one prompt (with a Generator or a SpeculativeGenerator), printing text as it
     arrives; stats to stderr. Returns the text."""
     decoder = tokenizer.stream_decoder()
@@ -428,7 +440,7 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
     with check:
         for chunk in chunks:
             if first_at is None:
-                first_at = time.perf_counter()
+                first_at, first = time.perf_counter(), len(chunk)
             ids = [t for t in chunk if t not in stop_ids]
             n_new += len(chunk)
             text = "".join(decoder.push(t) for t in ids)
@@ -438,8 +450,8 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
     pieces.append(tail)
     print(tail, flush=True)
     total = time.perf_counter() - start
-    report_stats(device, n_new, total, getattr(gen, "compile_s", 0.0) - compile_before, first_at - start,
-                 decode_weight_bytes(gen))
+    report_stats(device, len(prompt), first, n_new, total, getattr(gen, "compile_s", 0.0) - compile_before,
+                 first_at - start, decode_weight_bytes(gen), decode_path(gen, kernels))
     if speculative:
         log(f"speculative: {gen.rounds} rounds, {gen.mean_tokens_per_round:.2f} tokens per round, "
             f"rounds accepting 0..{gen.k} proposals: {gen.histogram}")
@@ -452,23 +464,31 @@ def speculative_round_bytes(gen) -> int:
 
 
 def decode_weight_bytes(gen) -> int:
-    """Bytes of weights the last generate of gen (a Generator or a SpeculativeGenerator) read: each
-    model once for the prefill, then once a decode step it ran (up to K - 1 past a stop), or a round."""
+    """Bytes of weights the decode steps of gen's last generate read (a Generator or a SpeculativeGenerator,
+    the prefill apart): the model once a step it ran (up to K - 1 past a stop), or a round's reads."""
     if isinstance(gen, Generator):
-        return (1 + gen.decode_steps) * weight_bytes_per_step(gen.model)
-    prefill = weight_bytes_per_step(gen.target) + weight_bytes_per_step(gen.draft)
-    return prefill + gen.rounds * speculative_round_bytes(gen)
+        return gen.decode_steps * weight_bytes_per_step(gen.model)
+    return gen.rounds * speculative_round_bytes(gen)
 
 
-def report_stats(device, n_new: int, total: float, compile_s: float, first_token_s: float, weight_bytes: int):
-    """The run's figures to stderr; weight_bytes: the weights its decode steps read, all together."""
-    gen_s = max(total - compile_s, 1e-9)
-    tok_s = n_new / gen_s
+def decode_path(gen, kernels: bool) -> str:
+    """Which decode ran, in words: the mode (for the CPU's ahead-of-time step, whether one was found) and the kernels."""
+    step = getattr(gen, "step", None)
+    mode = getattr(step, "ran", None) or {"graphs": "compiled, CUDA graphs", "compile": "compiled"}.get(gen.mode, gen.mode)
+    return f"{'speculative, ' if not isinstance(gen, Generator) else ''}{mode}, kernels {'on' if kernels else 'off'}"
+
+
+def report_stats(device, prompt_tokens: int, first: int, n_new: int, total: float, compile_s: float,
+                 first_token_s: float, decode_bytes: int, path: str):
+    """The run's figures to stderr: the prefill (the time to the `first` tokens) and the decode after it apart.
+    decode_bytes: the weights the decode steps read, all together."""
+    dec_s = max(total - first_token_s - compile_s, 1e-9)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    log(f"{n_new} tokens in {gen_s:.2f} s: {tok_s:.1f} tok/s, {weight_bytes / gen_s / 1e9:.1f} GB/s of weights"
-        + (f", compile {compile_s:.1f} s" if compile_s else "")
-        + f", time to first token {first_token_s:.3f} s, peak memory {peak / 2**30:.2f} GiB")
+    log(f"prefill {prompt_tokens} tokens in {first_token_s:.3f} s ({prompt_tokens / first_token_s:.0f} tok/s; "
+        f"time to first token); decode {n_new - first} tokens in {dec_s:.2f} s: {(n_new - first) / dec_s:.1f} tok/s, "
+        f"{decode_bytes / dec_s / 1e9:.1f} GB/s of weights" + (f", compile {compile_s:.1f} s" if compile_s else "")
+        + f"; {n_new} tokens in all; peak memory {peak / 2**30:.2f} GiB; decode: {path}")
 
 
 def profile(gen: Generator, prompt: list[int], path: Path) -> None:

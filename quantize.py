@@ -17,10 +17,8 @@ quantize.load reads it (generate.py with no extra flag); gdkernels/ swaps in GEM
 import argparse
 import functools
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -30,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from convert_hf_checkpoint import write_safetensors
+from convert_hf_checkpoint import staged, write_safetensors
 from model import ModelArgs, Transformer, read_config
 
 SCALE_DTYPE = torch.bfloat16  # the kernels' dtype: scales are fitted to the values they will have
@@ -394,7 +392,7 @@ def prepare_default_int4(checkpoint: Path) -> Path:
 
 
 def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = None, out: Path | None = None,
-                        calibration: Path | None = None) -> Path:
+                        calibration: Path | None = None, force: bool = False) -> Path:
     """Write the quantized checkpoint (int4 by GPTQ on the text file `calibration`, if given)."""
     checkpoint = Path(checkpoint)
     if mode not in ("int8", "int4"):
@@ -415,15 +413,13 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
     if not weights.is_file():
         raise QuantizeError(f"{checkpoint}: no model.safetensors")
     out = Path(out) if out else default_out(checkpoint, mode, groupsize)
-    if out.exists():
-        raise QuantizeError(f"{out} already exists")
+    if out.exists() and not force:
+        raise QuantizeError(f"{out} already exists (use --force to replace it)")
     start = time.time()
     hessians = calibration_hessians(checkpoint, Path(calibration)) if calibration is not None else None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     label = mode if mode == "int8" else f"int4, group size {groupsize}" + (", GPTQ" if hessians else "")
     print(f"quantizing {checkpoint} -> {out} ({label})", file=sys.stderr)
-    try:
+    with staged(out) as tmp:
         with safe_open(weights, framework="pt") as f:
             tensors = ((name, f.get_tensor(name)) for name in f.keys())
             write_safetensors(tmp / "model.safetensors",
@@ -437,9 +433,6 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
             load(tmp, device="meta", dtype=torch.float32)
         except (ValueError, RuntimeError) as e:
             raise QuantizeError(f"the quantized checkpoint does not load: {e}") from None
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     size = (out / "model.safetensors").stat().st_size / 2**20
     print(f"wrote {out} ({size:.0f} MiB, {time.time() - start:.1f} s)", file=sys.stderr)
     return out
@@ -485,11 +478,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="output directory (default: DIR-int8 or DIR-int4-gG)")
     p.add_argument("--calibration", type=Path, metavar="TEXTFILE", help="int4 only: quantize by GPTQ, calibrated "
                    "on this text (e.g. tests/data/calibration_text.txt); loads the float model in float32")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
     args = p.parse_args(argv)
     if args.mode == "int8" and args.groupsize is not None:
         p.error("--groupsize applies to --mode int4 only (int8 has one scale per output channel)")
     try:
-        print(quantize_checkpoint(args.checkpoint, args.mode, args.groupsize, args.out, args.calibration))
+        print(quantize_checkpoint(args.checkpoint, args.mode, args.groupsize, args.out, args.calibration, args.force))
     except (QuantizeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ On CUDA (BENCHMARKS.md has each one's gain in the whole decode step):
                    weights are re-laid once for it (the file's layout is dropped: each weight is held
                    once), and more rows (prefill) dequantize that layout for F.linear
   KernelAttention  one new token: RoPE, the cache write and attention in one kernel (attention.py)
-On the CPU: Int8Cpu and Int4Cpu, cpu.cpp's AVX2 matmuls for up to 32 rows, and aot.py's decode step
+On the CPU: Int8Cpu and Int4Cpu, cpu.cpp's AVX2 matmuls for up to CPU_MAX_ROWS rows, and aot.py's decode step
 compiled ahead of time (generate.py uses it).
 """
 import os
@@ -30,7 +30,8 @@ from quantize import Int4Linear, Int8Linear, dequantize_int4
 
 from . import attention, cpu, gemv, int4
 
-CPU_MAX_ROWS = 32  # up to this many rows the CPU kernels beat dequantize + F.linear
+CPU_MAX_ROWS = 160  # up to this many rows the CPU kernels beat dequantizing + F.linear (default model's prefill:
+# the same at ~190 tokens on a 2-core Xeon; BENCHMARKS.md)
 INT4_MAX_ROWS = 8  # up to this many rows of x, the one-row int4 GEMV once a row
 ATTENTION_MAX_BATCH = 256  # KernelAttention's counts cover this many rows
 
@@ -71,9 +72,9 @@ def apply(model: Transformer, fuse: bool = True, attend: bool = True) -> list[st
     elif device.type == "cpu" and any(isinstance(m, (Int8Linear, Int4Linear)) for m in linears) and cpu.available():
         for m in linears:
             if isinstance(m, Int4Linear) and m.weight.shape[1] % 32 == 0:
-                swap(m, Int4Cpu, "int4 linear -> cpu.cpp (up to 32 rows)")
+                swap(m, Int4Cpu, f"int4 linear -> cpu.cpp (up to {CPU_MAX_ROWS} rows)")
             elif isinstance(m, Int8Linear) and m.weight.shape[1] % 32 == 0:
-                swap(m, Int8Cpu, "int8 linear -> cpu.cpp (up to 32 rows)")
+                swap(m, Int8Cpu, f"int8 linear -> cpu.cpp (up to {CPU_MAX_ROWS} rows)")
     return [f"{n} x {what}" for what, n in done.items()]
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ class AotStep:
 
     def __init__(self, step, build: bool = True):
         self.step, self.build, self.runner = step, build, None
+        self.ran = None  # which step ran, in words (generate.py's stats say it)
 
     def __call__(self, model, token, pos, tokens, s):
         if self.runner is None:
@@ -60,8 +62,7 @@ class AotStep:
     def _load_or_build(self, model, token, pos, tokens, s):
         path = cache_dir() / "aot" / f"decode-{self.key(model, token, tokens, s)}.pt2"
         if not path.is_file() and not self.build:
-            print("decode: eager (run once with --compile to build a compiled step for this model, batch "
-                  "and cache length, ~80 s; later runs then use it)", file=sys.stderr)
+            self.ran = "eager (--compile builds a step ahead of time for this model, batch and cache length, ~80 s)"
             return self.step
         try:
             if not path.is_file():
@@ -76,10 +77,17 @@ class AotStep:
             print(f"note: compiling decode ahead of time failed ({type(e).__name__}: "
                   f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); using torch.compile",
                   file=sys.stderr)
+            self.ran = "torch.compile (building ahead of time failed)"
             return torch.compile(self.step, fullgraph=True, options=OPTIONS)
+        self.ran = "compiled ahead of time"
         return lambda model, token, pos, tokens, s: loader.boxed_run([token, pos, tokens])
 
     def _build(self, model, token, pos, tokens, s, path: Path):
+        with warnings.catch_warnings():  # torch's own pytree deprecation (LeafSpec) inside export: not the user's
+            warnings.simplefilter("ignore", FutureWarning)
+            self._export_and_compile(model, token, pos, tokens, s, path)
+
+    def _export_and_compile(self, model, token, pos, tokens, s, path: Path):
         from . import register_fallbacks
 
         print(f"compiling the decode step ahead of time, once for this model, batch and cache length "

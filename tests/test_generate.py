@@ -1,5 +1,6 @@
 """Sampling, stop checks, compiled and ahead-of-time decode, per-row positions and the command line
 of generate.py."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import gdkernels.aot
 from common import Sampling, sample
 from generate import Generator
 from model import ModelArgs, Transformer
+from tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -190,7 +192,7 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tmp_path, monkeypatch, ca
     # A missing package with aot-cached (generate.py's CPU default): eager decode, and a hint.
     out, gen = aot(one, greedy, "aot-cached")
     assert out == run_gen(one, greedy) and gen.step.runner is generate.decode_one_token
-    assert "run once with --compile" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    assert gen.step.ran.startswith("eager (--compile builds a step") and not list(tmp_path.iterdir())
     out, gen = aot(one, greedy)  # builds the package
     assert "compiling the decode step ahead of time" in capsys.readouterr().err
     assert out == run_gen(one, greedy) and gen.step.runner is not generate.decode_one_token
@@ -267,11 +269,16 @@ def test_cli_generates_greedy_text(default_ckpt):
             "--max-new-tokens", "16", "--ignore-eos", "--no-compile")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
-    assert "16 tokens" in r.stderr and "tok/s" in r.stderr and "time to first token" in r.stderr
+    stats = r.stderr.splitlines()[-1]
+    ids = len(load_tokenizer(default_ckpt).encode("The capital of France is"))
+    assert re.fullmatch(rf"prefill {ids} tokens in [0-9.]+ s \([0-9]+ tok/s; time to first token\); decode 15 tokens "
+                        r"in [0-9.]+ s: [0-9.]+ tok/s, [0-9.]+ GB/s of weights; 16 tokens in all; peak memory [0-9.]+ GiB; "
+                        r"decode: eager, kernels off", stats), stats
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--prompt", ""], "prompt is empty"),
+    (["--prompt", " \n\t "], "prompt is empty"),
     (["--temperature", "-1"], "--temperature"),
     (["--top-p", "1.5"], "--top-p"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
@@ -317,8 +324,14 @@ def test_cli_interactive_chat_until_eof(default_ckpt, monkeypatch, capsys):
     r = main(capsys, "--checkpoint", default_ckpt, "--interactive", "--temperature", "0", "--max-new-tokens", "12",
              "--no-compile")
     assert r.returncode == 0, r.stderr
-    assert r.stderr.count("tok/s") == 2  # one answer per turn, then EOF ends the chat
+    assert r.stderr.count("decode: ") == 2  # one answer per turn, then EOF ends the chat
     assert "Paris" in r.stdout
+    assert "cache:" not in r.stderr and r.stderr.count("\n> ") == 3  # 512 positions held both turns
+    # A turn that needs more than the cache holds doubles it (the one-shot speed: not the whole 8,192-token context)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
+    r = main(capsys, "--checkpoint", default_ckpt, "--interactive", "--temperature", "0", "--max-new-tokens", "600",
+             "--no-compile")
+    assert r.returncode == 0 and "cache: 1024 positions" in r.stderr, r.stderr
 
 
 def test_compiled_decode_equals_eager_and_a_recompile_after_warm_up_is_an_error(tiny):
@@ -410,26 +423,25 @@ def test_cli_speculative_greedy_equals_plain_greedy(default_ckpt, capsys):
 
 
 def test_decode_weight_bytes_counts_each_decode_step(tiny):
-    """generate.py's GB/s of weights: a token of plain decode reads the model once (the first, by the
-    prefill), and so do the steps after a stop token up to the next check. (Float models read the same
+    """generate.py's decode GB/s of weights: a decode step reads the model once (the first token comes from
+    the prefill, not counted), and so do the steps after a stop token up to the next check. (Float models read the same
     bytes at any number of rows: the rows each read is given are not checked here.)"""
     from generate import decode_weight_bytes, weight_bytes_per_step
 
     target_bytes = weight_bytes_per_step(tiny)
     plain = Generator(tiny, Sampling(temperature=0), stop_check_interval=8)
     tokens = [t for chunk in plain.generate([[1, 2, 3]], 20) for t in chunk[0]]
-    assert len(tokens) == 20 and decode_weight_bytes(plain) == 20 * target_bytes
+    assert len(tokens) == 20 and decode_weight_bytes(plain) == 19 * target_bytes
     # with a stop token, the steps up to the next check (after 0, 8, 16 and 19 steps) still ran and read
     first_stop = next(j for j, t in enumerate(tokens) if 1 <= j <= 8 and t not in tokens[:j])
     stopped = [t for chunk in plain.generate([[1, 2, 3]], 20, stop_ids={tokens[first_stop]}) for t in chunk[0]]
     assert stopped == tokens[:first_stop + 1] and plain.decode_steps == 8
-    assert decode_weight_bytes(plain) == 9 * target_bytes
+    assert decode_weight_bytes(plain) == 8 * target_bytes
 
 
 def test_decode_weight_bytes_counts_the_draft_and_the_target_of_each_round(tiny):
     """A speculative round reads the target once and the draft K + 1 times (its K one-token steps,
-    and verify's feeding it d_K), after each model's prefill, so a small draft is not counted as the
-    target."""
+    and verify's feeding it d_K; the prefills apart), so a small draft is not counted as the target."""
     from generate import decode_weight_bytes, weight_bytes_per_step
     from speculative import SpeculativeGenerator
 
@@ -440,7 +452,7 @@ def test_decode_weight_bytes_counts_the_draft_and_the_target_of_each_round(tiny)
     assert sum(len(chunk) for chunk in gen.generate([1, 2, 3], 20)) == 20
     target_bytes, draft_bytes = weight_bytes_per_step(tiny), weight_bytes_per_step(draft)
     assert gen.rounds >= 5 and draft_bytes < target_bytes / 4
-    assert decode_weight_bytes(gen) == target_bytes + draft_bytes + gen.rounds * (target_bytes + 4 * draft_bytes)
+    assert decode_weight_bytes(gen) == gen.rounds * (target_bytes + 4 * draft_bytes)
 
 
 def test_bench_kernel_table_profiles_the_cpu_too(tiny):

@@ -10,6 +10,10 @@ import torch
 
 from gdkernels import attention, cpu, gemv, int4
 
+# Triton's CPU interpreter runs the kernels in numpy, which warns where the GPU computes silently: padded
+# query heads divide 0 by 0 (never stored), and SiLU's exp overflows to inf for large negative inputs (-> 0).
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROUNDING = 2**-8 if DEVICE == "cuda" else 2**-7  # bf16's rounding (the interpreter truncates)
 

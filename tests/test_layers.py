@@ -205,11 +205,12 @@ def test_apply_on_the_cpu_swaps_quantized_layers_and_keeps_the_results(float_mod
     # the weights as the file has them: the kernels read that layout (int4's scales and zeros one a block)
     assert torch.equal(fast.layers[0].attention.wqkv.weight, plain.layers[0].attention.wqkv.weight)
 
-    prompt = torch.tensor([[(7 * i + 3) % ARGS.vocab_size for i in range(40)]])
+    n = gdkernels.CPU_MAX_ROWS + 8
+    prompt = torch.tensor([[(7 * i + 3) % ARGS.vocab_size for i in range(n)]])
     for m in (plain, fast):
-        m.setup_caches(1, 64)
-    with torch.no_grad():  # prefill of 40 rows (more than gdkernels.CPU_MAX_ROWS): the same weights, F.linear
-        assert torch.equal(fast(prompt, torch.arange(40)), plain(prompt, torch.arange(40)))
+        m.setup_caches(1, 256)
+    with torch.no_grad():  # a prefill of more than gdkernels.CPU_MAX_ROWS rows: the same weights, F.linear
+        assert torch.equal(fast(prompt, torch.arange(n)), plain(prompt, torch.arange(n)))
     # greedy decode: the same tokens
     tokens = greedy(plain, [1, 2, 3], 24)
     assert greedy(fast, [1, 2, 3], 24) == tokens
@@ -222,6 +223,23 @@ def test_apply_on_the_cpu_swaps_quantized_layers_and_keeps_the_results(float_mod
     assert rel(steps["fast"], steps["plain"]) < CPU_KERNEL_REL, rel(steps["fast"], steps["plain"])
     top2 = steps["plain"][2:].topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 2 * (steps["fast"] - steps["plain"]).abs().max()
+
+
+@needs_cpu_kernel
+def test_cpu_prefill_of_a_chat_sized_prompt_runs_the_kernel_not_a_dequantized_weight(float_model, monkeypatch):
+    """Prompts past 32 tokens (a chat template alone makes 38) used to dequantize every int4 weight each
+    call, a 0.45 s step in the time to first token; up to CPU_MAX_ROWS rows the kernel runs instead."""
+    fast = quantize_model(float_model, "int4", 32)
+    gdkernels.apply(fast)
+    fast.setup_caches(1, 256)
+    calls = []
+    real = gdkernels.dequantize_int4
+    monkeypatch.setattr(gdkernels, "dequantize_int4", lambda *a: calls.append(a) or real(*a))
+    with torch.no_grad():
+        for n, dequantized in ((40, False), (gdkernels.CPU_MAX_ROWS, False), (gdkernels.CPU_MAX_ROWS + 1, True)):
+            calls.clear()
+            fast(torch.ones(1, n, dtype=torch.long), torch.arange(n))
+            assert bool(calls) == dequantized, n
 
 
 def test_apply_on_the_cpu_leaves_float_models_and_a_cpu_without_the_kernel_alone(float_model, monkeypatch):
@@ -269,10 +287,11 @@ def test_cli_no_kernels_generates_the_same_greedy_text(int4_ckpt, tmp_path, monk
     for name, extra in (("kernels", []), ("no-kernels", ["--no-kernels"])):
         assert generate.main(argv + extra) == 0
         runs[name] = capsys.readouterr()
-        assert "24 tokens" in runs[name].err, runs[name].err
+        assert "24 tokens in all" in runs[name].err, runs[name].err
     err = runs["kernels"].err
     # with kernels: the CPU's int4 and int8 layers, and (by default) the ahead-of-time step if built: not here
-    assert "kernels: 8 x int4 linear" in err and "decode aot-cached" in err and "run once with --compile" in err
+    assert "kernels: 8 x int4 linear" in err and "decode aot-cached" in err
+    assert "decode: eager (--compile builds a step ahead of time" in err and "kernels on" in err
     assert "kernels: off" in runs["no-kernels"].err and "decode eager" in runs["no-kernels"].err
     assert len(runs["kernels"].out.strip()) > 0
     assert runs["no-kernels"].out == runs["kernels"].out
