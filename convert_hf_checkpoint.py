@@ -75,20 +75,32 @@ def hf_config_to_args(cfg: dict) -> dict:
         raise ConversionError(f"unsupported rope scaling type {rope_type!r} (supported: llama3)")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scaling = {k: rope[k] for k in keys} if rope_type == "llama3" else None
+    context = cfg.get("max_position_embeddings", 4096)
+    window = cfg.get("sliding_window") if model_type == "mistral" or cfg.get("use_sliding_window") else None
+    if window and window < context:  # within the window, sliding-window attention is full attention
+        print(f"note: sliding-window attention is not implemented: the context is cut from {context} to the "
+              f"window's {window} tokens, where the two agree", file=sys.stderr)
+        context = window
     try:
-        return dict(
+        args = dict(
             dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
             n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
             vocab_size=cfg["vocab_size"], intermediate_size=cfg["intermediate_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
-            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            max_seq_len=context,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's config has no attention_bias key: its q, k, v always carry a bias.
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3")
     except KeyError as e:
         raise ConversionError(f"config.json lacks {e.args[0]!r}") from None
+    except TypeError as e:  # a null or a string where a number belongs
+        raise ConversionError(f"config.json: invalid sizes ({e})") from None
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "intermediate_size", "max_seq_len"):
+        if not isinstance(args[name], int) or args[name] < 1:
+            raise ConversionError(f"config.json: {name} must be a positive integer (got {args[name]!r})")
+    return args
 
 
 LAYER_WEIGHTS = {  # Hugging Face name after "model.layers.N." -> ours after "layers.N."

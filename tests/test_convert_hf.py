@@ -90,6 +90,21 @@ def test_family_parity(family, tmp_path):
     check_parity(hf, ours)
 
 
+def test_a_sliding_window_cuts_the_context_to_the_window(tmp_path, capsys):
+    """Sliding-window attention is not implemented: a Mistral whose window (40) is shorter than its
+    context (128) converts with the window as its context, where the two attentions agree."""
+    hf = make_hf_model("mistral")
+    hf.config.sliding_window = SEQ
+    conv.convert(str(save(hf, tmp_path / "hf")), tmp_path / "ours", dtype="fp32")
+    assert "context is cut from 128 to the window's 40 tokens" in capsys.readouterr().err
+    ours = Transformer.from_checkpoint(tmp_path / "ours", device="cpu", dtype=torch.float32)
+    assert ours.args.max_seq_len == SEQ
+    with pytest.raises(ValueError, match="exceeds the model's context of 40"):
+        ours.setup_caches(1, SEQ + 1)
+    ours.setup_caches(2, SEQ)
+    check_parity(hf, ours)
+
+
 def test_llama31_hub_config_style(tmp_path):
     """The hub's Llama-3.1 config.json has rope_theta + rope_scaling, not rope_parameters."""
     hf = make_hf_model("llama31_gqa_scaled")
@@ -116,6 +131,20 @@ def test_pytorch_bin(tmp_path):
     src = tmp_path / "hf"
     hf.config.save_pretrained(src)
     torch.save(hf.state_dict(), src / "pytorch_model.bin")  # the pre-safetensors format
+    check_parity(hf, load_converted(src, tmp_path / "ours"))
+
+
+def test_sharded_pytorch_bin(tmp_path):
+    """pytorch_model-0000N-of-0000M.bin shards, as transformers wrote them before safetensors."""
+    hf = make_hf_model("llama31_gqa_scaled", seed=5)
+    src = tmp_path / "hf"
+    hf.config.save_pretrained(src)
+    state = hf.state_dict()
+    names = sorted(state)
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        torch.save({n: state[n] for n in part}, src / f"pytorch_model-0000{i + 1}-of-00002.bin")
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {n: f"pytorch_model-0000{1 + (n in names[len(names) // 2:])}-of-00002.bin" for n in names}}))
     check_parity(hf, load_converted(src, tmp_path / "ours"))
 
 
@@ -345,3 +374,65 @@ def test_the_default_model_is_found_in_the_cache_directory_from_anywhere(default
     monkeypatch.setattr(conv, "convert", lambda *a, **k: pytest.fail("converted the default model again"))
     assert conv.prepare_default_model() == cache / conv.DEFAULT_NAME
     assert not list(elsewhere.iterdir())
+
+
+def _config_edit(**changes):
+    def edit(src: Path):
+        cfg = json.loads((src / "config.json").read_text())
+        cfg.update(changes)
+        (src / "config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _weights_edit(fn):
+    def edit(src: Path):
+        from safetensors.torch import save_file
+
+        state = load_file(src / "model.safetensors")
+        fn(state)
+        save_file(state, src / "model.safetensors")
+    return edit
+
+
+def _drop_shard(src: Path):
+    next(iter(sorted(src.glob("model-*.safetensors")))).unlink()
+
+
+def _break_index(src: Path):
+    (src / "model.safetensors.index.json").write_text("{not json")
+
+
+def _duplicate_across_shards(src: Path):
+    """Two shards both holding the final norm (an index listing both files)."""
+    from safetensors.torch import save_file
+
+    shards = sorted(src.glob("model-*.safetensors"))
+    state = load_file(shards[0])
+    state["model.norm.weight"] = torch.ones(BASE["hidden_size"])
+    save_file(state, shards[0])
+
+
+@pytest.mark.parametrize("sharded, edit, message", [
+    (False, _config_edit(hidden_act="gelu"), "unsupported activation 'gelu'"),
+    (False, _config_edit(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
+     "unsupported rope scaling type 'yarn'"),
+    (False, _config_edit(mlp_bias=True), "mlp_bias=true is not supported"),
+    (False, _config_edit(num_hidden_layers=None), r"n_layers must be a positive integer \(got None\)"),
+    (False, _config_edit(hidden_size="64"), "invalid sizes|dim must be a positive integer"),
+    (False, _weights_edit(lambda s: s.pop("model.layers.1.mlp.up_proj.weight")),
+     r"weights do not match the config: missing \['layers.1.feed_forward.w3.weight'\]"),
+    (False, _weights_edit(lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)})),
+     "unexpected weight 'model.layers.0.mlp.extra.weight'"),
+    (True, _drop_shard, "missing weight file"),
+    (True, _break_index, "invalid index"),
+    (True, _duplicate_across_shards, "weight 'norm.weight' appears twice"),
+])
+def test_the_converter_refuses_what_it_cannot_convert_in_one_line(tmp_path, sharded, edit, message):
+    hf = make_hf_model("llama2_mha")
+    src = save(hf, tmp_path / "hf", **({"max_shard_size": "100KB"} if sharded else {}))
+    edit(src)
+    out = tmp_path / "ours"
+    with pytest.raises((conv.ConversionError, ValueError)) as e:
+        conv.convert(str(src), out, dtype="fp32")
+    assert "\n" not in str(e.value) and __import__("re").search(message, str(e.value)), str(e.value)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["hf"]  # nothing half-written

@@ -286,6 +286,10 @@ def test_cli_generates_greedy_text(default_ckpt):
     (["--prompt", "hello " * 9000], "exceeds the model's context of 8192"),
     (["--max-new-tokens", "9000"], "exceeds the model's context"),
     (["--check-graphs", "--device", "cpu"], "--check-graphs needs graphed decode"),
+    (["--num-samples", "0"], "--num-samples must be >= 1"),
+    (["--stop-check-interval", "0"], "--stop-check-interval must be >= 1"),
+    (["--speculate-k", "0"], "--speculate-k must be >= 1"),
+    (["--speculate-k", "2"], "--draft-checkpoint and --speculate-k go together"),
 ])
 def test_cli_bad_input(default_ckpt, args, needle, capsys):
     assert_one_line_error(main(capsys, "--checkpoint", default_ckpt, *args), needle)
