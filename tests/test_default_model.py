@@ -164,3 +164,23 @@ def test_int4_default_greedy_matches_transformers_on_its_weights(int4_ckpt, hf_i
     model = quantize.load(int4_ckpt, device="cpu", dtype=torch.float32)
     gdkernels.apply(model)
     assert_greedy_matches(int4_ckpt, model, hf_int4, compiled)
+
+
+@pytest.mark.parametrize("conversation", [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there!"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2? Say it   twice.\n"}],
+    [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Another one, in French: déjà vu?"}],  # no system turn: the template adds one
+], ids=["system-and-three-turns", "no-system"])
+def test_chat_template_renders_and_tokenizes_as_transformers_does(default_ckpt, conversation):
+    """The default model's chat template (from its GGUF) through tokenizer.py against transformers' own
+    apply_chat_template over the same checkpoint directory: the text, and the ids."""
+    from transformers import AutoTokenizer
+
+    hf, ours = AutoTokenizer.from_pretrained(default_ckpt), load_tokenizer(default_ckpt)
+    for prompt in (True, False):
+        text = hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=prompt)
+        assert ours.apply_chat_template(conversation, add_generation_prompt=prompt) == text
+        ids = hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=prompt)
+        ids = ids if isinstance(ids, list) else ids["input_ids"]
+        assert ours.encode_chat(conversation, add_generation_prompt=prompt) == ids
