@@ -520,3 +520,28 @@ def test_int8_greedy_against_float(default_ckpt, default_float, default_int8):
     # plain layers in float32 (1/5 with bf16 activations; see BENCHMARKS.md).
     assert same >= 1
     assert sum(agree) / len(agree) >= 0.9
+
+
+def test_eval_cli_prints_the_perplexity_of_one_forward_and_refuses_bad_input(default_ckpt, tmp_path, capsys):
+    """eval.py on a text shorter than its window: exp(mean next-token cross-entropy) of one forward,
+    computed here from the model's logits; and one `error:` line for each bad input."""
+    from eval import main as eval_main
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT.read_text(encoding="utf-8")[:300], encoding="utf-8")
+    assert eval_main(["--checkpoint", str(default_ckpt), "--text", str(text), "--window", "256"]) == 0
+    printed = float(capsys.readouterr().out.split()[1])
+    ids = torch.tensor([load_tokenizer(default_ckpt).encode(text.read_text(encoding="utf-8"))])
+    assert ids.shape[1] <= 256
+    model = load(default_ckpt, "cpu", torch.float32)
+    model.setup_caches(1, 256)
+    with torch.no_grad():
+        ce = F.cross_entropy(model(ids, torch.arange(ids.shape[1]))[0, :-1], ids[0, 1:])
+    assert printed == pytest.approx(ce.exp().item(), rel=1e-3)
+    for argv, words in [(["--window", "64", "--stride", "64"], "need 1 <= --stride < --window"),
+                        (["--window", "9000"], "exceeds the model's context of 8192"),
+                        (["--text", str(tmp_path / "none.txt")], "cannot read the text")]:
+        args = ["--checkpoint", str(default_ckpt), "--text", str(text), *argv]  # (a second --text wins)
+        assert eval_main(args) == 1
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and words in err and "Traceback" not in err, err
