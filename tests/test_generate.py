@@ -478,3 +478,27 @@ def test_bench_repeat_times_each_run_from_the_same_position(tiny, capsys):
     assert len(r["tok_s_runs"]) == 5 and all(t > 0 for t in r["tok_s_runs"])  # each run starts again at 4)
     assert bench.main(["--device", "cpu", "--repeat", "0"]) == 1
     assert "error: --repeat must be at least 1" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_draft_with_another_tokenizer(default_ckpt, tmp_path, capsys):
+    """A draft must share the target's tokenizer: here the same model whose stop token differs."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for f in default_ckpt.iterdir():
+        if f.name != "generation_config.json":
+            (draft / f.name).symlink_to(f)
+    (draft / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": [3]}')  # stops on 3 too
+    assert_one_line_error(main(capsys, "--checkpoint", default_ckpt, "--draft-checkpoint", draft, "--speculate-k", "2",
+                               "--no-compile"), "does not share the target's tokenizer")
+
+
+def test_cli_compiled_prefill_and_chat_give_the_plain_text(default_ckpt, capsys):
+    """--compile-prefill (dynamic shapes) and --chat through the command line: the same greedy text as
+    eager prefill, for a chat prompt (the template applied: the prompt is longer than the text)."""
+    common = ["--checkpoint", default_ckpt, "--prompt", "Name a planet.", "--chat", "--temperature", "0",
+              "--max-new-tokens", "6", "--ignore-eos", "--no-compile"]
+    plain, compiled = main(capsys, *common), main(capsys, *common, "--compile-prefill")
+    assert plain.returncode == compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == plain.stdout and plain.stdout.strip()
+    ids = load_tokenizer(default_ckpt).encode_chat([{"role": "user", "content": "Name a planet."}])
+    assert f"prefill {len(ids)} tokens" in plain.stderr and len(ids) > 10
