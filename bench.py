@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import gdkernels
-from common import DTYPES, Sampling, synchronize
+from common import DTYPES, Sampling, no_recompiles, synchronize
 from generate import (Generator, check_graphs, count_launches, decode_one_token, launches_per_call, prefill,
                       speculative_round_bytes, weight_bytes_per_step)
 from model import ModelArgs, Transformer
@@ -194,7 +194,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         if show_kernels:
             print(f"-- {mode} B={batch}: kernels of 4 decode steps\n{kernel_table(gen)}", file=sys.stderr)
         runs = []
-        with gen.no_recompiles() if mode in ("compile", "graphs") else torch.no_grad():
+        with no_recompiles(gen.mode) if mode in ("compile", "graphs") else torch.no_grad():
             for _ in range(repeat):
                 times = timed_decode(gen, prompt_tokens, new_tokens)
                 runs.append(batch * new_tokens / sum(times))

@@ -150,9 +150,6 @@ class Generator:
         self.compile_s += time.perf_counter() - start
         self.calls += 1
 
-    def no_recompiles(self):
-        return no_recompiles(self.mode)
-
 
 # -- graph verification (--check-graphs) ---------------------------------------------------------
 
@@ -242,10 +239,9 @@ def weight_bytes_per_step(model: Transformer) -> int:
 # -- the command line ---------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Generate text with a Llama-family model. Without --checkpoint it runs the default model, "
-                    "SmolLM2-135M-Instruct, prepared on first use in ~/.cache/graphdecode ($GRAPHDECODE_CACHE); "
-                    "on the CPU in its int4 form (groups of 32), on CUDA in bf16.")
+    p = argparse.ArgumentParser(description="Generate text with a Llama-family model. Without --checkpoint: SmolLM2-135M-"
+                                "Instruct, prepared on first use in ~/.cache/graphdecode ($GRAPHDECODE_CACHE); on the CPU "
+                                "in its int4 form (groups of 32), on CUDA in bf16.")
     p.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: the default model)")
     p.add_argument("--prompt", default="Hello, my name is", help="prompt text (default: %(default)r)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default: %(default)s)")
@@ -320,8 +316,7 @@ def run(args) -> None:
     else:
         mode = "compile" if args.compile else "eager"
     if args.check_graphs and (mode != "graphs" or args.interactive):
-        raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile) and a --prompt "
-                         "(not --interactive)")
+        raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile) and a --prompt (not --interactive)")
     if args.seed is not None:
         torch.manual_seed(args.seed)
 
@@ -337,8 +332,6 @@ def run(args) -> None:
         except (ConversionError, QuantizeError) as e:
             raise UsageError(f"could not prepare the default model: {e}") from None
     if args.prompts_file:
-        if args.interactive or args.draft_checkpoint or args.check_graphs or args.profile:
-            raise UsageError("--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile")
         return serve.main_file(args, checkpoint, device, dtype, use_kernels, sampling, log)
     config = read_config(checkpoint)
     context = config["args"].max_seq_len
@@ -436,7 +429,7 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
         chunks, check = gen.generate(prompt, max_new_tokens, stop_ids), contextlib.nullcontext()
     else:
         chunks = (c[0] for c in gen.generate([prompt], max_new_tokens, stop_ids))
-        check = gen.no_recompiles() if gen.warm else contextlib.nullcontext()
+        check = no_recompiles(gen.mode) if gen.warm else contextlib.nullcontext()
     with check:
         for chunk in chunks:
             if first_at is None:
@@ -487,7 +480,7 @@ def report_stats(device, prompt_tokens: int, first: int, n_new: int, total: floa
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     log(f"prefill {prompt_tokens} tokens in {first_token_s:.3f} s ({prompt_tokens / first_token_s:.0f} tok/s; "
         f"time to first token); decode {n_new - first} tokens in {dec_s:.2f} s: {(n_new - first) / dec_s:.1f} tok/s, "
-        f"{decode_bytes / dec_s / 1e9:.1f} GB/s of weights" + (f", compile {compile_s:.1f} s" if compile_s else "")
+        f"{decode_bytes / dec_s / 1e9:.1f} GB/s of weights" + (f", compile {compile_s:.1f} s" if compile_s >= 0.05 else "")
         + f"; {n_new} tokens in all; peak memory {peak / 2**30:.2f} GiB; decode: {path}")
 
 

@@ -281,8 +281,8 @@ def main_file(args, checkpoint, device, dtype, use_kernels: bool, sampling: Samp
     """generate.py --prompts-file: every prompt through the engine, one JSONL line each, in order."""
     from tqdm import tqdm
 
-    if args.max_batch < 1:
-        raise UsageError(f"--max-batch must be >= 1 (got {args.max_batch})")
+    if args.interactive or args.draft_checkpoint or args.check_graphs or args.profile:
+        raise UsageError("--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile")
     tokenizer = load_tokenizer(checkpoint)
     context = read_config(checkpoint)["args"].max_seq_len
     prompts = read_prompts(args.prompts_file, args.max_new_tokens)

@@ -10,7 +10,7 @@ import torch
 
 import gdkernels
 from bench import make_generator, random_model
-from common import Sampling
+from common import Sampling, no_recompiles
 from generate import RNG_KERNELS_PER_REPLAY, check_graphs, check_speculative_graphs, count_launches
 from model import ModelArgs
 from quantize import Int4Linear, quantize_model
@@ -405,7 +405,7 @@ def test_no_recompiles_over_300_tokens(graphed):
 
     tokens_of(graphed, 10)  # warm
     before = dict(counters["stats"])
-    with graphed.no_recompiles():
+    with no_recompiles(graphed.mode):
         out = tokens_of(graphed, 300)
     assert len(out) == 300
     assert counters["stats"].get("unique_graphs", 0) == before.get("unique_graphs", 0)

@@ -11,7 +11,7 @@ import torch
 import generate
 import gdkernels
 import gdkernels.aot
-from common import Sampling, sample
+from common import Sampling, no_recompiles, sample
 from generate import Generator
 from model import ModelArgs, Transformer
 from tokenizer import load_tokenizer
@@ -347,12 +347,12 @@ def test_compiled_decode_equals_eager_and_a_recompile_after_warm_up_is_an_error(
     run = lambda n: [t for c in gen.generate([[1, 2, 3]], n) for t in c[0]]  # noqa: E731
     run(10)
     assert gen.warm
-    with gen.no_recompiles():
+    with no_recompiles(gen.mode):
         compiled = run(40)  # same buffers: no recompile
     assert compiled == run_gen(tiny, Sampling(temperature=0), n=40)
     gen.reserve(1, 128)  # a resize reallocates the static buffers: the guard on their size fails
     with pytest.raises(RuntimeError, match="decode recompiled after warm-up.*'tokens' size mismatch"):
-        with gen.no_recompiles():
+        with no_recompiles(gen.mode):
             run(30)
 
 
