@@ -184,3 +184,28 @@ def test_chat_template_renders_and_tokenizes_as_transformers_does(default_ckpt, 
         ids = hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=prompt)
         ids = ids if isinstance(ids, list) else ids["input_ids"]
         assert ours.encode_chat(conversation, add_generation_prompt=prompt) == ids
+
+
+def test_perplexity_equals_transformers_on_the_same_windows(ckpt, ours, hf_model):
+    """eval.perplexity on the shipped text against the same windows scored with transformers' model of the
+    default GGUF: within float32 rounding (this replaces a bare 5 < ppl < 60)."""
+    import math
+    from pathlib import Path
+
+    import torch.nn.functional as F
+
+    from eval import perplexity
+
+    text = (Path(__file__).parent / "data" / "eval_text.txt").read_text(encoding="utf-8")
+    tokens = load_tokenizer(ckpt).encode(text)[:700]
+    got = perplexity(ours, tokens, window=256, stride=192)
+    ids, nll, scored = torch.tensor(tokens), 0.0, 1
+    with torch.no_grad():
+        for end in [*range(256, len(tokens), 192), len(tokens)]:
+            begin = max(0, end - 256)
+            logits = hf_model(ids[None, begin:end]).logits[0]
+            nll += F.cross_entropy(logits[scored - 1 - begin:end - 1 - begin], ids[scored:end], reduction="sum").item()
+            scored = end
+    assert scored == len(tokens)
+    assert got == pytest.approx(math.exp(nll / (len(tokens) - 1)), rel=1e-4)
+    assert 5 < got < 60  # and it is a working model on ordinary English

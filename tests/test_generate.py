@@ -268,7 +268,12 @@ def test_cli_generates_greedy_text(default_ckpt):
     r = cli("--checkpoint", default_ckpt, "--prompt", "The capital of France is", "--temperature", "0",
             "--max-new-tokens", "16", "--ignore-eos", "--no-compile")
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout
+    # exactly the library's greedy text (Generator's greedy tokens match transformers': test_default_model.py)
+    tok = load_tokenizer(default_ckpt)
+    model = Transformer.from_checkpoint(default_ckpt, "cpu", torch.float32)
+    out = [t for c in Generator(model, Sampling(temperature=0)).generate([tok.encode("The capital of France is")], 16)
+           for t in c[0]]
+    assert r.stdout == tok.decode(out) + "\n" and "Paris" in r.stdout
     stats = r.stderr.splitlines()[-1]
     ids = len(load_tokenizer(default_ckpt).encode("The capital of France is"))
     assert re.fullmatch(rf"prefill {ids} tokens in [0-9.]+ s \([0-9]+ tok/s; time to first token\); decode 15 tokens "
@@ -474,8 +479,16 @@ def test_bench_repeat_times_each_run_from_the_same_position(tiny, capsys):
     """bench_one(repeat=5): five timed runs, each from the prompt's position; bench.py refuses --repeat 0."""
     import bench
 
-    r = bench.bench_one(tiny, "eager", 1, 4, 6, ceiling=1.0, repeat=5)  # (30 steps: past the cache of 26 unless
+    r = bench.bench_one(tiny, "eager", 2, 4, 6, ceiling=1.0, repeat=5)  # (30 steps: past the cache of 26 unless
     assert len(r["tok_s_runs"]) == 5 and all(t > 0 for t in r["tok_s_runs"])  # each run starts again at 4)
+    # The record's figures agree with one another: tok/s from the step time, GB/s from the bytes a step
+    # reads (the weights once, the cache of 2 rows at the mean position 4 + 6/2 = 7), the share of the ceiling.
+    a = tiny.args
+    step_bytes = bench.weight_bytes_per_step(tiny) + 2 * a.n_layers * 2 * a.n_kv_heads * 7 * a.head_dim * 4
+    seconds = 2 * 6 / r["tok_s"]
+    assert r["tok_s"] == r["tok_s_runs"][-1] and r["step_ms_median"] <= r["step_ms_p99"]
+    assert r["gb_s"] == pytest.approx(step_bytes * 6 / seconds / 1e9)
+    assert r["pct_of_ceiling"] == pytest.approx(100 * r["gb_s"]) and r["batch_size"] == 2
     assert bench.main(["--device", "cpu", "--repeat", "0"]) == 1
     assert "error: --repeat must be at least 1" in capsys.readouterr().err
 
