@@ -783,3 +783,28 @@ def test_cli_unsupported_type_and_truncated_file_leave_nothing_behind(tmp_path):
                         str(tmp_path / "ok"), "--dtype", "fp32"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "ok" / "tokenizer.json").is_file() and (tmp_path / "ok" / "config.json").is_file()
+
+
+def test_llama3_rope_freqs_give_llama_cpps_frequencies_and_logits(tmp_path):
+    """rope_freqs holds a factor per frequency (llama.cpp divides each base frequency by it). The converted
+    model's RoPE, from the recovered Llama-3.1 parameters, equals that reading: the frequencies, and the
+    logits of a sequence against the same weights with the rotation tables built from the factors."""
+    from convert_hf_checkpoint import convert
+    from model import Transformer, rope_frequencies
+
+    cfg = {"n_layers": 1, "dim": 128, "n_heads": 2, "n_kv_heads": 1, "ffn": 64, "theta": 500000.0}
+    factors = _llama3_factors(64, 500000.0, 8.0, 1.0, 4.0, 8192)
+    write_tiny_gguf(tmp_path / "l.gguf", cfg, extra_tensors={"rope_freqs.weight": (factors, None)})
+    model = Transformer.from_checkpoint(convert(str(tmp_path / "l.gguf"), tmp_path / "ck", dtype="fp32"),
+                                        "cpu", torch.float32)
+    direct = torch.tensor(1 / 500000.0 ** (np.arange(0, 64, 2) / 64) / factors, dtype=torch.float32)
+    assert len(set(factors.tolist())) > 2  # (scaled, unscaled and interpolated frequencies)
+    torch.testing.assert_close(rope_frequencies(model.args), direct, rtol=1e-5, atol=0)
+    idx = torch.randint(0, model.args.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    model.setup_caches(1, 48)
+    with torch.no_grad():
+        ours = model(idx, torch.arange(48))
+        angles = torch.outer(torch.arange(48, dtype=torch.float32), direct).repeat(1, 2)  # rotate-half: both halves
+        model.rope_cos.copy_(angles.cos())
+        model.rope_sin.copy_(angles.sin())
+        torch.testing.assert_close(ours, model(idx, torch.arange(48)), rtol=1e-5, atol=1e-5)
