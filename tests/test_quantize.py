@@ -286,7 +286,8 @@ def test_quantized_checkpoint_loads_like_quantizing_in_memory(tiny_ckpt, tmp_pat
     idx = torch.randint(0, TINY.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     ref, got = logits(float_model, idx), logits(loaded, idx)
     assert torch.equal(got, logits(in_memory, idx))
-    assert rel(got, ref) < (0.03 if mode == "int8" else 0.2)  # quantized, yet the same model
+    # quantized, yet the same model: measured 0.0056 (int8) and 0.021-0.023 (int4 g32-g128); 2x that
+    assert rel(got, ref) < (0.012 if mode == "int8" else 0.05)
     # Decode (one token at a time) agrees with the prompt's forward: to float rounding with the plain
     # layers; with gdkernels/cpu.py's (gdkernels.apply) within its rounding of x (~2.5e-4 a layer at
     # most, test_quantized_linear_is_close_to_float) on each of the 4 n_layers + 1 quantized layers.
@@ -411,7 +412,9 @@ def test_calibrated_checkpoint_end_to_end(tmp_path):
     rtn = quantize_checkpoint(ckpt, "int4", 32, tmp_path / "rtn")
     float_model, g, r = (load(p, "cpu", torch.float32) for p in (ckpt, gptq, rtn))
     idx = torch.tensor([load_tokenizer(ckpt).encode(TEXT.read_text()[:400])[:64]])
-    assert rel(logits(g, idx), logits(float_model, idx)) < 0.2
+    ref = logits(float_model, idx)
+    gptq_err, rtn_err = rel(logits(g, idx), ref), rel(logits(r, idx), ref)
+    assert gptq_err < 0.035 and gptq_err < rtn_err  # measured 0.017 against rounding's 0.021
     assert not torch.equal(g.layers[0].feed_forward.w2.weight, r.layers[0].feed_forward.w2.weight)
 
 
