@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind BENCHMARKS.md's tables, on one H200, each part in one process per configuration.
 # Records (bench.py's JSON) go to $OUT (default benchmarks/records). Parts, in any order:
-#   tests    pytest -m cuda, and the kernel tests on the GPU
+#   tests    pytest -m cuda, the kernel tests on the GPU, and bench.py's smoke check (--check-graphs)
 #   ab       bench.py at the commit tagged before-two-layers (a copy in vendor/old) against this tree,
 #            the two interleaved per configuration: Llama-2-7B bf16 B=1,8, int8 and int4 g32 B=1
 #   anchor   gpt-fast (vendor/anchors, ../shared/anchors copied) against this tree's plain model
@@ -21,7 +21,8 @@ for part in "$@"; do
   echo "== $part $(date -u +%H:%M:%S)"
   case $part in
     tests) python3 -m pytest -q -x -m cuda tests
-           python3 -m pytest -q -x tests/test_kernels.py ;;
+           python3 -m pytest -q -x tests/test_kernels.py
+           python3 bench.py --model smollm2-135m --modes graphs --batch-sizes 1,8 --new-tokens 32 --check-graphs ;;
     ab) for q in "" "--quantize int8" "--quantize int4-g32"; do
           bs=1; [ -z "$q" ] && bs=1,8
           old --model llama-2-7b $B --batch-sizes $bs $q

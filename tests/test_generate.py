@@ -334,7 +334,10 @@ def test_cli_interactive_chat_until_eof(default_ckpt, monkeypatch, capsys):
              "--no-compile")
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("decode: ") == 2  # one answer per turn, then EOF ends the chat
-    assert "Paris" in r.stdout
+    # the first answer is the one-shot --chat answer to the same question; the second one follows it
+    one = main(capsys, "--checkpoint", default_ckpt, "--chat", "--prompt", "What is the capital of France?",
+               "--temperature", "0", "--max-new-tokens", "12", "--no-compile")
+    assert "Paris" in one.stdout and r.stdout.startswith(one.stdout) and len(r.stdout) > len(one.stdout) + 1
     assert "cache:" not in r.stderr and r.stderr.count("\n> ") == 3  # 512 positions held both turns
     # A turn that needs more than the cache holds doubles it (the one-shot speed: not the whole 8,192-token context)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
