@@ -18,6 +18,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,7 +27,8 @@ from pathlib import Path
 import torch
 
 import gdkernels
-from common import DTYPES, Sampling, no_recompiles, synchronize
+import tp
+from common import DTYPES, Sampling, UsageError, no_recompiles, synchronize
 from generate import (Generator, check_graphs, count_launches, decode_one_token, launches_per_call, prefill,
                       speculative_round_bytes, weight_bytes_per_step)
 from model import ModelArgs, Transformer
@@ -50,9 +52,12 @@ QUANTIZE_CHOICES = ["int8", "int4-g32", "int4-g64", "int4-g128", "int4-g256"]
 
 
 def random_model(args: ModelArgs, device, dtype) -> Transformer:
-    """A model of the preset's shape with random weights, made directly on the device."""
+    """A model of the preset's shape with random weights, made directly on the device (under torchrun, the rank's share)."""
+    n = tp.world()[1]
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(tp.local_args(args, n) if n > 1 else args)
+    if n > 1:
+        tp.reduce_outputs(model)
     model = model.to_empty(device=device).to(dtype)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
@@ -313,8 +318,21 @@ def main(argv=None) -> int:
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint", file=sys.stderr)
         return 1
     use_kernels = not a.no_kernels and gdkernels.enabled()
+    rank, n = tp.world()  # torchrun --nproc-per-node N bench.py: each rank times its share (tp.py); rank 0 reports
+    if n > 1:
+        if a.quantize or a.speculate_k or a.checkpoint:
+            print("error: under torchrun bench.py times a preset's float model", file=sys.stderr)
+            return 1
+        try:
+            tp.local_args(PRESETS[a.model], n)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        device = tp.init(device)
+        if rank:
+            sys.stdout = sys.stderr = open(os.devnull, "w")
     torch.manual_seed(0)
-    name = a.checkpoint.name if a.checkpoint else a.model
+    name = a.checkpoint.name if a.checkpoint else a.model + (f" tp{n}" if n > 1 else "")
     model = load(a.checkpoint, device, dtype) if a.checkpoint else random_model(PRESETS[a.model], device, dtype)
     draft = None  # made from the float target, before --quantize applies to the target
     if a.draft_quantize:
@@ -327,7 +345,7 @@ def main(argv=None) -> int:
             return 1
     if a.quantize:
         model, name = quantized(model, a.quantize), f"{name} {a.quantize}"
-    swapped = gdkernels.apply(model) if use_kernels else []
+    swapped = gdkernels.apply(model, fuse=n == 1) if use_kernels else []
     if use_kernels and draft is not None:
         gdkernels.apply(draft)
     sampling = Sampling(temperature=a.temperature, top_k=None)

@@ -12,6 +12,7 @@ gdkernels.apply() swaps in the fast kernels after loading (--no-kernels: the pla
 """
 import argparse
 import contextlib
+import os
 import resource
 import sys
 import time
@@ -21,10 +22,11 @@ import torch
 
 import gdkernels
 import serve
+import tp
 from common import DTYPES, Sampling, UsageError, check_memory, compiled, no_recompiles, sample, synchronize
 from gdkernels.aot import AotStep
 from model import Transformer, read_config
-from quantize import load
+from quantize import load, prepare_default
 from speculative import SpeculativeGenerator, load_draft
 from tokenizer import load_tokenizer
 
@@ -320,21 +322,20 @@ def run(args) -> None:
     if args.seed is not None:
         torch.manual_seed(args.seed)
 
-    checkpoint = args.checkpoint
-    if checkpoint is None:
-        from convert_hf_checkpoint import ConversionError, prepare_default_model
-        from quantize import QuantizeError, prepare_default_int4
-
-        try:
-            checkpoint = prepare_default_model()
-            if device.type == "cpu":  # its int4 form: 2.5x the float model's speed there (README)
-                checkpoint = prepare_default_int4(checkpoint)
-        except (ConversionError, QuantizeError) as e:
-            raise UsageError(f"could not prepare the default model: {e}") from None
+    checkpoint = args.checkpoint or prepare_default(device)  # (the CPU: its int4 form, README)
+    rank, n = tp.world()  # torchrun: this process's share of the model (tp.py)
+    if n > 1 and (args.prompts_file or args.draft_checkpoint or args.interactive):
+        raise UsageError("under torchrun generate.py takes a --prompt (not --prompts-file, a draft or --interactive)")
     if args.prompts_file:
         return serve.main_file(args, checkpoint, device, dtype, use_kernels, sampling, log)
     config = read_config(checkpoint)
     context = config["args"].max_seq_len
+    if n > 1:
+        tp.local_args(config["args"], n)  # (an error before any rank waits for the others)
+        device = tp.init(device)
+        if rank:  # rank 0 speaks for all
+            sys.stdout = sys.stderr = open(os.devnull, "w")
+        torch.manual_seed(tp.common_seed(args.seed, device))
 
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(checkpoint)
@@ -358,12 +359,10 @@ def run(args) -> None:
         len(first_prompt) + args.max_new_tokens + extra
     if args.check_graphs:  # it decodes 8 more steps (or a round) after the prompt, 3 more to warm up
         length = min(context, max(length, len(first_prompt) + 12 + extra))
-    # The cache length is part of the compiled step's shapes: rounded up to 64, so that prompts of about
-    # the same length reuse a compiled step.
-    length = min(context, -(-length // 64) * 64)
+    length = min(context, -(-length // 64) * 64)  # (a compiled step's shape: prompts of about one length share it)
     check_memory(config, checkpoint, 1, context if args.interactive else length, dtype, device)
-    model = load(checkpoint, device=device, dtype=dtype)
-    swapped = gdkernels.apply(model) if use_kernels else []
+    model = tp.load(checkpoint, device, dtype) if n > 1 else load(checkpoint, device=device, dtype=dtype)
+    swapped = gdkernels.apply(model, fuse=n == 1) if use_kernels else []  # (fused residuals: once, not n times)
     synchronize(device)
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
         + ("; ".join(swapped) or "none" if use_kernels else "off"))

@@ -384,6 +384,19 @@ def default_out(checkpoint: Path, mode: str, groupsize: int | None) -> Path:
     return checkpoint.parent / f"{checkpoint.resolve().name}-{suffix}"
 
 
+def prepare_default(device: torch.device) -> Path:
+    """The default model, prepared on first use (convert_hf_checkpoint.py); on the CPU its int4 form: 2.5x the
+    float model's speed there (README). A failure is a UsageError, one line."""
+    from common import ConversionError, UsageError
+    from convert_hf_checkpoint import prepare_default_model
+
+    try:
+        checkpoint = prepare_default_model()
+        return prepare_default_int4(checkpoint) if device.type == "cpu" else checkpoint
+    except (ConversionError, QuantizeError) as e:
+        raise UsageError(f"could not prepare the default model: {e}") from None
+
+
 def prepare_default_int4(checkpoint: Path) -> Path:
     """The default model's int4 form (groups of 32), next to its float checkpoint, made once: what generate.py
     runs on the CPU (README: the GGUF it comes from is Q4_1, so g32 costs nothing)."""

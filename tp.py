@@ -1,0 +1,111 @@
+"""Tensor parallelism on torch.distributed: one model across the N processes of
+
+    torchrun --nproc-per-node N generate.py ...        (NCCL on CUDA, one GPU a process; gloo on the CPU)
+
+Each rank builds the plain model.py Transformer with its share of the heads and of the feed-forward width
+(local_args: ModelArgs divided by N), so every shape, the KV cache included, is the rank's own:
+  wq, wk, wv   split by output rows: whole heads, K/V heads too (each rank caches its heads' keys and values)
+  w1, w3       split by output rows
+  wo, w2       split by input columns, then summed over the ranks (AllReduceLinear, an all-reduce)
+  the rest     (embedding, norms, head) replicated
+Weights are read per rank from the safetensors file's slices: no rank holds the whole model. The all-reduce
+leaves every rank the same logits, and every rank samples with the same seed, so all pick the same token.
+It is a functional collective (torch.distributed._functional_collectives): torch.compile traces it, and on
+CUDA it is captured in the decode step's graph with the rest (NCCL supports capture).
+"""
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common import UsageError
+from model import ModelArgs, Transformer, read_config
+
+
+def world() -> tuple[int, int]:
+    """(rank, number of processes) as torchrun sets them; (0, 1) without torchrun."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init(device: torch.device) -> torch.device:
+    """Join the process group (once); on CUDA each rank takes the GPU of its local rank. Returns the device."""
+    rank, n = world()
+    if n > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def local_args(args: ModelArgs, n: int) -> ModelArgs:
+    """The config of one rank's share; an error unless the heads and the feed-forward width divide by n."""
+    if args.n_heads % n or args.n_kv_heads % n or args.intermediate_size % n:
+        raise UsageError(f"tensor parallel over {n} processes needs n_heads ({args.n_heads}), n_kv_heads "
+                         f"({args.n_kv_heads}) and intermediate_size ({args.intermediate_size}) divisible by {n}")
+    return replace(args, n_heads=args.n_heads // n, n_kv_heads=args.n_kv_heads // n,
+                   intermediate_size=args.intermediate_size // n, head_dim=args.head_dim)
+
+
+class AllReduceLinear(nn.Linear):
+    """A linear layer split by input columns: each rank's partial product, summed over the ranks."""
+
+    def forward(self, x):
+        return funcol.all_reduce(F.linear(x, self.weight, self.bias), "sum", dist.group.WORLD)
+
+
+ROWS = (".attention.wq.", ".attention.wk.", ".attention.wv.", ".feed_forward.w1.", ".feed_forward.w3.")
+COLUMNS = (".attention.wo.", ".feed_forward.w2.")
+
+
+def shard(name: str, tensor_slice, rank: int, n: int) -> torch.Tensor:
+    """Rank's part of one tensor of the checkpoint, read from its safetensors slice."""
+    shape = tensor_slice.get_shape()
+    if any(p in name for p in ROWS):
+        part = shape[0] // n
+        return tensor_slice[rank * part:(rank + 1) * part]
+    if any(p in name for p in COLUMNS) and name.endswith("weight"):
+        part = shape[1] // n
+        return tensor_slice[:, rank * part:(rank + 1) * part]
+    return tensor_slice[:]
+
+
+def load(path, device, dtype=torch.bfloat16) -> Transformer:
+    """This rank's share of the float checkpoint at `path`, split as the module docstring says."""
+    from safetensors import safe_open
+
+    rank, n = world()
+    config = read_config(Path(path))
+    if config.get("quantization"):
+        raise UsageError("tensor parallel runs float checkpoints (quantize.py's layers are not split yet)")
+    with torch.device("meta"):
+        model = Transformer(local_args(config["args"], n))
+    with safe_open(Path(path) / "model.safetensors", framework="pt") as f:
+        state = {name: shard(name, f.get_slice(name), rank, n) for name in f.keys()}
+    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)  # (its hook fuses the rank's q, k, v and w1, w3)
+    if model.args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return reduce_outputs(model).eval().requires_grad_(False)
+
+
+def reduce_outputs(model: Transformer) -> Transformer:
+    """Sum wo's and w2's partial products over the ranks (their class becomes AllReduceLinear, weights kept)."""
+    for layer in model.layers:
+        layer.attention.wo.__class__ = AllReduceLinear
+        layer.feed_forward.w2.__class__ = AllReduceLinear
+    return model
+
+
+def common_seed(seed: int | None, device: torch.device) -> int:
+    """A seed every rank shares: the given one, or rank 0's random draw, broadcast."""
+    if seed is None:
+        pick = torch.randint(0, 2**62, (1,), device=device)  # (NCCL broadcasts GPU tensors, gloo CPU ones)
+        dist.broadcast(pick, src=0)
+        seed = int(pick.item())
+    return seed
