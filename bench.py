@@ -56,8 +56,6 @@ def random_model(args: ModelArgs, device, dtype) -> Transformer:
     n = tp.world()[1]
     with torch.device("meta"):
         model = Transformer(tp.local_args(args, n) if n > 1 else args)
-    if n > 1:
-        tp.reduce_outputs(model)
     model = model.to_empty(device=device).to(dtype)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
@@ -346,6 +344,8 @@ def main(argv=None) -> int:
     if a.quantize:
         model, name = quantized(model, a.quantize), f"{name} {a.quantize}"
     swapped = gdkernels.apply(model, fuse=n == 1) if use_kernels else []
+    if n > 1:  # (after the kernels: the all-reduce wraps whichever wo and w2 run)
+        tp.reduce_outputs(model)
     if use_kernels and draft is not None:
         gdkernels.apply(draft)
     sampling = Sampling(temperature=a.temperature, top_k=None)

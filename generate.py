@@ -361,8 +361,8 @@ def run(args) -> None:
         length = min(context, max(length, len(first_prompt) + 12 + extra))
     length = min(context, -(-length // 64) * 64)  # (a compiled step's shape: prompts of about one length share it)
     check_memory(config, checkpoint, 1, context if args.interactive else length, dtype, device)
-    model = tp.load(checkpoint, device, dtype) if n > 1 else load(checkpoint, device=device, dtype=dtype)
-    swapped = gdkernels.apply(model, fuse=n == 1) if use_kernels else []  # (fused residuals: once, not n times)
+    model = tp.load(checkpoint, device, dtype, use_kernels) if n > 1 else load(checkpoint, device=device, dtype=dtype)
+    swapped = [f"tensor parallel over {n} processes (tp.py)"] if n > 1 else gdkernels.apply(model) if use_kernels else []
     synchronize(device)
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
         + ("; ".join(swapped) or "none" if use_kernels else "off"))

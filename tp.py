@@ -6,13 +6,14 @@ Each rank builds the plain model.py Transformer with its share of the heads and 
 (local_args: ModelArgs divided by N), so every shape, the KV cache included, is the rank's own:
   wq, wk, wv   split by output rows: whole heads, K/V heads too (each rank caches its heads' keys and values)
   w1, w3       split by output rows
-  wo, w2       split by input columns, then summed over the ranks (AllReduceLinear, an all-reduce)
+  wo, w2       split by input columns, then summed over the ranks (all_reducing: an all-reduce)
   the rest     (embedding, norms, head) replicated
 Weights are read per rank from the safetensors file's slices: no rank holds the whole model. The all-reduce
 leaves every rank the same logits, and every rank samples with the same seed, so all pick the same token.
 It is a functional collective (torch.distributed._functional_collectives): torch.compile traces it, and on
 CUDA it is captured in the decode step's graph with the rest (NCCL supports capture).
 """
+import functools
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -20,8 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn as nn
-import torch.nn.functional as F
 
 from common import UsageError
 from model import ModelArgs, Transformer, read_config
@@ -52,11 +51,14 @@ def local_args(args: ModelArgs, n: int) -> ModelArgs:
                    intermediate_size=args.intermediate_size // n, head_dim=args.head_dim)
 
 
-class AllReduceLinear(nn.Linear):
-    """A linear layer split by input columns: each rank's partial product, summed over the ranks."""
-
+@functools.cache
+def all_reducing(cls: type) -> type:
+    """cls (nn.Linear, a quantized linear, or a kernel's) whose output is summed over the ranks: for a layer
+    split by input columns, each rank's partial product becomes the whole one."""
     def forward(self, x):
-        return funcol.all_reduce(F.linear(x, self.weight, self.bias), "sum", dist.group.WORLD)
+        return funcol.all_reduce(cls.forward(self, x), "sum", dist.group.WORLD)
+
+    return type(f"AllReduce{cls.__name__}", (cls,), {"forward": forward, "__doc__": all_reducing.__doc__})
 
 
 ROWS = (".attention.wq.", ".attention.wk.", ".attention.wv.", ".feed_forward.w1.", ".feed_forward.w3.")
@@ -69,36 +71,53 @@ def shard(name: str, tensor_slice, rank: int, n: int) -> torch.Tensor:
     if any(p in name for p in ROWS):
         part = shape[0] // n
         return tensor_slice[rank * part:(rank + 1) * part]
-    if any(p in name for p in COLUMNS) and name.endswith("weight"):
+    if any(p in name for p in COLUMNS) and len(shape) == 2:  # weights; int4's scales and zeros by group too
         part = shape[1] // n
         return tensor_slice[:, rank * part:(rank + 1) * part]
     return tensor_slice[:]
 
 
-def load(path, device, dtype=torch.bfloat16) -> Transformer:
-    """This rank's share of the float checkpoint at `path`, split as the module docstring says."""
+def load(path, device, dtype=torch.bfloat16, kernels: bool = False) -> Transformer:
+    """This rank's share of the checkpoint at `path` (float, int8, or int4 whose split falls on group
+    boundaries), split as the module docstring says; kernels: gdkernels.apply (fuse=False: a fused residual
+    would be summed N times)."""
     from safetensors import safe_open
+
+    from quantize import check_quantization, swap_linears
 
     rank, n = world()
     config = read_config(Path(path))
-    if config.get("quantization"):
-        raise UsageError("tensor parallel runs float checkpoints (quantize.py's layers are not split yet)")
+    args, quantization = config["args"], config.get("quantization")
+    local = local_args(args, n)
+    if quantization:
+        mode, groupsize = check_quantization(quantization)
+        for width in (local.n_heads * local.head_dim, local.intermediate_size):  # wo's and w2's input columns
+            if mode == "int4" and width % groupsize:
+                raise UsageError(f"tensor parallel over {n} processes splits wo and w2 into {width} input columns, "
+                                 f"not a whole number of int4 groups of {groupsize}")
     with torch.device("meta"):
-        model = Transformer(local_args(config["args"], n))
+        model = Transformer(local)
+        if quantization:
+            swap_linears(model, quantization)
     with safe_open(Path(path) / "model.safetensors", framework="pt") as f:
         state = {name: shard(name, f.get_slice(name), rank, n) for name in f.keys()}
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)  # (its hook fuses the rank's q, k, v and w1, w3)
     if model.args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    return reduce_outputs(model).eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if kernels:
+        import gdkernels
+
+        gdkernels.apply(model, fuse=False)
+    return reduce_outputs(model)
 
 
 def reduce_outputs(model: Transformer) -> Transformer:
-    """Sum wo's and w2's partial products over the ranks (their class becomes AllReduceLinear, weights kept)."""
+    """Sum wo's and w2's partial products over the ranks (their classes become all_reducing ones, weights kept)."""
     for layer in model.layers:
-        layer.attention.wo.__class__ = AllReduceLinear
-        layer.feed_forward.w2.__class__ = AllReduceLinear
+        for m in (layer.attention.wo, layer.feed_forward.w2):
+            m.__class__ = all_reducing(type(m))
     return model
 
 

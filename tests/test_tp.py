@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from common import Sampling
 from generate import Generator
 from model import ModelArgs, Transformer
+from quantize import load, quantize_checkpoint
 from test_quantize import write_float_checkpoint
 
 FAMILIES = {  # (tiny configs: MHA, GQA, Qwen2's q/k/v bias, Qwen3's q/k norm and head_dim, tied embeddings)
@@ -72,7 +73,7 @@ def spawn(n: int, checkpoints: list, root, device_type: str = "cpu") -> list[dic
 
 def assert_ranks_equal_one_process(checkpoints, ranks):
     for c in checkpoints:
-        logits, tokens = run_model(Transformer.from_checkpoint(c, "cpu", torch.float32))
+        logits, tokens = run_model(load(c, "cpu", torch.float32))
         for r in ranks:  # every rank holds the same result (the all-reduce), and it is one process's
             got_logits, got_tokens = r[str(c)]
             torch.testing.assert_close(got_logits, logits, rtol=1e-4, atol=1e-4 * logits.abs().max().item())
@@ -84,6 +85,9 @@ def test_two_ranks_give_one_process_logits_and_tokens_for_each_family(tmp_path):
     for name, args in FAMILIES.items():
         write_float_checkpoint(tmp_path / name, args)
         checkpoints.append(tmp_path / name)
+    # quantized: int8's per-row scales go with the rows; int4's scales and zeros with their groups of 32
+    checkpoints += [quantize_checkpoint(tmp_path / "qwen2-bias", "int8"),
+                    quantize_checkpoint(tmp_path / "qwen2-bias", "int4", 32)]
     ranks = spawn(2, checkpoints, tmp_path)
     assert_ranks_equal_one_process(checkpoints, ranks)
     assert ranks[0]["sampled"] == ranks[1]["sampled"] and len(set(ranks[0]["sampled"])) > 3
@@ -91,6 +95,18 @@ def test_two_ranks_give_one_process_logits_and_tokens_for_each_family(tmp_path):
 
 def test_three_ranks_give_the_default_models_logits_and_tokens(default_ckpt, tmp_path):
     assert_ranks_equal_one_process([default_ckpt], spawn(3, [default_ckpt], tmp_path))
+
+
+def test_int4_groups_cut_by_the_split_are_an_error(tmp_path, monkeypatch):
+    """wo's 64 input columns split in 2 are 32 a rank: not a whole number of groups of 64."""
+    import tp
+    from common import UsageError
+
+    write_float_checkpoint(tmp_path / "f", FAMILIES["qwen2-bias"])
+    q = quantize_checkpoint(tmp_path / "f", "int4", 64)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="splits wo and w2 into 32 input columns, not a whole number of int4 groups of 64"):
+        tp.load(q, "cpu", torch.float32)
 
 
 def test_heads_that_do_not_divide_are_one_error_line(tmp_path, monkeypatch, capsys):
@@ -116,7 +132,7 @@ def test_two_gpus_graphed_give_one_process_tokens(tmp_path):
         checkpoints.append(tmp_path / name)
     ranks = spawn(2, checkpoints, tmp_path, "cuda")
     for c in checkpoints:
-        logits, tokens = run_model(Transformer.from_checkpoint(c, "cpu", torch.float32))
+        logits, tokens = run_model(load(c, "cpu", torch.float32))
         for r in ranks:
             torch.testing.assert_close(r[str(c)][0], logits, rtol=1e-3, atol=1e-3 * logits.abs().max().item())
             assert r[str(c)][1] == tokens, c.name
