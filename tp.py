@@ -34,10 +34,10 @@ def world() -> tuple[int, int]:
 def init(device: torch.device) -> torch.device:
     """Join the process group (once); on CUDA each rank takes the GPU of its local rank. Returns the device."""
     rank, n = world()
+    if n > 1 and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
     if n > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device
 
