@@ -322,10 +322,11 @@ def run(args) -> None:
     if args.seed is not None:
         torch.manual_seed(args.seed)
 
+    rank, n = tp.world()  # torchrun: this process's share of the model (tp.py); ranks must not all convert at once
+    if n > 1 and (args.prompts_file or args.draft_checkpoint or args.interactive or not args.checkpoint):
+        raise UsageError("under torchrun generate.py takes a --checkpoint and a --prompt (not --prompts-file, a "
+                         "draft or --interactive)")
     checkpoint = args.checkpoint or prepare_default(device)  # (the CPU: its int4 form, README)
-    rank, n = tp.world()  # torchrun: this process's share of the model (tp.py)
-    if n > 1 and (args.prompts_file or args.draft_checkpoint or args.interactive):
-        raise UsageError("under torchrun generate.py takes a --prompt (not --prompts-file, a draft or --interactive)")
     if args.prompts_file:
         return serve.main_file(args, checkpoint, device, dtype, use_kernels, sampling, log)
     config = read_config(checkpoint)

@@ -120,6 +120,9 @@ def test_heads_that_do_not_divide_are_one_error_line(tmp_path, monkeypatch, caps
     assert generate.main(["--checkpoint", str(tmp_path / "odd"), "--device", "cpu", "--prompt", "Hi"]) == 1
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "needs n_heads (3)" in err and "divisible by 2" in err, err
+    # and without --checkpoint: the ranks would all prepare the default model at once
+    assert generate.main(["--device", "cpu", "--prompt", "Hi"]) == 1
+    assert "under torchrun generate.py takes a --checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.cuda
