@@ -137,4 +137,4 @@ def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype:
     if kv + weights > free:
         raise UsageError(f"the KV cache ({kv / 2**30:.1f} GiB for batch {batch} x {length} tokens) and weights "
                          f"({weights / 2**30:.1f} GiB) do not fit in the {free / 2**30:.1f} GiB free on {device}; "
-                         f"lower --max-new-tokens")
+                         f"lower --max-new-tokens (or, with --prompts-file, --max-batch)")

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import gdkernels
-from common import DTYPES, Sampling, UsageError, compiled, no_recompiles, sample, synchronize
+from common import DTYPES, Sampling, UsageError, check_memory, compiled, no_recompiles, sample, synchronize
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -283,12 +283,16 @@ def main_file(args, checkpoint, device, dtype, use_kernels: bool, sampling: Samp
 
     if args.interactive or args.draft_checkpoint or args.check_graphs or args.profile:
         raise UsageError("--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile")
-    tokenizer = load_tokenizer(checkpoint)
-    context = read_config(checkpoint)["args"].max_seq_len
+    tokenizer, config = load_tokenizer(checkpoint), read_config(checkpoint)
+    context = config["args"].max_seq_len
     prompts = read_prompts(args.prompts_file, args.max_new_tokens)
     reqs = encode_requests(tokenizer, prompts, args.max_new_tokens, args.chat, context)
     length = min(context, -(-max(len(r.prompt) + r.max_new_tokens for r in reqs) // 64) * 64)
-    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
+    check_memory(config, checkpoint, args.max_batch, length, dtype, device)  # the KV cache of every row
+    try:
+        buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
+    except ValueError:
+        raise UsageError(f"--buckets takes comma-separated batch sizes (got {args.buckets!r})") from None
     llm = LLM(checkpoint, device, dtype, args.max_batch, length, buckets, args.decode_steps, use_kernels,
               args.compile, tokenizer=tokenizer)
     runner = llm.make_runner(sampling, lambda b, sec: log(f"engine: bucket {b} compiled and warm ({sec:.1f} s)"))

@@ -150,6 +150,8 @@ def test_cli_prompts_file_writes_jsonl_in_order(default_ckpt, tmp_path, capsys):
     ("Hi", ["--max-batch", "0"], "--max-batch must be >= 1"),
     ("Hi", ["--decode-steps", "0"], "--decode-steps must be >= 1"),
     ("Hi", ["--buckets", "1,2"], r"buckets \[1, 2\] must be >= 1 and end at --max-batch 4"),
+    ("Hi", ["--buckets", "1,two,4"], "--buckets takes comma-separated batch sizes"),
+    ("Hi", ["--max-batch", "100000000"], "do not fit"),
     ("Hi", ["--interactive"], "--prompts-file goes without"),
 ])
 def test_cli_prompts_file_bad_input_is_one_error_line(default_ckpt, tmp_path, capsys, content, extra, message):
