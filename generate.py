@@ -323,9 +323,8 @@ def run(args) -> None:
         torch.manual_seed(args.seed)
 
     rank, n = tp.world()  # torchrun: this process's share of the model (tp.py); ranks must not all convert at once
-    if n > 1 and (args.prompts_file or args.draft_checkpoint or args.interactive or not args.checkpoint):
-        raise UsageError("under torchrun generate.py takes a --checkpoint and a --prompt (not --prompts-file, a "
-                         "draft or --interactive)")
+    if n > 1 and (args.prompts_file or args.draft_checkpoint or args.interactive or args.profile or not args.checkpoint):
+        raise UsageError("under torchrun: a --checkpoint and a --prompt (no --prompts-file, draft, --interactive, --profile)")
     checkpoint = args.checkpoint or prepare_default(device)  # (the CPU: its int4 form, README)
     if args.prompts_file:
         return serve.main_file(args, checkpoint, device, dtype, use_kernels, sampling, log)
@@ -361,9 +360,10 @@ def run(args) -> None:
     if args.check_graphs:  # it decodes 8 more steps (or a round) after the prompt, 3 more to warm up
         length = min(context, max(length, len(first_prompt) + 12 + extra))
     length = min(context, -(-length // 64) * 64)  # (a compiled step's shape: prompts of about one length share it)
-    check_memory(config, checkpoint, 1, context if args.interactive else length, dtype, device)
-    model = tp.load(checkpoint, device, dtype, use_kernels) if n > 1 else load(checkpoint, device=device, dtype=dtype)
-    swapped = [f"tensor parallel over {n} processes (tp.py)"] if n > 1 else gdkernels.apply(model) if use_kernels else []
+    if n == 1:  # (tensor parallel: each rank holds 1/n of the weights and of the cache)
+        check_memory(config, checkpoint, 1, context if args.interactive else length, dtype, device)
+    model, swapped = tp.load(checkpoint, device, dtype, use_kernels) if n > 1 else (load(checkpoint, device, dtype), [])
+    swapped = swapped or (gdkernels.apply(model) if use_kernels and n == 1 else [])
     synchronize(device)
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
         + ("; ".join(swapped) or "none" if use_kernels else "off"))

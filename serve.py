@@ -109,7 +109,7 @@ class Runner:
             return
         start = time.perf_counter()
         skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-        with torch._dynamo.config.patch(recompile_limit=len(self.buckets) + 8):
+        with torch._dynamo.config.patch(recompile_limit=256):  # (one compile a bucket, for every runner made)
             for b in reversed(self.buckets):
                 for _ in range(3):  # CUDAGraph Trees: a warm-up run, then the recording, then a replay
                     self.pos.zero_()
@@ -178,7 +178,7 @@ class LLM:
         self.mode = {None: "graphs" if cuda else "eager", True: "graphs" if cuda else "compile", False: "eager"}[compile]
         self.max_batch, self.steps, self.buckets = max_batch, steps, buckets
         self.max_length = min(max_length, model.args.max_seq_len)
-        self.runner = None
+        self.runners, self.runner = {}, None  # a warm runner per sampling setting; the last one used
         self.tokens_out, self.seconds = 0, 0.0  # generated tokens of the last run, and its seconds (warm-up apart)
 
     def requests(self, prompts, max_new_tokens: int = 256, chat: bool = False) -> list[Request]:
@@ -196,10 +196,11 @@ class LLM:
         """The runner for a sampling setting (part of the compiled step), warmed up once (progress(bucket,
         seconds so far) after each bucket)."""
         sampling.check()
-        if self.runner is None or self.runner.sampling != sampling:
-            self.runner = Runner(self.model, sampling, self.max_batch, self.max_length, self.buckets, self.mode,
-                                 self.steps)
-            self.runner.warm_up(progress)
+        if sampling not in self.runners:
+            self.runners[sampling] = Runner(self.model, sampling, self.max_batch, self.max_length, self.buckets,
+                                            self.mode, self.steps)
+            self.runners[sampling].warm_up(progress)
+        self.runner = self.runners[sampling]
         return self.runner
 
     def run(self, requests: list[Request], sampling: Sampling, stop_ids=frozenset(), progress=None) -> None:
@@ -207,6 +208,8 @@ class LLM:
         moves into each) and waiting requests join (each prefilled in row 0, whose request moves to the
         first free row); then a round decodes every active row at its own position."""
         runner = self.make_runner(sampling)
+        if any(len(r.prompt) + r.max_new_tokens > runner.length for r in requests):
+            raise UsageError(f"a request's prompt and max_new_tokens exceed the {runner.length} positions a row holds")
         synchronize(self.device)
         start = time.perf_counter()
         waiting, active = deque(requests), []  # active[i] is the request in cache row i
@@ -259,13 +262,13 @@ def encode_requests(tokenizer, prompts, max_new_tokens: int, chat: bool, length:
 def read_prompts(path: Path, max_new_tokens: int) -> list:
     """One prompt a line, or JSONL lines {"prompt": ..., "max_new_tokens": N (optional)}."""
     try:
-        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+        lines = [(n, line) for n, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--prompts-file: cannot read {path} ({e})") from None
     if not lines:
         raise UsageError(f"--prompts-file: {path} holds no prompt")
     prompts = []
-    for n, line in enumerate(lines, 1):
+    for n, line in lines:  # (n: the file's line number)
         if not line.lstrip().startswith("{"):
             prompts.append((line, max_new_tokens))
             continue
@@ -283,6 +286,8 @@ def main_file(args, checkpoint, device, dtype, use_kernels: bool, sampling: Samp
 
     if args.interactive or args.draft_checkpoint or args.check_graphs or args.profile:
         raise UsageError("--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile")
+    if args.output and not args.output.resolve().parent.is_dir():  # (before the run, not after it)
+        raise UsageError(f"--output {args.output}: no such directory")
     tokenizer, config = load_tokenizer(checkpoint), read_config(checkpoint)
     context = config["args"].max_seq_len
     prompts = read_prompts(args.prompts_file, args.max_new_tokens)

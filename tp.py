@@ -77,10 +77,10 @@ def shard(name: str, tensor_slice, rank: int, n: int) -> torch.Tensor:
     return tensor_slice[:]
 
 
-def load(path, device, dtype=torch.bfloat16, kernels: bool = False) -> Transformer:
+def load(path, device, dtype=torch.bfloat16, kernels: bool = False) -> tuple[Transformer, list[str]]:
     """This rank's share of the checkpoint at `path` (float, int8, or int4 whose split falls on group
-    boundaries), split as the module docstring says; kernels: gdkernels.apply (fuse=False: a fused residual
-    would be summed N times)."""
+    boundaries), split as the module docstring says, and what gdkernels.apply swapped when `kernels`
+    (fuse=False: a fused residual would be summed N times)."""
     from safetensors import safe_open
 
     from quantize import check_quantization, swap_linears
@@ -106,11 +106,12 @@ def load(path, device, dtype=torch.bfloat16, kernels: bool = False) -> Transform
     if model.args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.eval().requires_grad_(False)
+    swapped = []
     if kernels:
         import gdkernels
 
-        gdkernels.apply(model, fuse=False)
-    return reduce_outputs(model)
+        swapped = gdkernels.apply(model, fuse=False)
+    return reduce_outputs(model), swapped
 
 
 def reduce_outputs(model: Transformer) -> Transformer:

@@ -85,6 +85,20 @@ def test_compiled_buckets_equal_eager_and_do_not_recompile(tiny):
     assert [r.out for r in reqs] == ref
 
 
+def test_one_llm_serves_several_sampling_settings_and_refuses_too_long_requests(tiny):
+    """A warm runner per sampling setting (compiled: several runners' buckets within Dynamo's limit); run()
+    refuses a request longer than a row, which a round would otherwise clamp at the cache's last position."""
+    from common import UsageError
+
+    torch._dynamo.reset()
+    llm = LLM(model=tiny, max_batch=2, max_length=64, steps=2, compile=True)
+    for t in (0.5, 0.6, 0.7, 0.5):
+        llm.run([Request([1, 2, 3], 4)], Sampling(temperature=t))
+    assert len(llm.runners) == 3
+    with pytest.raises(UsageError, match="exceed the 64 positions a row holds"):
+        llm.run([Request([1] * 60, 10)], GREEDY)
+
+
 def test_sampled_outputs_keep_their_budgets(tiny):
     prompts, budgets = workload(6, seed=3)
     llm = LLM(model=tiny, max_batch=4, max_length=64)
@@ -153,6 +167,8 @@ def test_cli_prompts_file_writes_jsonl_in_order(default_ckpt, tmp_path, capsys):
     ("Hi", ["--buckets", "1,two,4"], "--buckets takes comma-separated batch sizes"),
     ("Hi", ["--max-batch", "100000000"], "do not fit"),
     ("Hi", ["--interactive"], "--prompts-file goes without"),
+    ("Hi", ["--output", "/nonexistent/dir/out.jsonl"], "no such directory"),
+    ("Hi\n\n{\"text\": 1}", [], 'line 3: not a JSON object'),  # (the file's line number, blank lines counted)
 ])
 def test_cli_prompts_file_bad_input_is_one_error_line(default_ckpt, tmp_path, capsys, content, extra, message):
     import re

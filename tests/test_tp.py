@@ -47,11 +47,11 @@ def worker(rank: int, n: int, port: int, checkpoints: list, out: str, device_typ
     torch.set_num_threads(1)
     device = tp.init(torch.device(device_type))
     mode = "graphs" if device_type == "cuda" else "eager"  # (CUDA: the all-reduces inside each step's graph)
-    results = {str(c): run_model(tp.load(c, device, torch.float32), mode) for c in checkpoints}
+    results = {str(c): run_model(tp.load(c, device, torch.float32)[0], mode) for c in checkpoints}
     # sampling without --seed: rank 0's seed, broadcast, so every rank draws the same tokens
     torch.manual_seed(rank)  # (different on each rank until the common seed)
     torch.manual_seed(tp.common_seed(None, torch.device("cpu")))
-    gen = Generator(tp.load(checkpoints[0], "cpu", torch.float32), Sampling(temperature=1.0, top_k=None), "eager")
+    gen = Generator(tp.load(checkpoints[0], "cpu", torch.float32)[0], Sampling(temperature=1.0, top_k=None), "eager")
     gen.model.setup_caches(1, 64)
     results["sampled"] = [t for chunk in gen.generate([PROMPT], 16) for t in chunk[0]]
     torch.save(results, f"{out}.{rank}")
@@ -122,7 +122,7 @@ def test_heads_that_do_not_divide_are_one_error_line(tmp_path, monkeypatch, caps
     assert err.count("error:") == 1 and "needs n_heads (3)" in err and "divisible by 2" in err, err
     # and without --checkpoint: the ranks would all prepare the default model at once
     assert generate.main(["--device", "cpu", "--prompt", "Hi"]) == 1
-    assert "under torchrun generate.py takes a --checkpoint" in capsys.readouterr().err
+    assert "under torchrun: a --checkpoint and a --prompt" in capsys.readouterr().err
 
 
 @pytest.mark.cuda
