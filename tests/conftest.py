@@ -38,3 +38,18 @@ def default_ckpt(default_gguf, tmp_path_factory) -> Path:
     from convert_hf_checkpoint import convert
 
     return convert(str(default_gguf), tmp_path_factory.mktemp("default") / "SmolLM2-135M-Instruct", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random model (one per test module: tests change its caches), its weights peaky so that greedy
+    decoding is not decided by rounding."""
+    from model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
+                     max_seq_len=512)
+    model = Transformer(args).eval().requires_grad_(False)
+    for p in model.parameters():
+        p.normal_(0, 0.3)
+    return model

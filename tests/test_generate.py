@@ -19,17 +19,6 @@ from tokenizer import load_tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
-                     max_seq_len=512)
-    model = Transformer(args).eval().requires_grad_(False)
-    for p in model.parameters():
-        p.normal_(0, 0.3)  # peaky distributions, so greedy is not a coin toss
-    return model
-
-
 def run_gen(model, sampling, prompt=(1, 2, 3), n=40, seed=None, stop=frozenset(), k=8, compiled=False):
     if seed is not None:
         torch.manual_seed(seed)

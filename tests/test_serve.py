@@ -18,17 +18,6 @@ GREEDY = Sampling(temperature=0)
 STOP = {25}  # with the tiny model below, 4 of workload()'s 13 requests stop on it, 9 run out of budget
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
-                     max_seq_len=512)
-    model = Transformer(args).eval().requires_grad_(False)
-    for p in model.parameters():
-        p.normal_(0, 0.3)  # peaky distributions: greedy is not decided by rounding
-    return model
-
-
 def workload(n=13, seed=0):
     """Prompts of 1-20 tokens and budgets of 1-30: with 5 rows, requests join and leave in most rounds."""
     rng = random.Random(seed)
