@@ -242,8 +242,7 @@ def weight_bytes_per_step(model: Transformer) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Generate text with a Llama-family model. Without --checkpoint: SmolLM2-135M-"
-                                "Instruct, prepared on first use in ~/.cache/graphdecode ($GRAPHDECODE_CACHE); on the CPU "
-                                "in its int4 form (groups of 32), on CUDA in bf16.")
+                                "Instruct, prepared in ~/.cache/graphdecode ($GRAPHDECODE_CACHE); int4 g32 on the CPU.")
     p.add_argument("--checkpoint", type=Path, help="checkpoint directory (default: the default model)")
     p.add_argument("--prompt", default="Hello, my name is", help="prompt text (default: %(default)r)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default: %(default)s)")
@@ -360,10 +359,12 @@ def run(args) -> None:
     if args.check_graphs:  # it decodes 8 more steps (or a round) after the prompt, 3 more to warm up
         length = min(context, max(length, len(first_prompt) + 12 + extra))
     length = min(context, -(-length // 64) * 64)  # (a compiled step's shape: prompts of about one length share it)
-    if n == 1:  # (tensor parallel: each rank holds 1/n of the weights and of the cache)
+    if n > 1:  # (each rank holds 1/n of the weights and of the cache: no memory check)
+        model, swapped = tp.load(checkpoint, device, dtype, use_kernels)
+    else:
         check_memory(config, checkpoint, 1, context if args.interactive else length, dtype, device)
-    model, swapped = tp.load(checkpoint, device, dtype, use_kernels) if n > 1 else (load(checkpoint, device, dtype), [])
-    swapped = swapped or (gdkernels.apply(model) if use_kernels and n == 1 else [])
+        model = load(checkpoint, device=device, dtype=dtype)
+        swapped = gdkernels.apply(model) if use_kernels else []
     synchronize(device)
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
         + ("; ".join(swapped) or "none" if use_kernels else "off"))
@@ -466,8 +467,7 @@ def decode_weight_bytes(gen) -> int:
 
 def decode_path(gen, kernels: bool) -> str:
     """Which decode ran, in words: the mode (for the CPU's ahead-of-time step, whether one was found) and the kernels."""
-    step = getattr(gen, "step", None)
-    mode = getattr(step, "ran", None) or {"graphs": "compiled, CUDA graphs", "compile": "compiled"}.get(gen.mode, gen.mode)
+    mode = getattr(getattr(gen, "step", None), "ran", None) or {"graphs": "compiled, CUDA graphs"}.get(gen.mode, gen.mode)
     return f"{'speculative, ' if not isinstance(gen, Generator) else ''}{mode}, kernels {'on' if kernels else 'off'}"
 
 

@@ -190,7 +190,11 @@ class LLM:
         reqs = self.requests(prompts, max_new_tokens, chat)
         stop_ids = set() if ignore_eos else set(self.tokenizer.eos_ids)
         self.run(reqs, sampling, stop_ids, progress)
-        return [self.tokenizer.decode([t for t in r.out if t not in stop_ids]) for r in reqs]
+        return self.texts(reqs, stop_ids)
+
+    def texts(self, requests: list[Request], stop_ids) -> list[str]:
+        """Each request's generated text, its stop token left out."""
+        return [self.tokenizer.decode([t for t in r.out if t not in stop_ids]) for r in requests]
 
     def make_runner(self, sampling: Sampling, progress=None) -> Runner:
         """The runner for a sampling setting (part of the compiled step), warmed up once (progress(bucket,
@@ -312,8 +316,7 @@ def main_file(args, checkpoint, device, dtype, use_kernels: bool, sampling: Samp
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
             bar.update()
         llm.run(reqs, sampling, stop_ids, progress)
-    lines = "".join(json.dumps({"prompt": p, "text": tokenizer.decode([t for t in r.out if t not in stop_ids])}) + "\n"
-                    for (p, _), r in zip(prompts, reqs))
+    lines = "".join(json.dumps({"prompt": p, "text": t}) + "\n" for (p, _), t in zip(prompts, llm.texts(reqs, stop_ids)))
     if args.output:
         Path(args.output).write_text(lines)
     else:

@@ -102,7 +102,10 @@ def load(path, device, dtype=torch.bfloat16, kernels: bool = False) -> tuple[Tra
     with safe_open(Path(path) / "model.safetensors", framework="pt") as f:
         state = {name: shard(name, f.get_slice(name), rank, n) for name in f.keys()}
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)  # (its hook fuses the rank's q, k, v and w1, w3)
+    try:  # (its hook fuses the rank's q, k, v and w1, w3)
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:  # as Transformer.from_checkpoint says it
+        raise ValueError(f"{path}: weights do not match config.json: {str(e).splitlines()[1:3]}") from None
     if model.args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.eval().requires_grad_(False)
