@@ -19,6 +19,7 @@ import datetime
 import functools
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -33,6 +34,7 @@ from generate import (Generator, check_graphs, count_launches, decode_one_token,
                       speculative_round_bytes, weight_bytes_per_step)
 from model import ModelArgs, Transformer
 from quantize import load, quantize_model
+from serve import LLM, Request, Runner, serve_step
 from speculative import SpeculativeGenerator
 
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -270,6 +272,100 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     return record
 
 
+def workload(n: int, vocab: int, longest: int = 512, seed: int = 0) -> list[Request]:
+    """n requests of random tokens, their prompt and output lengths uniform in 16..longest (seeded)."""
+    rng, shortest = random.Random(seed), min(16, longest)
+    return [Request([rng.randrange(vocab) for _ in range(rng.randint(shortest, longest))],
+                    rng.randint(shortest, longest)) for _ in range(n)]
+
+
+class Timed:
+    """A runner's prefills, row moves and decode steps timed by CUDA events (their GPU time, not the gaps
+    between), and the rows and padding rows of its rounds counted."""
+
+    def __init__(self, runner: Runner):
+        self.events, self.rows, self.padded, self.runner = [], 0, 0, runner
+        for name in ("prefill", "move", "step"):
+            setattr(runner, name, self.wrap(getattr(runner, name)))
+        decode = runner.decode
+
+        def counted(rows):
+            self.rows += len(rows)
+            self.padded += runner.bucket(len(rows)) - len(rows)
+            return decode(rows)
+        counted.inner, runner.decode = decode, counted
+
+    def wrap(self, fn):
+        def timed(*a):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            r = fn(*a)
+            e.record()
+            self.events.append((s, e))
+            return r
+        timed.inner = fn
+        return timed
+
+    def gpu_s(self, skip: int = 0) -> float:
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.events[skip:]) / 1e3
+
+    def remove(self):
+        for name in ("prefill", "move", "step", "decode"):
+            setattr(self.runner, name, getattr(self.runner, name).inner)
+
+
+def by_hand(runner: Runner) -> None:
+    """The runner's buckets captured by hand (torch.cuda.CUDAGraph) into one pool, largest first, on its own
+    static views: its step becomes a replay of the bucket's graph. What CUDAGraph Trees does for serve.py,
+    without Inductor."""
+    pool, graphs = torch.cuda.graph_pool_handle(), {}
+    for b in reversed(runner.buckets):
+        token, pos, out = runner.views[b]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):  # (kernels built and lazy state made outside the capture)
+                runner.col.zero_()
+                serve_step(runner.model, token, pos, out, runner.col, runner.sampling)
+        torch.cuda.current_stream().wait_stream(side)
+        runner.col.zero_()
+        graphs[b] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[b], pool=pool), torch.no_grad():
+            serve_step(runner.model, token, pos, out, runner.col, runner.sampling)
+    runner.step = lambda model, token, *rest: graphs[token.shape[0]].replay()
+
+
+@torch.no_grad()
+def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, longest: int,
+                  sampling: Sampling) -> dict:
+    """The serving engine (serve.py) on `requests` random requests (workload), continuous batching up to
+    max_batch rows over buckets 1, 2, 4, ... (graphs: CUDAGraph Trees; manual: captured by hand into one pool;
+    eager and compile: none): output tok/s and warm-up; then the same engine one request at a time (the first
+    8) for batch 1. On CUDA also the padding rows' share of the rounds, and the host overhead: wall time over
+    the GPU time of the prefills, row moves and steps."""
+    device = model.tok_embeddings.weight.device
+    llm = LLM(model=model, max_batch=max_batch, max_length=2 * longest, steps=steps,
+              compile=mode in ("graphs", "compile"))
+    start = time.perf_counter()
+    runner = llm.make_runner(sampling)
+    if mode == "manual":
+        by_hand(runner)
+    synchronize(device)
+    warmup_s, timed = time.perf_counter() - start, Timed(runner) if device.type == "cuda" else None
+    reqs = workload(requests, model.args.vocab_size, longest)
+    llm.run(reqs, sampling)
+    r = {"mode": f"serve-{mode}", "batch_size": max_batch, "requests": requests, "longest": longest,
+         "decode_steps": steps, "tok_s": llm.tokens_out / llm.seconds, "seconds": llm.seconds,
+         "tokens": llm.tokens_out, "compile_s": warmup_s, "peak_mem_gb": peak_memory_gb(device)}
+    if timed is not None:
+        r.update(padded_row_share=timed.padded / (timed.rows + timed.padded), host_overhead=llm.seconds / timed.gpu_s())
+    llm.max_batch = 1  # the same engine and graphs, one request at a time
+    llm.run(workload(requests, model.args.vocab_size, longest)[:8], sampling)
+    r.update(batch1_tok_s=llm.tokens_out / llm.seconds, vs_batch1=r["tok_s"] / (llm.tokens_out / llm.seconds))
+    return r
+
+
 def quantized(model: Transformer, spec: str) -> Transformer:
     """The model quantized in memory as quantize.py would: spec is one of QUANTIZE_CHOICES."""
     mode, _, group = spec.partition("-g")
@@ -297,12 +393,20 @@ def main(argv=None) -> int:
     p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
                    help="the draft is the target quantized this way (random weights: the usual set-up)")
     p.add_argument("--draft-checkpoint", type=Path, help="a draft checkpoint directory instead")
+    p.add_argument("--serving", type=int, metavar="REQUESTS",
+                   help="measure the serving engine (serve.py) instead: REQUESTS random requests, batched continuously")
+    p.add_argument("--max-batch", type=int, default=64, help="--serving: the engine's rows (largest bucket)")
+    p.add_argument("--decode-steps", type=int, default=8, help="--serving: decode steps a round")
+    p.add_argument("--serving-length", type=int, default=512,
+                   help="--serving: prompt and output lengths uniform in 16..N tokens")
     p.add_argument("--json", type=Path, help="append each record to this JSON list as it is measured")
     p.add_argument("--plot", type=Path, help="write a PNG bar chart (needs matplotlib)")
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     allowed = ["eager", "compile", "graphs", "manual"] if device.type == "cuda" else ["eager", "compile"]
+    if a.serving is not None and device.type == "cuda":
+        allowed.remove("compile")  # (the engine compiles its buckets with graphs or not at all)
     modes = a.modes.split(",") if a.modes else allowed
     if not set(modes) <= set(allowed):
         print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
@@ -311,6 +415,11 @@ def main(argv=None) -> int:
     if a.repeat < 1:
         print(f"error: --repeat must be at least 1 (got {a.repeat})", file=sys.stderr)
         return 1
+    if a.serving is not None and (a.serving < 1 or a.max_batch < 1 or a.decode_steps < 1 or a.serving_length < 1
+                                  or a.speculate_k is not None):
+        print("error: --serving, --max-batch, --decode-steps and --serving-length must be >= 1, without --speculate-k",
+              file=sys.stderr)
+        return 1
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint", file=sys.stderr)
@@ -318,7 +427,7 @@ def main(argv=None) -> int:
     use_kernels = not a.no_kernels and gdkernels.enabled()
     rank, n = tp.world()  # torchrun --nproc-per-node N bench.py: each rank times its share (tp.py); rank 0 reports
     if n > 1:
-        if a.quantize or a.speculate_k or a.checkpoint:
+        if a.quantize or a.speculate_k or a.checkpoint or a.serving:
             print("error: under torchrun bench.py times a preset's float model", file=sys.stderr)
             return 1
         try:
@@ -365,7 +474,15 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch._dynamo.reset()  # a fresh compile per configuration, as a user would see
 
-    for mode in modes:
+    for mode in modes if a.serving else []:
+        r = bench_serving(model, mode, a.serving, a.max_batch, a.decode_steps, a.serving_length, sampling)
+        more = f"; padding {r['padded_row_share']:.1%}, host overhead {r['host_overhead']:.2f}x" if "host_overhead" in r \
+            else ""
+        print(f"  serve-{mode} {a.serving} requests, {a.max_batch} rows: {r['tok_s']:8.1f} tok/s = "
+              f"{r['vs_batch1']:.1f}x batch 1 ({r['batch1_tok_s']:.1f}); warm-up {r['compile_s']:.1f} s{more}",
+              file=sys.stderr, flush=True)
+        keep(r)
+    for mode in modes if not a.serving else []:
         for batch in batches:
             r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
                           a.check_graphs and mode in ("graphs", "manual"), a.kernels, sampling, a.repeat)

@@ -230,17 +230,15 @@ class KVCache(nn.Module):
         shape = (max_batch_size, n_kv_heads, max_seq_length, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("rows", torch.arange(max_batch_size, device=device)[:, None], persistent=False)
 
     def update(self, input_pos, k, v):
-        """input_pos [S] (or [B, S] per row), k and v [B, Hkv, S, D] -> the cache's first B rows."""
+        """input_pos [S] (or [B, S], each row its own), k and v [B, Hkv, S, D] -> the cache's first B rows.
+        (Written by indexing the whole cache: compiled, a write into a slice k_cache[:B] copies the slice.)"""
         B = k.shape[0]
-        if input_pos.dim() == 2:  # each row at its own positions
-            at = input_pos[:, None, :, None].expand_as(k)
-            self.k_cache[:B].scatter_(2, at, k)
-            self.v_cache[:B].scatter_(2, at, v)
-        else:
-            self.k_cache[:B].index_copy_(2, input_pos, k)
-            self.v_cache[:B].index_copy_(2, input_pos, v)
+        at = (self.rows[:B], slice(None), input_pos)  # row b at input_pos (or input_pos[b])
+        self.k_cache[at] = k.transpose(1, 2)  # [B, S, Hkv, D]: advanced indices' dims come first
+        self.v_cache[at] = v.transpose(1, 2)
         return self.k_cache[:B], self.v_cache[:B]
 
 

@@ -1,6 +1,8 @@
 """The serving engine's tables in BENCHMARKS.md (serve.py), on one GPU, random weights of a preset's shape.
 
-    python benchmarks/serving.py --model llama-2-7b --parts pools,padding,throughput,steps --json OUT.json
+    python benchmarks/serving.py --model llama-2-7b --parts pools,padding,steps --json OUT.json
+
+(The engine's throughput is bench.py's: python bench.py --serving 256 --max-batch 64 --modes graphs,manual,eager.)
 
 Parts (each appends records to --json as it goes):
   pools       every bucket 1..64 captured by hand (torch.cuda.CUDAGraph, the eager step): graph memory with one
@@ -8,15 +10,10 @@ Parts (each appends records to --json as it goes):
               per captured kernel (free memory lost beyond what the allocator's pool holds, per kernel node)
   padding     by hand as well: the step at active counts 5, 12, 40 against the buckets they pad to (8, 16, 64),
               and bucket 64 against bucket 1, every row at 256 cached positions
-  throughput  256 requests, prompts and outputs uniform in 16-512 tokens (seed 0), --max-batch 64: output tok/s
-              graphed (serve.py's CUDAGraph Trees buckets) and eager; the same engine admitting one request at a
-              time (the first 8) for batch 1; the warm-up of every bucket; the padded rows' share; host overhead
-              (wall time over the GPU time of the prefills, row moves and steps, by CUDA events)
   steps       multi-step rounds: K = 1, 4, 8 steps a round for buckets 1 and 64: tok/s and host overhead
 """
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -25,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gdkernels  # noqa: E402
-from bench import PRESETS, launches_per_call, random_model  # noqa: E402 (generate.py's, through bench)
+from bench import PRESETS, Timed, launches_per_call, random_model  # noqa: E402 (generate.py's, through bench)
 from common import Sampling  # noqa: E402
 from serve import LLM, Request, default_buckets, serve_step  # noqa: E402
 
@@ -122,111 +119,6 @@ def part_padding(model, out):
     del graphs, bufs
 
 
-def workload(n=256, seed=0, vocab=32000):
-    rng = random.Random(seed)
-    return [Request([rng.randrange(vocab) for _ in range(rng.randint(16, 512))], rng.randint(16, 512))
-            for _ in range(n)]
-
-
-class Timed:
-    """Wraps the runner's prefill, move and step with CUDA events (their GPU time, not the gaps between),
-    and counts the rows and padding of each round."""
-
-    def __init__(self, runner):
-        self.events, self.rows, self.padded, self.step = [], 0, 0, runner.step
-        for name in ("prefill", "move", "step"):
-            setattr(runner, name, self.wrap(getattr(runner, name)))
-        decode = runner.decode
-
-        def counted(rows):
-            self.rows += len(rows)
-            self.padded += runner.bucket(len(rows)) - len(rows)
-            return decode(rows)
-        runner.decode = counted
-
-    def wrap(self, fn):
-        def timed(*a):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            r = fn(*a)
-            e.record()
-            self.events.append((s, e))
-            return r
-        return timed
-
-    def gpu_s(self):
-        torch.cuda.synchronize()
-        return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
-
-    def remove(self, runner):
-        for name in ("prefill", "move", "decode"):
-            delattr(runner, name)  # the runner's own methods again
-        runner.step = self.step
-
-
-def run_engine(llm, reqs, steps):
-    runner = llm.make_runner(GREEDY)
-    runner.steps = steps
-    timed = Timed(runner)
-    llm.run(reqs, GREEDY)
-    timed.gpu_s()
-    timed.remove(runner)
-    return timed
-
-
-def by_hand(runner):
-    """The runner's buckets captured by hand into one pool, largest first, on the runner's own static views:
-    its step becomes a replay of the bucket's graph (what CUDAGraph Trees does for serve.py, without Inductor)."""
-    pool, graphs = torch.cuda.graph_pool_handle(), {}
-    for b in reversed(runner.buckets):
-        token, pos, out = runner.views[b]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):
-                runner.col.zero_()
-                serve_step(runner.model, token, pos, out, runner.col, runner.sampling)
-        torch.cuda.current_stream().wait_stream(side)
-        runner.col.zero_()
-        graphs[b] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[b], pool=pool), torch.no_grad():
-            serve_step(runner.model, token, pos, out, runner.col, runner.sampling)
-    runner.step = lambda model, token, *rest: graphs[token.shape[0]].replay()
-    runner.mode = "graphs by hand"
-
-
-def part_throughput(model, out, args):
-    reqs = lambda: workload(args.requests, vocab=model.args.vocab_size)  # noqa: E731
-    for compile in args.engines.split(","):
-        torch._dynamo.reset()
-        llm = LLM(model=model, max_batch=64, max_length=1024, steps=8, compile=compile == "graphs")
-        torch.cuda.synchronize()
-        reserved0 = torch.cuda.memory_reserved()
-        start = time.perf_counter()
-        llm.make_runner(GREEDY, lambda b, sec: print(f"bucket {b} warm in {sec:.1f} s", file=sys.stderr, flush=True))
-        if compile == "manual":
-            by_hand(llm.runner)
-            llm.mode = llm.runner.mode
-        warm_s = time.perf_counter() - start
-        pool_mb = (torch.cuda.memory_reserved() - reserved0) / 2**20
-        rs = reqs()
-        timed = run_engine(llm, rs, 1)
-        record(out, part="throughput", mode=llm.mode, requests=len(rs), max_batch=64, steps_a_round=1,
-               tok_s=llm.tokens_out / llm.seconds, seconds=llm.seconds, tokens=llm.tokens_out, warmup_s=warm_s,
-               pool_mb_after_warmup=pool_mb, padded_row_share=timed.padded / (timed.rows + timed.padded),
-               host_overhead=llm.seconds / timed.gpu_s())
-        if compile == "eager":
-            continue
-        llm.max_batch = 1  # the same engine and graphs, one request at a time: batch 1
-        one = reqs()[:8]
-        timed = run_engine(llm, one, 1)
-        record(out, part="throughput", mode=llm.mode, requests=len(one), max_batch=1, steps_a_round=1,
-               tok_s=llm.tokens_out / llm.seconds, host_overhead=llm.seconds / timed.gpu_s())
-        llm.max_batch = 64
-        part_steps(llm, out, "throughput engine")
-        del llm
-
-
 def part_steps(llm, out, what):
     """Rounds of K steps on buckets 1 and 64, every row at 256 cached positions."""
     runner = llm.make_runner(GREEDY)
@@ -245,8 +137,8 @@ def part_steps(llm, out, what):
                 runner.decode(rows)
             wall = time.perf_counter() - start
             torch.cuda.synchronize()
-            step_s = sum(s.elapsed_time(e) for s, e in gpu.events[k:]) / 1e3
-            gpu.remove(runner)
+            step_s = gpu.gpu_s(skip=k)
+            gpu.remove()
             record(out, part="steps", engine=what, dim=llm.model.args.dim, bucket=b, steps_a_round=k,
                    tok_s=b * k * rounds / wall, step_ms=step_s / (k * rounds) * 1e3, host_overhead=wall / step_s)
 
@@ -254,9 +146,7 @@ def part_steps(llm, out, what):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(PRESETS), default="llama-2-7b")
-    p.add_argument("--parts", default="pools,padding,throughput,steps")
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--engines", default="graphs,eager", help="throughput: graphs (serve.py's), manual (by hand), eager")
+    p.add_argument("--parts", default="pools,padding,steps")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -265,9 +155,7 @@ def main():
     model.setup_caches(64, 320)  # (pools, padding: 256 positions and room; the engine grows it)
     for part in args.parts.split(","):
         print(f"== {part} {time.strftime('%H:%M:%S')}", file=sys.stderr, flush=True)
-        if part == "throughput":
-            part_throughput(model, args.json, args)
-        elif part == "steps":
+        if part == "steps":
             torch._dynamo.reset()
             part_steps(LLM(model=model, max_batch=64, max_length=320, buckets=[1, 64], steps=8), args.json,
                        "buckets 1 and 64 alone")

@@ -158,7 +158,7 @@ class Int4Gemv(Fused, Int4Linear):
 
 
 class KernelAttention(Attention):
-    """Attention.attend with one kernel for one new token at a position shared by the batch."""
+    """Attention.attend with one kernel for one new token a row (at one position, or at each row's own)."""
 
     def convert(self, device):  # the cache slices' finishing counts (the kernel leaves them at zero)
         self.register_buffer("counts", torch.zeros(ATTENTION_MAX_BATCH * self.n_kv_heads, dtype=torch.int32,

@@ -43,7 +43,7 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
-                          count_ptr, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
+                          count_ptr, pos_stride, qkv_stride, cache_stride_b, cache_stride_h, L, qk_scale,
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                           BLOCK_S: tl.constexpr, PDL: tl.constexpr):
@@ -55,7 +55,7 @@ if triton is not None:
         rd = tl.arange(0, BLOCK_D)
         d_ok = rd < D
         cache = b * cache_stride_b + hkv * cache_stride_h
-        pos = tl.load(pos_ptr).to(tl.int32)
+        pos = tl.load(pos_ptr + b * pos_stride).to(tl.int32)  # (stride 0: one position for the batch)
         inside = (rd * 0 + pos) < L  # callers keep pos < L; if not, nothing is read or written past the cache
         # Slices sized from pos, so that the work is spread over all of them however long the cache
         chunk = tl.cdiv(tl.cdiv(pos + 1, SPLITS), BLOCK_L) * BLOCK_L
@@ -135,8 +135,8 @@ if triton is not None:
 
 
 def usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
-    """Whether decode_attention runs this step: on CUDA with Triton, one position shared by the batch."""
-    return triton is not None and qkv.is_cuda and pos.numel() == 1
+    """Whether decode_attention runs this step: on CUDA with Triton, one position for the batch or one a row."""
+    return triton is not None and qkv.is_cuda and pos.numel() in (1, qkv.shape[0])
 
 
 def splits_for(batch: int, n_kv_heads: int, length: int) -> int:
@@ -161,7 +161,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
                      k_cache: torch.Tensor, v_cache: torch.Tensor, counts: torch.Tensor, n_heads: int,
                      n_kv_heads: int, splits: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence, with its RoPE and cache write:
-    qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position,
+    qkv [B, 1, (H + 2 Hkv) D] (q, k, v of the new token, before RoPE), pos [1] its position (or [B, 1],
+    each row its own: the serving engine's),
     cos and sin [L, D] the RoPE tables, caches [>= B, Hkv, L, D] (written at pos), counts int32
     [>= B Hkv] of zeros (the slices' finishing count; left at zero)
     -> y [B, 1, H D], the attention output over positions 0..pos, heads side by side.
@@ -173,6 +174,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} is not one token of {n_heads}+2x{n_kv_heads} heads of {D}")
     if not all(t.is_contiguous() for t in (k_cache, v_cache, cos, sin)) or cos.shape[-1] != D:
         raise ValueError("decode_attention: the caches and RoPE tables must be contiguous, D wide")
+    if pos.numel() not in (1, B):
+        raise ValueError(f"decode_attention: pos {tuple(pos.shape)} is neither one position nor one a row of {B}")
     if counts.dtype != torch.int32 or counts.numel() < B * Hkv:
         raise ValueError(f"decode_attention: counts must be int32 with at least {B * Hkv} entries")
     splits = splits or splits_for(B, Hkv, L)
@@ -188,7 +191,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         acc = torch.empty((B, n_heads, splits, D), device=qkv.device, dtype=torch.float32)
     use_pdl = pdl(qkv)
     _attention_kernel[(B, Hkv, splits)](
-        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, qkv.stride(0), k_cache.stride(0),
+        qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, 0 if pos.numel() == 1 else pos.stride(0),
+        qkv.stride(0), k_cache.stride(0),
         k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits, BLOCK_G=block_g,
         BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl, num_warps=warps,
         **({"launch_pdl": True} if use_pdl else {}))

@@ -3,7 +3,6 @@ per token, no recompiles, kept outputs never overwritten; and the kernels (gdker
 plain model: the same logits within bf16 rounding and the same greedy tokens, in bf16, int8 and int4,
 with each int4 weight held once. Run with `pytest -m cuda`."""
 import copy
-import math
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from common import Sampling, no_recompiles
 from generate import RNG_KERNELS_PER_REPLAY, check_graphs, check_speculative_graphs, count_launches
 from model import ModelArgs
 from quantize import Int4Linear, quantize_model
+from test_kernels import reference_attention
 
 pytestmark = pytest.mark.cuda
 
@@ -294,24 +294,6 @@ def test_decode_attention_kernel_matches_pytorch_many_slices_repeated():
             graph.replay()
             torch.cuda.synchronize()
             check(y, p)
-
-
-def reference_attention(qkv, p, cos, sin, k_cache, v_cache, H, Hkv):
-    """RoPE (rotate-half, in float32, rounded to the cache dtype), the cache write at position p and
-    attention over positions <= p, in PyTorch: float32 [B, 1, H D]."""
-    B, D = qkv.shape[0], k_cache.shape[-1]
-    q, k, v = qkv.float().split([H * D, Hkv * D, Hkv * D], dim=-1)
-
-    def rope(t, heads):
-        t = t.view(B, heads, D)
-        t1, t2 = t.chunk(2, dim=-1)
-        return (t * cos[p].float() + torch.cat([-t2, t1], dim=-1) * sin[p].float()).to(qkv.dtype)
-
-    k_cache[:B, :, p] = rope(k, Hkv)
-    v_cache[:B, :, p] = v.view(B, Hkv, D).to(qkv.dtype)
-    keys, values = (c[:B, :, :p + 1].float().repeat_interleave(H // Hkv, dim=1) for c in (k_cache, v_cache))
-    scores = torch.einsum("bhd,bhpd->bhp", rope(q, H).float(), keys) / math.sqrt(D)
-    return torch.einsum("bhp,bhpd->bhd", scores.softmax(-1), values).reshape(B, 1, H * D)
 
 
 def test_pdl_chain_of_dependent_kernels_equals_plain_launches(monkeypatch):

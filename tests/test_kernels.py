@@ -463,6 +463,34 @@ def test_decode_attention_matches_pytorch(B, rows, H, Hkv, D, L, pos, splits):
     assert k_cache.equal(k_ref) and v_cache.equal(v_ref)  # v written exactly, nothing else touched
 
 
+@pytest.mark.parametrize("H, Hkv, D, L, positions, splits", [
+    (4, 4, 64, 300, (0, 150, 37, 299), None),  # one head a group, a row at each end of the cache
+    (8, 2, 64, 600, (511, 3, 200), 4),  # grouped heads, slices sized per row
+])
+def test_decode_attention_with_a_position_per_row(H, Hkv, D, L, positions, splits):
+    """pos [B, 1], each row at its own position (the serving engine's step): every row's output and cache
+    write equal the kernel run on that row alone at its position, and the reference."""
+    B = len(positions)
+    torch.manual_seed(B)
+    qkv = torch.randn(B, 1, (H + 2 * Hkv) * D).bfloat16().to(DEVICE)
+    caches = [torch.randn(B + 1, Hkv, L, D).bfloat16().to(DEVICE) for _ in range(2)]
+    cos, sin = (t.to(DEVICE) for t in rope_tables(L, D))
+    counts = torch.zeros((B + 1) * Hkv, dtype=torch.int32, device=DEVICE)
+    alone = [c.clone() for c in caches]
+    pos = torch.tensor(positions, device=DEVICE)[:, None]
+    y = attention.decode_attention(qkv, pos, cos, sin, *caches, counts, H, Hkv, splits)
+    for b, p in enumerate(positions):
+        row = [c[b:b + 1] for c in alone]
+        one = attention.decode_attention(qkv[b:b + 1], torch.tensor([p], device=DEVICE), cos, sin, *row, counts,
+                                         H, Hkv, splits)
+        assert y[b].equal(one[0]), (b, p)
+        row_caches = (c[b:b + 1].cpu().clone() for c in caches)
+        ref = reference_attention(qkv[b:b + 1].cpu(), p, cos.cpu(), sin.cpu(), *row_caches, H, Hkv)
+        assert (one.float().cpu() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    assert caches[0].equal(alone[0]) and caches[1].equal(alone[1])  # each row written at its own position only
+    assert not counts.any()
+
+
 def test_attention_launch_rule():
     """One query head a KV head at batch 1 of Llama-2-7B (32 KV heads, 4 slices, D = 128) runs 8 warps at
     64 positions a step; at batch 8 (1024 programs) 4 warps at 32; grouped heads (Llama-3.1-8B: 4 a KV
@@ -500,6 +528,9 @@ def test_decode_attention_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="counts must be int32"):
         attention.decode_attention(torch.zeros(1, 1, 3 * 4 * 16).bfloat16(), torch.tensor([0]), table, table, cache,
                                    cache, torch.zeros(4), 4, 4)
+    with pytest.raises(ValueError, match="neither one position nor one a row"):
+        attention.decode_attention(torch.zeros(2, 1, 3 * 4 * 16).bfloat16(), torch.tensor([0, 1, 2]), table, table,
+                                   cache, cache, torch.zeros(8, dtype=torch.int32), 4, 4)
     assert not attention.usable(torch.zeros(1, 1, 8), torch.tensor([0]))
 
 

@@ -179,11 +179,36 @@ def test_read_prompts_missing_file(tmp_path):
         read_prompts(tmp_path / "nope.txt", 10)
 
 
+def test_bench_serving_record(tmp_path, capsys):
+    """bench.py --serving: every request of the seeded workload runs to its budget (random weights, no stop
+    token), the record's tok/s is its tokens over its seconds, and batch 1 is measured beside it."""
+    import bench
+    from test_quantize import write_float_checkpoint
+
+    write_float_checkpoint(tmp_path / "tiny", ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                                                        intermediate_size=128, max_seq_len=256))
+    out = tmp_path / "records.json"
+    assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), "--modes", "eager", "--serving", "6",
+                       "--max-batch", "4", "--decode-steps", "3", "--serving-length", "24", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())
+    assert (r["mode"], r["batch_size"], r["requests"], r["decode_steps"]) == ("serve-eager", 4, 6, 3)
+    assert r["tokens"] == sum(q.max_new_tokens for q in bench.workload(6, 64, 24))
+    assert r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"])
+    assert r["batch1_tok_s"] > 0 and r["vs_batch1"] == pytest.approx(r["tok_s"] / r["batch1_tok_s"])
+    assert "serve-eager 6 requests, 4 rows" in capsys.readouterr().err
+    for bad in (["--serving", "0"], ["--serving", "2", "--max-batch", "0"], ["--serving", "2", "--speculate-k", "1"]):
+        assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), *bad]) == 1
+        assert capsys.readouterr().err.startswith("error:")
+
+
 # -- CUDA: graphs, one replay per step ----------------------------------------------------------
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("steps", [1, 4])
-def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps):
+@pytest.mark.parametrize("steps, kernels", [(1, False), (4, False), (4, True)])
+def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps, kernels, monkeypatch):
+    """With kernels, decode attention at a position per row is attention.py's kernel (counted in an eager
+    round), and the graphed engine's tokens still equal each request's alone (the shared-position kernel)."""
+    import gdkernels
     from generate import launches_per_call
 
     torch._dynamo.reset()
@@ -193,6 +218,15 @@ def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps):
     model = Transformer(args).cuda().float().eval().requires_grad_(False)
     for p in model.parameters():
         p.normal_(0, 0.3)  # peaky: compiled and eager rounding do not decide greedy
+    if kernels:
+        assert any("attention" in line for line in gdkernels.apply(model))
+        calls = []
+        kernel = gdkernels.attention.decode_attention
+        monkeypatch.setattr(gdkernels.attention, "decode_attention",
+                            lambda qkv, pos, *a: calls.append(tuple(pos.shape)) or kernel(qkv, pos, *a))
+        engine(model, [[1, 2], [3, 4]], [2, 2], max_batch=2, max_length=16, steps=1, compile=False)
+        assert calls == [(2, 1)] * args.n_layers  # one round of 2 rows (the first tokens come from prefill)
+        monkeypatch.undo()
     prompts, budgets = workload(20, seed=4)
     ref = [alone(model, p, n) for p, n in zip(prompts, budgets)]
     got, llm = engine(model, prompts, budgets, max_batch=8, max_length=128, steps=steps, compile=True)
