@@ -82,6 +82,10 @@ def buffers(n):
 def part_pools(model, out):
     kernels = launches_per_call(lambda: serve_step(model, *buffers(1), GREEDY), CUDA, 2)["kernels_outside_graphs_per_step"]
     buckets = default_buckets(64)
+    warm = buffers(64)
+    for b in buckets:  # (each size's kernels and cuBLAS workspaces made before any pool is measured)
+        serve_step(model, warm[0][:b], warm[1][:b], warm[2][:b], warm[3], GREEDY)
+    del warm
     for how in ("one pool, largest first", "one pool, smallest first", "a pool per bucket"):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

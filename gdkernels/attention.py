@@ -19,13 +19,14 @@ import math
 
 import torch
 
-from .gemv import TARGET_PROGRAMS, pdl, triton
+from .gemv import pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers
+SLICED_PROGRAMS = 8192  # splits_for's aim
 
 if triton is not None:
 
@@ -140,20 +141,23 @@ def usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
 
 
 def splits_for(batch: int, n_kv_heads: int, length: int) -> int:
-    """Slices of the cache: enough programs to fill the GPU (TARGET_PROGRAMS), at most MAX_SPLITS,
-    and no more than a cache of 64 positions a slice would need."""
-    return max(1, min(triton.cdiv(length, 64), TARGET_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
+    """Slices of the cache: up to SLICED_PROGRAMS programs, at most MAX_SPLITS, and no more than a cache of
+    64 positions a slice would need. Many short programs keep more loads in flight than a few long ones:
+    Llama-2-7B at 1,024 positions, rows at 16-1,000 of them, batch 64: 4 slices 230 µs against 1 slice 284;
+    batch 16: 8 slices 67 µs against 1 slice 103 (benchmarks/attention_sweep.py)."""
+    return max(1, min(triton.cdiv(length, 64), SLICED_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
 
 
 def launch(batch: int, n_kv_heads: int, splits: int, block_g: int, block_d: int) -> tuple[int, int]:
     """(cache positions a loop step, warps), for query heads a KV head and head_dim padded to block_g
     and block_d: products [block_g, positions, block_d] a step. One query head a KV head (Llama-2-7B):
     8 warps while the programs fit one per SM, at 8192 products (64 positions at D = 128: batch 1,
-    positions 50-200, 5.5 µs against 6.4 at 32), and 4 warps at 4096 products beyond, where smaller
-    programs let more of them run at once (batch 8: 13.8 -> 11.1 µs). Grouped heads keep 8192
-    products (not measured otherwise)."""
-    warps = 8 if block_g == 1 and batch * n_kv_heads * splits <= 132 else 4
-    products = 4096 if block_g == 1 and warps == 4 else 8192
+    positions 50-200, 5.5 µs against 6.4 at 32); 4 warps beyond, at 4096 products up to 1,024 programs
+    (batch 1, 16 slices: 6.6 µs against 7.7 at 2048) and 2048 past them (batch 8 to 64: 10-35% faster
+    than 4096). Grouped heads keep 8192 products (not measured otherwise)."""
+    programs = batch * n_kv_heads * splits
+    warps = 8 if block_g == 1 and programs <= 132 else 4
+    products = 8192 if block_g > 1 or warps == 8 else 4096 if programs <= 1024 else 2048
     return max(16, products // (block_g * block_d)), warps
 
 

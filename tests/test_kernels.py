@@ -492,15 +492,17 @@ def test_decode_attention_with_a_position_per_row(H, Hkv, D, L, positions, split
 
 
 def test_attention_launch_rule():
-    """One query head a KV head at batch 1 of Llama-2-7B (32 KV heads, 4 slices, D = 128) runs 8 warps at
-    64 positions a step; at batch 8 (1024 programs) 4 warps at 32; grouped heads (Llama-3.1-8B: 4 a KV
-    head) 8192 products a step. Slices: enough programs for the GPU, at most 16, 64 positions or more."""
+    """One query head a KV head (Llama-2-7B: 32 KV heads, D = 128): 8 warps at 64 positions a step while the
+    programs fit one an SM; 4 warps beyond, at 32 positions up to 1,024 programs (batch 1, 16 slices) and at
+    16 past them (batch 8 to 64). Grouped heads (Llama-3.1-8B: 4 a KV head) 8192 products a step. Slices:
+    up to 8192 programs, at most 16, 64 positions or more."""
     assert attention.launch(1, 32, 4, 1, 128) == (64, 8)
     assert attention.launch(1, 4, 2, 1, 64) == (128, 8)
-    assert attention.launch(8, 32, 4, 1, 128) == (32, 4)
+    assert attention.launch(1, 32, 16, 1, 128) == (32, 4)
+    assert attention.launch(8, 32, 16, 1, 128) == (16, 4) and attention.launch(64, 32, 4, 1, 128) == (16, 4)
     assert attention.launch(1, 8, 4, 4, 128) == (16, 4)
-    assert attention.splits_for(1, 32, 4096) == 16 and attention.splits_for(8, 32, 4096) == 2
-    assert attention.splits_for(1, 2, 200) == 4
+    assert attention.splits_for(1, 32, 4096) == 16 and attention.splits_for(64, 32, 4096) == 4
+    assert attention.splits_for(1, 2, 200) == 4 and attention.splits_for(256, 32, 4096) == 1
 
 
 def test_decode_attention_at_a_position_past_the_cache_touches_nothing():

@@ -1,0 +1,79 @@
+"""attention.py's launch rule (splits_for, launch) against a grid of slices and positions a loop step, on one GPU:
+Llama-2-7B's heads (32 KV heads) and Llama-3.1-8B's (8 KV heads of 4 queries), batch 1 to 64, a 1,024-position cache,
+each row at a random position in 16-1,000 (the serving engine's case). Times are of 20 launches replayed in a graph.
+
+    python benchmarks/attention_sweep.py --json benchmarks/records/attention.json
+"""
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gdkernels import attention  # noqa: E402
+
+D, L = 128, 1024
+
+
+def seconds(B, H, Hkv, pos, splits, rule):
+    """Mean seconds of one decode_attention launch with `splits` slices and launch rule `rule`."""
+    torch.manual_seed(0)
+    k_cache = torch.randn(B, Hkv, L, D, device="cuda").bfloat16()
+    v_cache, qkv = torch.randn_like(k_cache), torch.randn(B, 1, (H + 2 * Hkv) * D, device="cuda").bfloat16()
+    table, counts = torch.randn(L, D, device="cuda").bfloat16(), torch.zeros(B * Hkv, dtype=torch.int32, device="cuda")
+    kept, attention.launch = attention.launch, rule
+    try:
+        call = lambda: attention.decode_attention(qkv, pos, table, table, k_cache, v_cache, counts, H, Hkv, splits)  # noqa: E731
+        call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                call()
+    finally:
+        attention.launch = kept
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / 100
+
+
+def previous_launch(batch, n_kv_heads, splits, block_g, block_d):
+    """The rule before this sweep (tuned at batch 1 and 8 on one shared position), for the record."""
+    warps = 8 if block_g == 1 and batch * n_kv_heads * splits <= 132 else 4
+    return max(16, (4096 if block_g == 1 and warps == 4 else 8192) // (block_g * block_d)), warps
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    records = []
+    for (H, Hkv), B in itertools.product(((32, 32), (32, 8)), (1, 8, 16, 64)):
+        pos = torch.randint(16, 1000, (B, 1), generator=torch.Generator().manual_seed(B)).cuda()
+        kv_bytes = 2 * (pos + 1).sum().item() * Hkv * D * 2
+        rule = attention.splits_for(B, Hkv, L)
+        r = {"H": H, "Hkv": Hkv, "batch": B, "rule": [rule, *attention.launch(B, Hkv, rule, H // Hkv, D)],
+             "rule_us": seconds(B, H, Hkv, pos, rule, attention.launch) * 1e6}
+        previous = max(1, min(L // 64, 528 // (B * Hkv), attention.MAX_SPLITS))
+        r["previous_us"] = seconds(B, H, Hkv, pos, previous, previous_launch) * 1e6
+        grid = {}
+        for splits, block_l in itertools.product((1, 2, 4, 8, 16), (16, 32, 64)):
+            grid[f"{splits} slices, {block_l} positions"] = seconds(B, H, Hkv, pos, splits, lambda *a: (block_l, 4)) * 1e6
+        best = min(grid, key=grid.get)
+        r.update(best=best, best_us=grid[best], rule_gb_s=kv_bytes / r["rule_us"] / 1e3,
+                 gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+        print(json.dumps(r), flush=True)
+        records.append(r)
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
