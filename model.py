@@ -233,12 +233,15 @@ class KVCache(nn.Module):
         self.register_buffer("rows", torch.arange(max_batch_size, device=device)[:, None], persistent=False)
 
     def update(self, input_pos, k, v):
-        """input_pos [S] (or [B, S], each row its own), k and v [B, Hkv, S, D] -> the cache's first B rows.
-        (Written by indexing the whole cache: compiled, a write into a slice k_cache[:B] copies the slice.)"""
+        """input_pos [S] (or [B, S], each row its own), k and v [B, Hkv, S, D] -> the cache's first B rows."""
         B = k.shape[0]
-        at = (self.rows[:B], slice(None), input_pos)  # row b at input_pos (or input_pos[b])
-        self.k_cache[at] = k.transpose(1, 2)  # [B, S, Hkv, D]: advanced indices' dims come first
-        self.v_cache[at] = v.transpose(1, 2)
+        if input_pos.dim() == 2:  # indexing the whole cache: compiled, a write into the slice k_cache[:B]
+            at = (self.rows[:B], slice(None), input_pos)  # copies the slice (the serving engine's B < rows)
+            self.k_cache[at] = k.transpose(1, 2)  # [B, S, Hkv, D]: advanced indices' dims come first
+            self.v_cache[at] = v.transpose(1, 2)
+        else:
+            self.k_cache[:B].index_copy_(2, input_pos, k)
+            self.v_cache[:B].index_copy_(2, input_pos, v)
         return self.k_cache[:B], self.v_cache[:B]
 
 
