@@ -284,7 +284,7 @@ class Timed:
     between), and the rows and padding rows of its rounds counted."""
 
     def __init__(self, runner: Runner):
-        self.events, self.rows, self.padded, self.runner = [], 0, 0, runner
+        self.events, self.rows, self.padded = [], 0, 0
         for name in ("prefill", "move", "step"):
             setattr(runner, name, self.wrap(getattr(runner, name)))
         decode = runner.decode
@@ -293,7 +293,7 @@ class Timed:
             self.rows += len(rows)
             self.padded += runner.bucket(len(rows)) - len(rows)
             return decode(rows)
-        counted.inner, runner.decode = decode, counted
+        runner.decode = counted
 
     def wrap(self, fn):
         def timed(*a):
@@ -303,22 +303,16 @@ class Timed:
             e.record()
             self.events.append((s, e))
             return r
-        timed.inner = fn
         return timed
 
-    def gpu_s(self, skip: int = 0) -> float:
+    def gpu_s(self) -> float:
         torch.cuda.synchronize()
-        return sum(s.elapsed_time(e) for s, e in self.events[skip:]) / 1e3
-
-    def remove(self):
-        for name in ("prefill", "move", "step", "decode"):
-            setattr(self.runner, name, getattr(self.runner, name).inner)
+        return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
 
 
 def by_hand(runner: Runner) -> None:
-    """The runner's buckets captured by hand (torch.cuda.CUDAGraph) into one pool, largest first, on its own
-    static views: its step becomes a replay of the bucket's graph. What CUDAGraph Trees does for serve.py,
-    without Inductor."""
+    """The runner's buckets captured by hand into one pool, largest first, on its static views; its step becomes
+    a replay of the bucket's graph: what CUDAGraph Trees does for serve.py, without Inductor."""
     pool, graphs = torch.cuda.graph_pool_handle(), {}
     for b in reversed(runner.buckets):
         token, pos, out = runner.views[b]

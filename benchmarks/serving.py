@@ -126,23 +126,22 @@ def part_padding(model, out):
 def part_steps(llm, out, what):
     """Rounds of K steps on buckets 1 and 64, every row at 256 cached positions."""
     runner = llm.make_runner(GREEDY)
+    gpu = Timed(runner)
     for b in (1, 64):
         if b not in runner.buckets:
             continue
         rows = [Request([1] * 256, 10**6, out=[3]) for _ in range(b)]
         for k in (1, 4, 8):
             runner.steps = k
-            gpu = Timed(runner)
             rounds = max(4, 64 // k)
-            runner.decode(rows)  # (its k steps' events are left out below)
+            runner.decode(rows)  # (a round before the timed ones)
             torch.cuda.synchronize()
+            gpu.events.clear()
             start = time.perf_counter()
             for _ in range(rounds):
                 runner.decode(rows)
             wall = time.perf_counter() - start
-            torch.cuda.synchronize()
-            step_s = gpu.gpu_s(skip=k)
-            gpu.remove()
+            step_s = gpu.gpu_s()
             record(out, part="steps", engine=what, dim=llm.model.args.dim, bucket=b, steps_a_round=k,
                    tok_s=b * k * rounds / wall, step_ms=step_s / (k * rounds) * 1e3, host_overhead=wall / step_s)
 
