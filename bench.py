@@ -403,7 +403,8 @@ def main(argv=None) -> int:
         allowed.remove("compile")  # (the engine compiles its buckets with graphs or not at all)
     modes = a.modes.split(",") if a.modes else allowed
     if not set(modes) <= set(allowed):
-        print(f"error: unknown mode or CUDA-only mode on the CPU: {','.join(modes)}", file=sys.stderr)
+        print(f"error: mode not run {'by --serving ' if a.serving else ''}on {device.type}: {','.join(modes)}",
+              file=sys.stderr)
         return 1
     batches = [int(b) for b in a.batch_sizes.split(",")]
     if a.repeat < 1:
@@ -444,6 +445,10 @@ def main(argv=None) -> int:
             print(f"error: the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
                   f"({model.args.vocab_size})", file=sys.stderr)
             return 1
+    if a.serving and 2 * a.serving_length > model.args.max_seq_len:
+        print(f"error: --serving-length {a.serving_length}: a prompt and its output would pass the model's "
+              f"{model.args.max_seq_len} positions", file=sys.stderr)
+        return 1
     if a.quantize:
         model, name = quantized(model, a.quantize), f"{name} {a.quantize}"
     swapped = gdkernels.apply(model, fuse=n == 1) if use_kernels else []

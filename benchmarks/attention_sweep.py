@@ -5,6 +5,7 @@ each row at a random position in 16-1,000 (the serving engine's case). Times are
     python benchmarks/attention_sweep.py --json benchmarks/records/attention.json
 """
 import argparse
+import datetime
 import itertools
 import json
 import sys
@@ -69,8 +70,9 @@ def main():
         for splits, block_l in itertools.product((1, 2, 4, 8, 16), (16, 32, 64)):
             grid[f"{splits} slices, {block_l} positions"] = seconds(B, H, Hkv, pos, splits, lambda *a: (block_l, 4)) * 1e6
         best = min(grid, key=grid.get)
-        r.update(best=best, best_us=grid[best], rule_gb_s=kv_bytes / r["rule_us"] / 1e3,
-                 gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+        r.update(best=best, best_us=grid[best], rule_gb_s=kv_bytes / r["rule_us"] / 1e3, grid_us=grid,
+                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=str(datetime.date.today()),
+                 command="python " + " ".join(sys.argv))
         print(json.dumps(r), flush=True)
         records.append(r)
         if args.json:  # (as it goes)

@@ -13,6 +13,7 @@ Parts (each appends records to --json as it goes):
   steps       multi-step rounds: K = 1, 4, 8 steps a round for buckets 1 and 64: tok/s and host overhead
 """
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -31,7 +32,8 @@ CUDA = torch.device("cuda")
 
 
 def record(path, **r):
-    r.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    r.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=str(datetime.date.today()),
+             command="python " + " ".join(sys.argv))
     print(json.dumps(r), flush=True)
     if path:
         old = json.loads(path.read_text()) if path.exists() else []

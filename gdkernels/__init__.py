@@ -165,7 +165,7 @@ class KernelAttention(Attention):
                                                    device=device), persistent=False)
 
     def attend(self, qkv, input_pos, rope_cos, rope_sin, mask):
-        if qkv.shape[1] != 1 or not attention.usable(qkv, input_pos):
+        if qkv.shape[1] != 1 or qkv.shape[0] > ATTENTION_MAX_BATCH or not attention.usable(qkv, input_pos):
             return super().attend(qkv, input_pos, rope_cos, rope_sin, mask)
         c = self.kv_cache
         return attention.attention(qkv, input_pos, rope_cos, rope_sin, c.k_cache, c.v_cache, self.counts,

@@ -137,14 +137,19 @@ if triton is not None:
 
 def usable(qkv: torch.Tensor, pos: torch.Tensor) -> bool:
     """Whether decode_attention runs this step: on CUDA with Triton, one position for the batch or one a row."""
-    return triton is not None and qkv.is_cuda and pos.numel() in (1, qkv.shape[0])
+    return triton is not None and qkv.is_cuda and one_or_per_row(pos, qkv.shape[0])
+
+
+def one_or_per_row(pos: torch.Tensor, B: int) -> bool:
+    """pos holds one position, or one a row along its first dimension ([B] or [B, 1])."""
+    return pos.numel() == 1 or pos.shape[0] == pos.numel() == B
 
 
 def splits_for(batch: int, n_kv_heads: int, length: int) -> int:
     """Slices of the cache: up to SLICED_PROGRAMS programs, at most MAX_SPLITS, and no more than a cache of
     64 positions a slice would need. Many short programs keep more loads in flight than a few long ones:
-    Llama-2-7B at 1,024 positions, rows at 16-1,000 of them, batch 64: 4 slices 230 µs against 1 slice 284;
-    batch 16: 8 slices 67 µs against 1 slice 103 (benchmarks/attention_sweep.py)."""
+    Llama-2-7B's heads, a 1,024-position cache, rows at 16-1,000 positions: batch 64 249 µs (4 slices)
+    against 301 (1 slice), batch 16 68 against 102 (benchmarks/records/attention.json)."""
     return max(1, min(triton.cdiv(length, 64), SLICED_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
 
 
@@ -153,8 +158,8 @@ def launch(batch: int, n_kv_heads: int, splits: int, block_g: int, block_d: int)
     and block_d: products [block_g, positions, block_d] a step. One query head a KV head (Llama-2-7B):
     8 warps while the programs fit one per SM, at 8192 products (64 positions at D = 128: batch 1,
     positions 50-200, 5.5 µs against 6.4 at 32); 4 warps beyond, at 4096 products up to 1,024 programs
-    (batch 1, 16 slices: 6.6 µs against 7.7 at 2048) and 2048 past them (batch 8 to 64: 10-35% faster
-    than 4096). Grouped heads keep 8192 products (not measured otherwise)."""
+    (batch 1, 16 slices) and 2048 past them (batch 8 to 64): the best of benchmarks/attention_sweep.py's grid
+    at each. Grouped heads keep 8192 products (not measured otherwise)."""
     programs = batch * n_kv_heads * splits
     warps = 8 if block_g == 1 and programs <= 132 else 4
     products = 8192 if block_g > 1 or warps == 8 else 4096 if programs <= 1024 else 2048
@@ -178,7 +183,7 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
         raise ValueError(f"decode_attention: qkv {tuple(qkv.shape)} is not one token of {n_heads}+2x{n_kv_heads} heads of {D}")
     if not all(t.is_contiguous() for t in (k_cache, v_cache, cos, sin)) or cos.shape[-1] != D:
         raise ValueError("decode_attention: the caches and RoPE tables must be contiguous, D wide")
-    if pos.numel() not in (1, B):
+    if not one_or_per_row(pos, B):
         raise ValueError(f"decode_attention: pos {tuple(pos.shape)} is neither one position nor one a row of {B}")
     if counts.dtype != torch.int32 or counts.numel() < B * Hkv:
         raise ValueError(f"decode_attention: counts must be int32 with at least {B * Hkv} entries")

@@ -355,8 +355,8 @@ def test_compiled_decode_equals_eager_and_a_recompile_after_warm_up_is_an_error(
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_per_row_positions_give_each_row_its_own_logits(tiny, compiled):
-    """Positions per row, input_pos [B, S], flow through RoPE, the mask and the cache write (a scatter
-    per row): two rows at different offsets, prefilled S > 1 at a time and then decoded a few steps,
+    """Positions per row, input_pos [B, S], flow through RoPE, the mask and the cache write (indexed per
+    row): two rows at different offsets, prefilled S > 1 at a time and then decoded a few steps,
     give at every call the logits each row gets alone (batch 1, positions [S]). Row 1's later calls
     rewrite cache positions that hold other tokens (a padded prefill), so a cache write that wrote every
     row at row 0's positions, or none of the [B, S] writes, gives row 1 other logits; and the logits

@@ -489,6 +489,8 @@ def test_decode_attention_with_a_position_per_row(H, Hkv, D, L, positions, split
         assert (one.float().cpu() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
     assert caches[0].equal(alone[0]) and caches[1].equal(alone[1])  # each row written at its own position only
     assert not counts.any()
+    strided = torch.tensor(positions, device=DEVICE)[:, None].repeat(1, 3)[:, :1]  # (a view: stride 3 a row)
+    assert attention.decode_attention(qkv, strided, cos, sin, *caches, counts, H, Hkv, splits).equal(y)
 
 
 def test_attention_launch_rule():
@@ -530,9 +532,10 @@ def test_decode_attention_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="counts must be int32"):
         attention.decode_attention(torch.zeros(1, 1, 3 * 4 * 16).bfloat16(), torch.tensor([0]), table, table, cache,
                                    cache, torch.zeros(4), 4, 4)
-    with pytest.raises(ValueError, match="neither one position nor one a row"):
-        attention.decode_attention(torch.zeros(2, 1, 3 * 4 * 16).bfloat16(), torch.tensor([0, 1, 2]), table, table,
-                                   cache, cache, torch.zeros(8, dtype=torch.int32), 4, 4)
+    for pos in (torch.tensor([0, 1, 2]), torch.tensor([[0, 1]])):  # 3 positions for 2 rows; [1, B], not [B, 1]
+        with pytest.raises(ValueError, match="neither one position nor one a row"):
+            attention.decode_attention(torch.zeros(2, 1, 3 * 4 * 16).bfloat16(), pos, table, table, cache, cache,
+                                       torch.zeros(8, dtype=torch.int32), 4, 4)
     assert not attention.usable(torch.zeros(1, 1, 8), torch.tensor([0]))
 
 

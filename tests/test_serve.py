@@ -196,9 +196,11 @@ def test_bench_serving_record(tmp_path, capsys):
     assert r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"])
     assert r["batch1_tok_s"] > 0 and r["vs_batch1"] == pytest.approx(r["tok_s"] / r["batch1_tok_s"])
     assert "serve-eager 6 requests, 4 rows" in capsys.readouterr().err
-    for bad in (["--serving", "0"], ["--serving", "2", "--max-batch", "0"], ["--serving", "2", "--speculate-k", "1"]):
+    for bad in (["--serving", "0"], ["--serving", "2", "--max-batch", "0"], ["--serving", "2", "--speculate-k", "1"],
+                ["--serving", "2", "--serving-length", "200"]):  # (200 + 200 tokens: past the model's 256)
         assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), *bad]) == 1
-        assert capsys.readouterr().err.startswith("error:")
+        err = capsys.readouterr().err
+        assert err.startswith("error:") and err.count("\n") == 1, err
 
 
 # -- CUDA: graphs, one replay per step ----------------------------------------------------------
