@@ -310,23 +310,30 @@ class Timed:
         return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
 
 
+def capture(step, reset, pool=None) -> torch.cuda.CUDAGraph:
+    """step() recorded by hand into a torch.cuda.CUDAGraph (in `pool`), after two runs on a side stream that build
+    its kernels and lazy state outside the capture; reset() puts its inputs back before each run and the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
+            reset()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+        step()
+    return graph
+
+
 def by_hand(runner: Runner) -> None:
     """The runner's buckets captured by hand into one pool, largest first, on its static views; its step becomes
     a replay of the bucket's graph: what CUDAGraph Trees does for serve.py, without Inductor."""
     pool, graphs = torch.cuda.graph_pool_handle(), {}
     for b in reversed(runner.buckets):
-        token, pos, out = runner.views[b]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):  # (kernels built and lazy state made outside the capture)
-                runner.col.zero_()
-                serve_step(runner.model, token, pos, out, runner.col, runner.sampling)
-        torch.cuda.current_stream().wait_stream(side)
-        runner.col.zero_()
-        graphs[b] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[b], pool=pool), torch.no_grad():
-            serve_step(runner.model, token, pos, out, runner.col, runner.sampling)
+        step = functools.partial(serve_step, runner.model, *runner.views[b], runner.col, runner.sampling)
+        graphs[b] = capture(step, runner.col.zero_, pool)
     runner.step = lambda model, token, *rest: graphs[token.shape[0]].replay()
 
 

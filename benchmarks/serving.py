@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gdkernels  # noqa: E402
-from bench import PRESETS, Timed, launches_per_call, random_model  # noqa: E402 (generate.py's, through bench)
+from bench import PRESETS, Timed, capture, launches_per_call, random_model  # noqa: E402 (generate.py's, through bench)
 from common import Sampling  # noqa: E402
 from serve import LLM, Request, default_buckets, serve_step  # noqa: E402
 
@@ -41,23 +41,14 @@ def record(path, **r):
 
 
 class Bucket:
-    """One bucket's step captured by hand: static views of the largest buffers, warmed on a side stream,
-    recorded into `pool`. replay() runs it with every row at position `at` (col reset: out has 64 columns)."""
+    """One bucket's step captured by hand (bench.capture): static views of the largest buffers, recorded into
+    `pool`. replay() runs it with every row at position `at` (col reset: out has 64 columns)."""
 
     def __init__(self, model, b, buffers, pool, at):
         self.token, self.pos, self.out, self.col = buffers[0][:b], buffers[1][:b], buffers[2][:b], buffers[3]
-        self.model, self.at = model, at
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):
-                self.reset()
-                serve_step(model, self.token, self.pos, self.out, self.col, GREEDY)
-        torch.cuda.current_stream().wait_stream(side)
-        self.reset()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool), torch.no_grad():
-            serve_step(model, self.token, self.pos, self.out, self.col, GREEDY)
+        self.at = at
+        self.graph = capture(lambda: serve_step(model, self.token, self.pos, self.out, self.col, GREEDY), self.reset,
+                             pool)
 
     def reset(self):
         self.pos.fill_(self.at)
