@@ -1,8 +1,11 @@
 """What several modules share, below all of them: graph-safe sampling (fixed-shape ops, no host sync:
-sampling stays inside the step's one CUDA graph), the decode modes, the cache directory, dtypes."""
+sampling stays inside the step's one CUDA graph), the defaults every entry point uses, the decode modes
+and Step (a decode step on static buffers, compiled or recorded, warmed up and checked), the cache
+directory, dtypes."""
 import contextlib
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +17,32 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def cache_dir() -> Path:
     """Where the default model, the CPU kernels and the ahead-of-time steps are kept."""
     return Path(os.environ.get("GRAPHDECODE_CACHE", Path.home() / ".cache" / "graphdecode"))
+
+
+def default_device(name: str | None = None) -> torch.device:
+    """The device every entry point uses unless told: CUDA where there is one."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("device cuda: no CUDA device is available")
+    return device
+
+
+def default_dtype(name, device: torch.device) -> torch.dtype:
+    """A dtype's name (or a dtype, or None: bf16 on CUDA, fp32 on the CPU) -> the dtype."""
+    return DTYPES.get(name, name) or DTYPES["bf16" if device.type == "cuda" else "fp32"]
+
+
+def decode_mode(device: torch.device, compile: bool | None, aot: bool = False) -> str:
+    """How decode runs (compile: None the default, True asked for, False refused): CUDA graphs on CUDA; on
+    the CPU eager, or torch.compile when asked; aot (the CPU kernels' single-prompt step, gdkernels/aot.py):
+    built when asked, else used if built before."""
+    if compile is False:
+        return "eager"
+    if device.type == "cuda":
+        return "graphs"
+    if aot:
+        return "aot" if compile else "aot-cached"
+    return "compile" if compile else "eager"
 
 
 def compiled(fn, mode: str, device: torch.device, dynamic: bool | None = None):
@@ -46,6 +75,85 @@ def no_recompiles(mode: str):
             raise RuntimeError(f"decode recompiled after warm-up: {str(e).strip().splitlines()[-1]}") from e
 
 
+class Step:
+    """A decode step on static buffers as `mode` runs it (compiled(); aot: fn is gdkernels' ahead-of-time
+    step already), the one place Generator, the engine's Runner and the speculative generator get it from:
+    the buffers it mutates marked static (a graph replays on fixed addresses), and the first calls per key
+    (an input shape: a bucket) timed apart as warm-up (compile; CUDAGraph Trees: a warm-up run, the
+    recording, a first replay). check_graphs() verifies what runs after."""
+
+    WARMUP = {"eager": 0, "compile": 1, "graphs": 3, "aot": 1, "aot-cached": 1}
+
+    def __init__(self, fn, mode: str, device: torch.device, dynamic: bool | None = None):
+        self.mode, self.device = mode, device
+        self.fn = fn if mode.startswith("aot") else compiled(fn, mode, device, dynamic)
+        self.calls: dict = {}  # key -> calls so far, up to WARMUP[mode]
+        self.compile_s = 0.0
+
+    def static(self, *tensors: torch.Tensor) -> tuple:
+        if self.mode in ("compile", "graphs"):  # (eager and aot need no marks, nor the 1.3 s import of torch._dynamo)
+            for t in tensors:
+                torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
+        return tensors
+
+    def warm(self, key=None) -> bool:
+        return self.calls.get(key, 0) >= self.WARMUP[self.mode]
+
+    def reset(self) -> None:
+        """New buffers: the steps warm up (compile, record) again."""
+        self.calls.clear()
+
+    @torch.no_grad()  # grad mode is part of what a compiled step is specialised on
+    def __call__(self, *args, key=None):
+        if self.warm(key):
+            return self.fn(*args)
+        start = time.perf_counter()
+        out = self.fn(*args)
+        synchronize(self.device)
+        self.compile_s += time.perf_counter() - start
+        self.calls[key] = self.calls.get(key, 0) + 1
+        return out
+
+
+class GraphCheckError(RuntimeError):
+    """A step did not run as the CUDA graph replays expected."""
+
+
+# A graph that draws random numbers (sampling at temperature > 0; the engine's step always) comes with two
+# small kernels outside it at every replay: PyTorch first writes the generator's seed and offset into the
+# graph's inputs (the replay prologue of torch.cuda.CUDAGraph), so each replay draws new numbers.
+RNG_KERNELS_PER_REPLAY = 2
+
+
+def launches_per_call(fn, device, calls: int) -> dict:
+    """Graph launches and kernels launched outside graphs per call of fn, from the profiler (a graph break, a
+    skipped graph or an eager fallback shows up as kernels outside graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+    names = [e.name for e in prof.events()]
+    graphs = sum(n.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for n in names)
+    kernels = sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel"))
+                  for n in names)
+    return {"graph_launches_per_step": graphs / calls, "kernels_outside_graphs_per_step": kernels / calls}
+
+
+def check_graphs(fn, device, calls: int, what: str, graphs: int = 1, outside: int = 0) -> dict:
+    """The one graph check: profile `calls` calls of fn and raise GraphCheckError unless each launches exactly
+    `graphs` graphs and at most `outside` kernels outside them."""
+    counts = launches_per_call(fn, device, calls)
+    if counts["graph_launches_per_step"] != graphs or counts["kernels_outside_graphs_per_step"] > outside:
+        raise GraphCheckError(
+            f"{what} is not {graphs} graph replay(s) per call: {counts['graph_launches_per_step']:g} graph launches "
+            f"and {counts['kernels_outside_graphs_per_step']:g} kernels outside graphs per call (expected {graphs} "
+            f"and at most {outside}): a graph break, a skipped graph or an eager fallback")
+    return counts
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -70,11 +178,11 @@ class Sampling:
 
     def check(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise UsageError(f"--temperature must be >= 0 (got {self.temperature})")
-        if self.top_k is not None and not 1 <= self.top_k:
-            raise UsageError(f"--top-k must be >= 1 (got {self.top_k})")
+            raise UsageError(f"temperature must be >= 0 (got {self.temperature})")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and 1 <= self.top_k):
+            raise UsageError(f"top_k must be an integer >= 1 (got {self.top_k})")
         if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise UsageError(f"--top-p must be in (0, 1] (got {self.top_p})")
+            raise UsageError(f"top_p must be in (0, 1] (got {self.top_p})")
 
 
 def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -109,6 +217,25 @@ def sample(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return draw(logits_to_probs(logits, s))
 
 
+def row_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits_to_probs with a setting per row, as tensors (one compiled step serves every mix): logits [B, V],
+    temperature [B] (> 0), top_k [B] (V: off), top_p [B] (inf: off) -> [B, V] float32. One full-vocabulary
+    sort (a fixed shape) serves both filters: top-k keeps logits >= the k-th (ties kept, as topk's rule
+    there), top-p the smallest prefix of the sorted distribution whose mass reaches top_p."""
+    logits = logits.float() / temperature[:, None]
+    ranked, order = logits.sort(-1, descending=True)  # [B, V]
+    kth = ranked.gather(-1, (top_k[:, None] - 1).clamp(0, logits.shape[-1] - 1))
+    p = ranked.masked_fill(ranked < kth, -float("inf")).softmax(-1)
+    p = p.masked_fill((p.cumsum(-1) - p) >= top_p[:, None], 0.0)
+    return torch.zeros_like(p).scatter_(-1, order, p / p.sum(-1, keepdim=True))
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> token ids [B], each row by its own setting (row_probs); temperature 0: argmax."""
+    sampled = draw(row_probs(logits, torch.where(temperature > 0, temperature, 1.0), top_k, top_p))
+    return torch.where(temperature > 0, sampled, logits.argmax(-1))
+
+
 def available_memory(device: torch.device) -> int:
     """Bytes free on the device (the CPU: MemAvailable)."""
     if device.type == "cuda":
@@ -118,8 +245,10 @@ def available_memory(device: torch.device) -> int:
     return int(free[0].split()[1]) * 1024 if free else 1 << 62
 
 
-def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype: torch.dtype, device) -> None:
-    """Refuse, before loading anything, a KV cache that would not fit next to the weights."""
+def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype: torch.dtype, device,
+                 workspace: int = 0) -> None:
+    """Refuse, before loading anything, a KV cache that would not fit next to the weights (and `workspace`
+    bytes more: the engine's graph pool, its steps' largest buffers)."""
     from safetensors import safe_open
 
     a = config["args"]
@@ -134,7 +263,7 @@ def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype:
     except Exception:  # unreadable: from_checkpoint reports it properly
         return
     free = available_memory(device)
-    if kv + weights > free:
+    if kv + weights + workspace > free:
         raise UsageError(f"the KV cache ({kv / 2**30:.1f} GiB for batch {batch} x {length} tokens) and weights "
                          f"({weights / 2**30:.1f} GiB) do not fit in the {free / 2**30:.1f} GiB free on {device}; "
-                         f"lower --max-new-tokens (or, with --prompts-file, --max-batch)")
+                         f"ask for fewer tokens or rows")

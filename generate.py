@@ -7,7 +7,7 @@ The decode path, in reading order (sampling: common.py):
   prefill()                  the prompt in one forward (dynamic shape: eager or compiled dynamic)
   decode_one_token()         one step on static buffers: the unit that is compiled and graphed
   Generator.generate()       the host loop: runs steps, reads tokens back every K steps, stops
-  check_graphs()             --check-graphs: one graph replay per step, counted by the profiler
+  check_graphs()             --check-graphs: one graph replay per step, counted by the profiler (common.py)
 gdkernels.apply() swaps in the fast kernels after loading (--no-kernels: the plain model).
 """
 import argparse
@@ -23,7 +23,9 @@ import torch
 import gdkernels
 import serve
 import tp
-from common import DTYPES, Sampling, UsageError, check_memory, compiled, no_recompiles, sample, synchronize
+from common import (DTYPES, RNG_KERNELS_PER_REPLAY, GraphCheckError, Sampling, Step, UsageError, check_memory,
+                    decode_mode, default_device, default_dtype, launches_per_call, no_recompiles, sample, synchronize)
+from common import check_graphs as common_check_graphs
 from gdkernels.aot import AotStep
 from model import Transformer, read_config
 from quantize import load, prepare_default
@@ -55,10 +57,8 @@ def decode_one_token(model: Transformer, token: torch.Tensor, pos: torch.Tensor,
 
 
 class Generator:
-    """Holds the model, its static decode buffers and the compiled step."""
-
-    # How decode_one_token runs, and how many first calls are warm-up (compile, record, build).
-    MODES = {"eager": 0, "compile": 1, "graphs": 3, "aot": 1, "aot-cached": 1}
+    """Holds the model, its static decode buffers and the compiled step (common.Step: compiled or recorded,
+    warmed up, timed apart)."""
 
     def __init__(self, model: Transformer, sampling: Sampling, mode: str = "eager",
                  compile_prefill: bool = False, stop_check_interval: int = 8):
@@ -69,21 +69,23 @@ class Generator:
         self.mode = mode
         if mode in ("compile", "graphs") or compile_prefill:
             gdkernels.register_fallbacks()
-        if mode in ("aot", "aot-cached"):  # the CPU: gdkernels/aot.py (aot-cached: only if built before)
-            if self.device.type != "cpu":
-                raise ValueError(f"mode {mode!r} is for the CPU")
-            self.step = AotStep(decode_one_token, build=mode == "aot")
-        else:  # eager, compile, or graphs (CUDAGraph Trees): common.compiled
-            self.step = compiled(decode_one_token, mode, self.device)
-        self.warmup_calls = self.MODES[mode]
+        if mode.startswith("aot") and self.device.type != "cpu":  # the CPU: gdkernels/aot.py
+            raise ValueError(f"mode {mode!r} is for the CPU")
+        self.step = self.make_step()
         self.prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
         self.buffers = None
-        self.calls = 0
-        self.compile_s = 0.0
+
+    def make_step(self) -> Step:  # (aot-cached: the ahead-of-time step only if built before)
+        fn = AotStep(decode_one_token, build=self.mode == "aot") if self.mode.startswith("aot") else decode_one_token
+        return Step(fn, self.mode, self.device)
 
     @property
     def warm(self) -> bool:
-        return self.calls >= self.warmup_calls
+        return self.step.warm()
+
+    @property
+    def compile_s(self) -> float:
+        return self.step.compile_s
 
     def reserve(self, batch: int, length: int):
         """Static buffers for `batch` rows, allocated once per batch size at the longest length
@@ -95,12 +97,10 @@ class Generator:
             token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
             pos = torch.zeros(1, dtype=torch.long, device=self.device)
             tokens = torch.zeros(batch, L, dtype=torch.long, device=self.device)
-            if self.mode in ("compile", "graphs"):  # (eager and aot need no marks, nor the 1.3 s import of torch._dynamo)
-                for t in (token, pos, tokens):
-                    torch._dynamo.mark_static_address(t)  # mutated in the graph: must stay put
             if self.mode.startswith("aot"):  # new shapes: a step built for them (or loaded) at the next call
-                self.step = AotStep(decode_one_token, build=self.mode == "aot")
-            self.buffers, self.calls = (token, pos, tokens), 0  # new buffers: compiled steps warm up again
+                self.step = self.make_step()
+            self.buffers = self.step.static(token, pos, tokens)
+            self.step.reset()  # new buffers: compiled steps warm up again
         return self.buffers
 
     @torch.no_grad()
@@ -140,67 +140,26 @@ class Generator:
                 i += 1
             self.decode_steps = i
 
-    @torch.no_grad()  # grad mode is part of what the compiled step is specialised on
     def _decode_step(self, token, pos, tokens):
-        if self.warm:
-            self.step(self.model, token, pos, tokens, self.sampling)
-            return
-        # First calls compile (and on CUDA record the graph); time them apart from generation.
-        start = time.perf_counter()
-        self.step(self.model, token, pos, tokens, self.sampling)
-        synchronize(self.device)
-        self.compile_s += time.perf_counter() - start
-        self.calls += 1
+        self.step(self.model, token, pos, tokens, self.sampling)  # (its first calls compile: timed apart)
 
 
-# -- graph verification (--check-graphs) ---------------------------------------------------------
-
-class GraphCheckError(RuntimeError):
-    """Decode did not run as one CUDA graph replay per call."""
-
-
-# A graph that draws random numbers (sampling at temperature > 0) comes with two small kernels
-# outside it at every replay: PyTorch first writes the generator's seed and offset into the
-# graph's inputs (the replay prologue of torch.cuda.CUDAGraph), so each replay draws new numbers.
-RNG_KERNELS_PER_REPLAY = 2
-
-
-def launches_per_call(fn, device, calls: int) -> dict:
-    """Graph launches and kernels launched outside graphs per call of fn, from the profiler (a
-    graph break, a skipped graph or an eager fallback shows up as kernels outside graphs)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-    names = [e.name for e in prof.events()]
-    graphs = sum(n.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for n in names)
-    kernels = sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel"))
-                  for n in names)
-    return {"graph_launches_per_step": graphs / calls, "kernels_outside_graphs_per_step": kernels / calls}
-
+# -- graph verification (--check-graphs: common.check_graphs) -------------------------------------
 
 def count_launches(gen: Generator, steps: int) -> dict:
     """launches_per_call for `steps` decode steps from the generator's current buffers."""
     return launches_per_call(lambda: gen._decode_step(*gen.buffers), gen.device, steps)
 
 
-def expect_one_graph(counts: dict, sampling: Sampling, what: str) -> dict:
-    allowed = RNG_KERNELS_PER_REPLAY if sampling.temperature > 0 else 0
-    if counts["graph_launches_per_step"] != 1 or counts["kernels_outside_graphs_per_step"] != allowed:
-        raise GraphCheckError(
-            f"{what} is not one graph replay per token: {counts['graph_launches_per_step']:g} graph launches "
-            f"and {counts['kernels_outside_graphs_per_step']:g} kernels outside graphs per call (expected 1 "
-            f"and {allowed}): a graph break, a skipped graph or an eager fallback")
-    return counts
+def rng_kernels(sampling: Sampling) -> int:
+    return RNG_KERNELS_PER_REPLAY if sampling.temperature > 0 else 0
 
 
 def check_graphs(gen: Generator, steps: int = 8) -> dict:
     """Profile `steps` decode steps (from the buffers' current position) and raise GraphCheckError
     unless each is exactly one graph launch with no kernel outside it (but the RNG's two)."""
-    return expect_one_graph(count_launches(gen, steps), gen.sampling, "decode")
+    return common_check_graphs(lambda: gen._decode_step(*gen.buffers), gen.device, steps, "decode",
+                               outside=rng_kernels(gen.sampling))
 
 
 def check_decode_graphs(gen: Generator, start: int) -> dict:
@@ -217,14 +176,14 @@ def check_decode_graphs(gen: Generator, start: int) -> dict:
 def check_speculative_graphs(gen, start: int) -> dict:
     """The same for a SpeculativeGenerator: its draft loop (K steps) and its verification must each
     be one graph replay. Runs a round's worth of positions from `start`, which a later round rewrites."""
-    for _ in range(3):  # warm (compiled and recorded) even after a short generation
+    while not gen.warm:  # warm (compiled and recorded) even after a short generation
         gen.pos.fill_(start)
         gen.draft_loop()
         gen.verify_round()
     gen.pos.fill_(start)
-    loop = expect_one_graph(launches_per_call(gen.draft_loop, gen.device, 4), gen.sampling, "the draft loop")
-    verify = expect_one_graph(launches_per_call(gen.verify_round, gen.device, 1), gen.sampling, "verification")
-    return {"draft_loop": loop, "verify": verify}
+    outside = rng_kernels(gen.sampling)
+    return {"draft_loop": common_check_graphs(gen.draft_loop, gen.device, 4, "the draft loop", outside=outside),
+            "verify": common_check_graphs(gen.verify_round, gen.device, 1, "verification", outside=outside)}
 
 
 def weight_bytes_per_step(model: Transformer) -> int:
@@ -266,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the plain model.py, without the kernels package (also GRAPHDECODE_KERNELS=0)")
     p.add_argument("--compile-prefill", action="store_true", help="compile prefill with dynamic shapes")
     p.add_argument("--stop-check-interval", type=int, default=8, metavar="K",
-                   help="read tokens back and check stop tokens every K decode steps (default: %(default)s)")
+                   help="read tokens back and check stop tokens every K decode steps; with --prompts-file the "
+                        "engine's round (default: %(default)s)")
     p.add_argument("--profile", type=Path, help="write a torch.profiler trace of a few decode steps")
     p.add_argument("--check-graphs", action="store_true",
                    help="after generating, verify that decode is one CUDA graph replay per token (exit 1 if not)")
@@ -277,8 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", type=Path, help="write the JSONL results here (default: stdout)")
     g.add_argument("--max-batch", type=int, default=16, help="KV-cache rows: requests decoded at once (default: %(default)s)")
     g.add_argument("--buckets", help="comma-separated graph batch sizes (default 1, 2, 4, ... --max-batch)")
-    g.add_argument("--decode-steps", type=int, default=8, metavar="K",
-                   help="decode steps a round: the host schedules once per K steps (default: %(default)s)")
     return p
 
 
@@ -294,124 +252,157 @@ def main(argv=None) -> int:
     return 0
 
 
+CACHE_ROUNDING = 64  # cache lengths are rounded up to this: prompts of about one length share a compiled step
+INTERACTIVE_CACHE = 512  # --interactive starts with this many positions and doubles them when a turn needs more
+CHECK_GRAPHS_ROOM = 12  # --check-graphs decodes 8 steps after the prompt, and up to 3 before them to warm up
+
+
 def run(args) -> None:
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    sampling.check()
-    for flag in ("max_new_tokens", "num_samples", "stop_check_interval", "speculate_k", "max_batch", "decode_steps"):
-        if (value := getattr(args, flag)) is not None and value < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
-    if bool(args.draft_checkpoint) != bool(args.speculate_k):
-        raise UsageError("--draft-checkpoint and --speculate-k go together")
-    extra = args.speculate_k + 1 if args.speculate_k else 0  # the target verifies K + 1 positions
-    if not args.interactive and not args.prompt.strip():
-        raise UsageError("the prompt is empty")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    """The CLI in named steps: check the flags, choose where and how decode runs, load, then generate."""
+    sampling = check_flags(args)
+    device = default_device(args.device)
+    dtype = default_dtype(args.dtype, device)
     use_kernels = not args.no_kernels and gdkernels.enabled()
-    if device.type == "cuda":
-        mode = "eager" if args.compile is False else "graphs"
-    elif use_kernels:  # compiled ahead of time with --compile; by default that step if built before, else eager
-        mode = {True: "aot", False: "eager", None: "aot-cached"}[args.compile]
-    else:
-        mode = "compile" if args.compile else "eager"
+    mode = decode_mode(device, args.compile, aot=use_kernels)  # (the CPU with kernels: the ahead-of-time step)
     if args.check_graphs and (mode != "graphs" or args.interactive):
         raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile) and a --prompt (not --interactive)")
     if args.seed is not None:
         torch.manual_seed(args.seed)
-
     rank, n = tp.world()  # torchrun: this process's share of the model (tp.py); ranks must not all convert at once
     if n > 1 and (args.prompts_file or args.draft_checkpoint or args.interactive or args.profile or not args.checkpoint):
         raise UsageError("under torchrun: a --checkpoint and a --prompt (no --prompts-file, draft, --interactive, --profile)")
     checkpoint = args.checkpoint or prepare_default(device)  # (the CPU: its int4 form, README)
     if args.prompts_file:
-        return serve.main_file(args, checkpoint, device, dtype, use_kernels, sampling, log)
-    config = read_config(checkpoint)
-    context = config["args"].max_seq_len
+        if args.interactive or args.draft_checkpoint or args.check_graphs or args.profile:
+            raise UsageError("--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile")
+        params = serve.SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, args.max_new_tokens,
+                                      ignore_eos=args.ignore_eos)
+        return serve.run_file(checkpoint, args.prompts_file, args.output, params, args.chat, args.max_batch,
+                              parse_buckets(args.buckets), args.stop_check_interval, device, dtype, use_kernels,
+                              args.compile)
+    context = read_config(checkpoint)["args"].max_seq_len
     if n > 1:
-        tp.local_args(config["args"], n)  # (an error before any rank waits for the others)
-        device = tp.init(device)
-        if rank:  # rank 0 speaks for all
-            sys.stdout = sys.stderr = open(os.devnull, "w")
-        torch.manual_seed(tp.common_seed(args.seed, device))
-
+        device = join_tensor_parallel(checkpoint, device, rank, n, args.seed)
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(checkpoint)
-    stop_ids = set() if args.ignore_eos else set(tokenizer.eos_ids)
-
-    def encode(messages_or_text) -> list[int]:
-        ids = tokenizer.encode_chat(messages_or_text) if args.chat or args.interactive else \
-            tokenizer.encode(messages_or_text)
-        if not ids:
-            raise UsageError("the prompt is empty")
-        if len(ids) + args.max_new_tokens + extra > context:
-            raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens ({args.max_new_tokens}) "
-                             f"exceeds the model's context of {context} tokens")
-        return ids
-
-    first_prompt = None if args.interactive else encode(
-        [{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
-    # Interactive chats grow: the cache starts at 512 positions and doubles when a turn needs more (a
-    # speculative chat reserves the whole context); the memory check below is for the whole context.
-    length = (context if args.draft_checkpoint else 512) if args.interactive else \
-        len(first_prompt) + args.max_new_tokens + extra
-    if args.check_graphs:  # it decodes 8 more steps (or a round) after the prompt, 3 more to warm up
-        length = min(context, max(length, len(first_prompt) + 12 + extra))
-    length = min(context, -(-length // 64) * 64)  # (a compiled step's shape: prompts of about one length share it)
-    if n > 1:  # (each rank holds 1/n of the weights and of the cache: no memory check)
-        model, swapped = tp.load(checkpoint, device, dtype, use_kernels)
-    else:
-        check_memory(config, checkpoint, 1, context if args.interactive else length, dtype, device)
-        model = load(checkpoint, device=device, dtype=dtype)
-        swapped = gdkernels.apply(model) if use_kernels else []
-    synchronize(device)
+    extra = args.speculate_k + 1 if args.speculate_k else 0  # the target verifies K + 1 positions
+    encode = lambda m: encode_prompt(tokenizer, m, args.chat or args.interactive, args.max_new_tokens + extra, context)  # noqa: E731
+    prompt = None if args.interactive else encode([{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
+    length = cache_length(args, prompt, context, extra)
+    model, swapped = load_model(checkpoint, device, dtype, use_kernels, n, context if args.interactive else length)
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
         + ("; ".join(swapped) or "none" if use_kernels else "off"))
     if args.draft_checkpoint:
-        gen = speculative_generator(args, model, tokenizer, sampling, device, dtype, length, use_kernels)
+        draft = load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length, use_kernels)
+        gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, decode_mode(device, args.compile))
+        gen.reserve(length)
     else:
         gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)
         gen.reserve(1, length)  # buffers at their final size up front: a later resize would recompile
-
+    stop_ids = set() if args.ignore_eos else set(tokenizer.eos_ids)
     if args.interactive:
-        history = []
-        while True:
-            print("\n> ", end="", file=sys.stderr, flush=True)  # stdout carries only generated text
-            line = sys.stdin.readline()
-            if not line:
-                break
-            history.append({"role": "user", "content": line.rstrip("\n")})
-            ids = encode(history)
-            need = len(ids) + args.max_new_tokens + extra
-            if isinstance(gen, Generator) and need > gen.buffers[2].shape[1]:  # (the whole conversation is prefilled)
-                gen.reserve(1, min(context, max(-(-need // 64) * 64, 2 * gen.buffers[2].shape[1])))
-                log(f"cache: {gen.buffers[2].shape[1]} positions")
-            reply = stream(gen, tokenizer, ids, args.max_new_tokens, stop_ids, bool(swapped))
-            history.append({"role": "assistant", "content": reply})
-        return
+        return chat(gen, tokenizer, encode, args.max_new_tokens + extra, context, stop_ids, args.max_new_tokens,
+                    bool(swapped))
+    one_shot(args, gen, tokenizer, prompt, stop_ids, bool(swapped))
+
+
+def check_flags(args) -> Sampling:
+    """The flags' values and combinations -> the sampling setting (errors name the flag)."""
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    try:
+        sampling.check()
+    except UsageError as e:  # (the library names its fields: temperature, top_k, top_p)
+        raise UsageError("--" + str(e).replace("_", "-", 1)) from None
+    for flag in ("max_new_tokens", "num_samples", "stop_check_interval", "speculate_k", "max_batch"):
+        if (value := getattr(args, flag)) is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    if bool(args.draft_checkpoint) != bool(args.speculate_k):
+        raise UsageError("--draft-checkpoint and --speculate-k go together")
+    if not args.interactive and not args.prompt.strip():
+        raise UsageError("the prompt is empty")
+    return sampling
+
+
+def parse_buckets(text: str | None) -> list[int] | None:
+    try:
+        return [int(b) for b in text.split(",")] if text else None
+    except ValueError:
+        raise UsageError(f"--buckets takes comma-separated batch sizes (got {text!r})") from None
+
+
+def join_tensor_parallel(checkpoint: Path, device, rank: int, n: int, seed: int | None) -> torch.device:
+    """Under torchrun: check the split, join the process group (rank 0 speaks for all), one common seed."""
+    tp.local_args(read_config(checkpoint)["args"], n)  # (an error before any rank waits for the others)
+    device = tp.init(device)
+    if rank:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    torch.manual_seed(tp.common_seed(seed, device))
+    return device
+
+
+def encode_prompt(tokenizer, messages_or_text, chat: bool, budget: int, context: int) -> list[int]:
+    """A prompt's ids (chat: messages through the chat template), checked to leave `budget` positions."""
+    ids = tokenizer.encode_chat(messages_or_text) if chat else tokenizer.encode(messages_or_text)
+    if not ids:
+        raise UsageError("the prompt is empty")
+    if len(ids) + budget > context:
+        raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens ({budget}) "
+                         f"exceeds the model's context of {context} tokens")
+    return ids
+
+
+def cache_length(args, prompt: list[int] | None, context: int, extra: int) -> int:
+    """Positions the cache holds: the prompt and its output (--interactive: INTERACTIVE_CACHE to start, a
+    speculative chat the whole context), rounded up to CACHE_ROUNDING."""
+    if args.interactive:
+        length = context if args.draft_checkpoint else INTERACTIVE_CACHE
+    else:
+        length = len(prompt) + args.max_new_tokens + extra
+    if args.check_graphs:
+        length = max(length, len(prompt) + CHECK_GRAPHS_ROOM + extra)
+    return min(context, -(-length // CACHE_ROUNDING) * CACHE_ROUNDING)
+
+
+def load_model(checkpoint: Path, device, dtype, use_kernels: bool, n: int, length: int):
+    """The model (under torchrun this rank's share), with the kernels -> (model, what the kernels swapped)."""
+    if n > 1:  # (each rank holds 1/n of the weights and of the cache: no memory check)
+        return tp.load(checkpoint, device, dtype, use_kernels)
+    check_memory(read_config(checkpoint), checkpoint, 1, length, dtype, device)
+    model = load(checkpoint, device=device, dtype=dtype)
+    return model, gdkernels.apply(model) if use_kernels else []
+
+
+def chat(gen, tokenizer, encode, budget: int, context: int, stop_ids, max_new_tokens: int, kernels: bool) -> None:
+    """--interactive: a turn a line of stdin until EOF; the cache doubles when a turn needs more."""
+    history = []
+    while True:
+        print("\n> ", end="", file=sys.stderr, flush=True)  # stdout carries only generated text
+        line = sys.stdin.readline()
+        if not line:
+            return
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        ids = encode(history)
+        need = len(ids) + budget
+        if isinstance(gen, Generator) and need > gen.buffers[2].shape[1]:  # (the whole conversation is prefilled)
+            gen.reserve(1, min(context, max(-(-need // CACHE_ROUNDING) * CACHE_ROUNDING, 2 * gen.buffers[2].shape[1])))
+            log(f"cache: {gen.buffers[2].shape[1]} positions")
+        history.append({"role": "assistant", "content": stream(gen, tokenizer, ids, max_new_tokens, stop_ids, kernels)})
+
+
+def one_shot(args, gen, tokenizer, prompt: list[int], stop_ids, kernels: bool) -> None:
+    """--prompt: --num-samples answers, then --profile and --check-graphs."""
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"{chr(10) if i else ''}--- sample {i + 1} of {args.num_samples} ---", flush=True)
-        stream(gen, tokenizer, first_prompt, args.max_new_tokens, stop_ids, bool(swapped))
+        stream(gen, tokenizer, prompt, args.max_new_tokens, stop_ids, kernels)
     if args.profile and isinstance(gen, Generator):
-        profile(gen, first_prompt, args.profile)
+        profile(gen, prompt, args.profile)
     if args.check_graphs:
-        if isinstance(gen, Generator):  # from just after the prompt, or as late as leaves 11 steps
-            counts = check_decode_graphs(gen, max(0, min(len(first_prompt), model.max_seq_length - 12)))
+        if isinstance(gen, Generator):  # from just after the prompt, or as late as leaves CHECK_GRAPHS_ROOM - 1 steps
+            counts = check_decode_graphs(gen, max(0, min(len(prompt), gen.model.max_seq_length - CHECK_GRAPHS_ROOM)))
         else:
-            counts = check_speculative_graphs(gen, len(first_prompt) + 1)
+            counts = check_speculative_graphs(gen, len(prompt) + 1)
         log(f"check-graphs: one graph replay per call, as expected: {counts}")
-
-
-def speculative_generator(args, model, tokenizer, sampling, device, dtype, length, use_kernels):
-    """--draft-checkpoint: the draft model (speculative.load_draft) and a SpeculativeGenerator."""
-    draft = load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length, use_kernels)
-    compiled = args.compile if args.compile is not None else device.type == "cuda"
-    mode = ("graphs" if device.type == "cuda" else "compile") if compiled else "eager"
-    gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, mode)
-    gen.reserve(length)
-    return gen
 
 
 def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set[int], kernels: bool = False) -> str:
@@ -419,7 +410,7 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
     arrives; stats to stderr. Returns the text."""
     decoder = tokenizer.stream_decoder()
     speculative = not isinstance(gen, Generator)
-    pieces, n_new, compile_before = [], 0, getattr(gen, "compile_s", 0.0)
+    pieces, n_new, compile_before = [], 0, gen.compile_s
     device = gen.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -444,7 +435,7 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
     pieces.append(tail)
     print(tail, flush=True)
     total = time.perf_counter() - start
-    report_stats(device, len(prompt), first, n_new, total, getattr(gen, "compile_s", 0.0) - compile_before,
+    report_stats(device, len(prompt), first, n_new, total, gen.compile_s - compile_before,
                  first_at - start, decode_weight_bytes(gen), decode_path(gen, kernels))
     if speculative:
         log(f"speculative: {gen.rounds} rounds, {gen.mean_tokens_per_round:.2f} tokens per round, "

@@ -232,6 +232,16 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("rows", torch.arange(max_batch_size, device=device)[:, None], persistent=False)
 
+    def rows_from(self, first: int) -> "KVCache":
+        """The same storage from cache row `first` on: a batch's row i is cache row first + i (serve.py prefills
+        joining requests into the rows after the decoding ones)."""
+        view = KVCache.__new__(KVCache)
+        nn.Module.__init__(view)
+        for name, t in (("k_cache", self.k_cache[first:]), ("v_cache", self.v_cache[first:]),
+                        ("rows", self.rows[:len(self.rows) - first])):
+            view.register_buffer(name, t, persistent=False)
+        return view
+
     def update(self, input_pos, k, v):
         """input_pos [S] (or [B, S], each row its own), k and v [B, Hkv, S, D] -> the cache's first B rows."""
         B = k.shape[0]

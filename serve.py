@@ -1,73 +1,130 @@
-"""Many prompts at once: continuous batching over CUDA-graph buckets, the way serving engines keep
-their graphs while the batch changes every step (nano-vllm's shape, in one file).
+"""The serving engine: continuous batching over CUDA-graph buckets while requests arrive (nano-vllm's shape).
 
+    llm = LLM(checkpoint)
+    llm.generate(["Hi", "Tell me about graphs"], SamplingParams(temperature=0)) -> list[str]
+    req = llm.add_request(ids, params); llm.step() -> [(req, new_ids, finished)]; llm.abort(req)
     python generate.py --prompts-file prompts.txt [--max-batch 64] [--output out.jsonl]
-    LLM(checkpoint).generate(["Hi", "Tell me about graphs"], Sampling(temperature=0)) -> list[str]
 
 In reading order:
-  Request      one prompt, its token budget and its output so far
-  Runner       owns the cache rows, the static buffers and one compiled step per bucket; no policy
-  LLM.run()    the scheduler: between decode rounds it retires finished rows and admits waiting
-               requests; a round is K decode steps launched back to back, read back once
-  main_file()  generate.py --prompts-file: JSONL in, JSONL out, progress on stderr
+  SamplingParams  a request's settings: its sampling (per row data in the graph), budget, stops, logprobs
+  Request         one prompt, its settings and its output so far (stop tokens and strings found here)
+  serve_step()    one decode step of a bucket on static buffers, each row with its own sampling setting
+  Runner          the device side: cache rows, static buffers, one compiled step per bucket; no policy
+  Scheduler       who runs: waiting prompts in chunks within a token budget, then every decoding row; no tensors
+  LLM             add_request / step / abort, generate(), and submit / receive / loop for another thread
+  run_file()      generate.py --prompts-file: JSONL in, JSONL out, progress on stderr
 
-Cache rows. The model reads and writes the first B rows of its KV cache, so batch row i is cache
-row i, and the engine keeps its n active requests in rows 0..n-1: a finished request's row takes
-the last active row's keys and values (Runner.move); a joining request is prefilled in row 0 after
-row 0's request moves to row n. A round runs the smallest bucket b >= n; its padding rows n..b-1
-are free rows, the scratch that no request reads (a request joining there is prefilled over it,
-and attention masks every position past a row's own).
+Cache rows. The model reads and writes the first B rows of its KV cache, so the runner keeps the requests
+that decode in rows 0..n-1, and after them the ones whose prompts are still being prefilled. A finished
+request's row takes the last decoding row's keys and values (and the prefilling rows move down one). Joining
+prompts are prefilled together in one forward into the rows after the decoding ones (Runner.rows_from),
+padded to the longest chunk; a round then decodes rows 0..n-1 padded to the smallest bucket b >= n. A padding
+row writes where nobody reads: past what its row holds (attention masks every position past a row's own,
+and a row writes each position before it reads it).
 
-Graphs. Each bucket's step is compiled with static shapes and warmed at start-up, largest bucket
-first, so CUDAGraph Trees records every bucket into its one memory pool and the smaller ones reuse
-the largest one's memory. The inputs are views of buffers sized for the largest bucket, made once
-per bucket and marked static, so a replay reads them where they are. After warm-up a recompile is
-an error (common.no_recompiles).
+Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest bucket first,
+so CUDAGraph Trees records every bucket into one memory pool. Temperature, top-k and top-p are per-row
+tensors among the step's static buffers: one graph per bucket serves every mix of settings. After warm-up a
+recompile is an error (common.no_recompiles).
 """
+import contextlib
 import json
+import queue
 import sys
+import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 import gdkernels
-from common import DTYPES, Sampling, UsageError, check_memory, compiled, no_recompiles, sample, synchronize
+from common import (Sampling, Step, UsageError, check_memory, decode_mode, default_device, default_dtype,
+                    no_recompiles, sample_rows)
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
 
 
-@dataclass
+@dataclass(frozen=True)
+class SamplingParams(Sampling):
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()  # stop strings: the text ends just before the first one generated
+    stop_ids: tuple[int, ...] = ()  # stop tokens besides the tokenizer's end-of-sequence ones
+    ignore_eos: bool = False  # the end-of-sequence tokens do not stop (stop_ids still do)
+    logprobs: bool = False  # keep each generated token's log-probability (the model's, before temperature)
+    prompt_logprobs: bool = False  # and each prompt token's (the first has none)
+
+    def check(self) -> None:
+        super().check()
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise UsageError(f"stop must be a sequence of non-empty strings (got {self.stop!r})")
+
+
+@dataclass(eq=False)
 class Request:
     prompt: list[int]
-    max_new_tokens: int
-    out: list[int] = field(default_factory=list)  # generated tokens, the stop token included
-    done: bool = False
+    params: SamplingParams = SamplingParams()
+    out: list[int] = field(default_factory=list)  # generated tokens, a stop token included
+    logprobs: list[float] = field(default_factory=list)  # out's log-probabilities (params.logprobs)
+    prompt_logprobs: list = field(default_factory=list)  # [None, then each later prompt token's] (params.prompt_logprobs)
+    text: str = ""  # out as text (with a tokenizer): stop tokens left out, cut before a stop string
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    prefilled: int = 0  # prompt tokens in the KV cache
+    stop_ids: frozenset = frozenset()
+    decoder: object = None  # the tokenizer's stream decoder, when the engine has a tokenizer
+    aborted: bool = False  # abort() asked; the next step frees the row
+    outbox: object = None  # submit()'s queue of (new_ids, finished)
 
-    def accept(self, tokens: list[int], stop_ids) -> None:
-        """Append tokens until a stop token or the budget; the rest (a round's tail) is dropped."""
-        for t in tokens:
-            if self.done:
-                return
-            self.out.append(t)
-            self.done = t in stop_ids or len(self.out) >= self.max_new_tokens
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
 
     @property
     def pos(self) -> int:  # the position of the last token, the next step's input
         return len(self.prompt) + len(self.out) - 1
 
+    def accept(self, tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Append tokens until a stop or the budget (a round's tail after it is dropped) -> those taken.
+        Checked token by token: the output equals a per-token check, and a stop string that spans two rounds
+        is found (the text is searched from where the newest piece could complete one)."""
+        taken, longest = [], max(map(len, self.params.stop), default=0)
+        for t, lp in zip(tokens, logprobs):
+            if self.done:
+                break
+            taken.append(t)
+            self.out.append(t)
+            if self.params.logprobs:
+                self.logprobs.append(lp)
+            if t in self.stop_ids:
+                self.finish_reason = "stop"
+            elif self.decoder is not None:
+                start = max(0, len(self.text) - longest + 1)
+                self.text += self.decoder.push(t)
+                hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+                if hits:  # cut there; what the decoder holds back lies past the cut
+                    self.text, self.finish_reason, self.decoder = self.text[:min(hits)], "stop", None
+            if not self.done and len(self.out) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+        if self.done and self.decoder is not None:
+            self.text += self.decoder.flush()
+            self.decoder = None
+        return taken
 
-def serve_step(model: Transformer, token, pos, out, col, s: Sampling) -> None:
-    """One decode step for a bucket, on static buffers: token [b, 1] the last tokens, pos [b, 1] their
-    positions (each row its own), out [b, K] a round's tokens, col [1] the step within the round.
+
+def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_k, top_p) -> None:
+    """One decode step of a bucket, on static buffers: token [b, 1] the last tokens, pos [b, 1] their positions
+    (each row its own), out [b, K] and logp [b, K] a round's tokens and their log-probabilities, col [1] the
+    step within the round, temperature, top_k, top_p [b] each row's sampling (common.sample_rows).
     The next tokens go to `token` and to out[:, col] (on-device feedback: no host between steps)."""
-    logits = model(token, pos)  # [b, 1, V]
-    nxt = sample(logits[:, -1], s).unsqueeze(-1)  # [b, 1]
+    logits = model(token, pos)[:, -1].float()  # [b, V]
+    nxt = sample_rows(logits, temperature, top_k, top_p)[:, None]  # [b, 1]
     token.copy_(nxt)
     out.index_copy_(1, col, nxt)
+    logp.index_copy_(1, col, logits.log_softmax(-1).gather(-1, nxt))
     col.add_(1)
     pos.add_(1).clamp_(max=model.max_seq_length - 1)  # a row done mid-round never leaves the cache
 
@@ -77,248 +134,423 @@ def default_buckets(max_batch: int) -> list[int]:
     return sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
 
 
-class Runner:
-    """The device side: the KV cache rows, the static buffers, one compiled step per bucket."""
+def row_settings(requests: list[Request], vocab: int) -> list[list[float]]:
+    """temperature, top_k, top_p rows for serve_step (padding rows are greedy; top-k and top-p off: vocab, inf)."""
+    s = [r.params for r in requests]
+    return [[p.temperature for p in s], [p.top_k or vocab for p in s],
+            [p.top_p if p.top_p is not None and p.top_p < 1 else float("inf") for p in s]]
 
-    def __init__(self, model: Transformer, sampling: Sampling, max_batch: int, length: int,
-                 buckets: list[int] | None = None, mode: str = "eager", steps: int = 1):
-        self.model, self.sampling, self.steps = model, sampling, steps
-        self.device = model.tok_embeddings.weight.device
+
+class Runner:
+    """The device side: the KV cache rows, the static buffers, one compiled step per bucket. `rows[i]` is the
+    request in cache row i: the `decoding` first, then those still prefilling."""
+
+    def __init__(self, model: Transformer, max_batch: int, length: int, buckets: list[int] | None = None,
+                 mode: str = "eager", steps: int = 8):
+        self.model, self.steps, self.mode = model, steps, mode
+        self.device, self.vocab = model.tok_embeddings.weight.device, model.args.vocab_size
         self.buckets = sorted(buckets or default_buckets(max_batch))
         if self.buckets[0] < 1 or self.buckets[-1] != max_batch:
-            raise UsageError(f"buckets {self.buckets} must be >= 1 and end at --max-batch {max_batch}")
+            raise UsageError(f"buckets {self.buckets} must be >= 1 and end at max_batch {max_batch}")
         model.setup_caches(max_batch, length)
         self.length = model.max_seq_length
-        new = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=self.device)  # noqa: E731
+        new = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=self.device)  # noqa: E731
         self.token, self.pos, self.out, self.col = new(max_batch, 1), new(max_batch, 1), new(max_batch, steps), new(1)
+        self.logp, self.temperature = new(max_batch, steps, dtype=torch.float), new(max_batch, dtype=torch.float)
+        self.top_k, self.top_p = new(max_batch), new(max_batch, dtype=torch.float)
         # Per bucket, views of the largest buffers, made once: a graph replays on fixed addresses.
-        self.views = {b: (self.token[:b], self.pos[:b], self.out[:b]) for b in self.buckets}
-        self.mode = mode
-        if mode in ("compile", "graphs"):
-            gdkernels.register_fallbacks()
-            for t in (self.col, *(v for views in self.views.values() for v in views)):
-                torch._dynamo.mark_static_address(t)
-        self.step = compiled(serve_step, mode, self.device, dynamic=False)
-        self.warmup_s = 0.0
+        self.views = {b: (self.token[:b], self.pos[:b], self.out[:b], self.logp[:b], self.col, self.temperature[:b],
+                          self.top_k[:b], self.top_p[:b]) for b in self.buckets}
+        self.step = Step(serve_step, mode, self.device, dynamic=False)
+        for views in self.views.values():
+            self.step.static(*views)
+        self.rows: list[Request] = []
+        self.decoding = 0
 
-    @torch.no_grad()
     def warm_up(self, progress=None) -> None:
-        """Compile (and on CUDA record) every bucket's step, largest first, so the smaller buckets'
-        graphs are recorded into the memory the largest one's left in the shared pool."""
-        if self.mode == "eager":
-            return
-        start = time.perf_counter()
-        skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-        with torch._dynamo.config.patch(recompile_limit=256):  # (one compile a bucket, for every runner made)
-            for b in reversed(self.buckets):
-                for _ in range(3):  # CUDAGraph Trees: a warm-up run, then the recording, then a replay
-                    self.pos.zero_()
-                    self.col.zero_()
-                    self.step(self.model, *self.views[b], self.col, self.sampling)
-                if progress is not None:
-                    synchronize(self.device)
-                    progress(b, time.perf_counter() - start)
-        synchronize(self.device)
-        if torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] > skips:  # Inductor logged why
-            raise RuntimeError("a bucket's decode step was not CUDA-graphed (see the log of torch._inductor)")
-        self.warmup_s = time.perf_counter() - start
+        """Compile (and on CUDA record) every bucket's step, largest first, so the smaller buckets' graphs are
+        recorded into the memory the largest one's left in the shared pool. progress(bucket, seconds so far)."""
+        for b in reversed(self.buckets):
+            while not self.step.warm(b):
+                self.write([], b)
+                self.step(self.model, *self.views[b], key=b)
+            if progress is not None and self.mode != "eager":
+                progress(b, self.step.compile_s)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    @torch.no_grad()
-    def prefill(self, prompt: list[int]) -> int:
-        """The prompt into cache row 0 (the model writes the first rows) -> its first token."""
-        idx = torch.tensor([prompt], device=self.device)
-        logits = self.model(idx, torch.arange(len(prompt), device=self.device))
-        return sample(logits[:, -1], self.sampling).item()
+    def write(self, rows: list[Request], b: int) -> None:
+        """A round's inputs for bucket b: each row's last token, position and sampling; padding rows (greedy)
+        write at the first position their row does not hold yet (a prefilling row's next, else 0)."""
+        pad = [r.prefilled if r.prefilled < len(r.prompt) else 0 for r in self.rows[len(rows):b]]
+        pad += [0] * (b - len(rows) - len(pad))
+        greedy = SamplingParams(temperature=0)
+        settings = row_settings(rows + [Request([0], greedy)] * (b - len(rows)), self.vocab)
+        host = torch.tensor([[r.out[-1] for r in rows] + [0] * len(pad), [r.pos for r in rows] + pad, *settings],
+                            dtype=torch.float64)  # (one copy to the device: token ids and positions are exact)
+        host = host.to(self.device, non_blocking=True)
+        for buffer, values in zip(self.views[b][:2] + self.views[b][5:], host):
+            buffer.copy_(values.view(buffer.shape))
+        self.col.zero_()
 
-    def move(self, src: int, dst: int) -> None:
-        """Cache row src's keys and values to row dst, in every layer."""
+    @torch.no_grad()
+    def decode(self) -> list[tuple[Request, list[int], list[float]]]:
+        """One round: K steps of the smallest bucket that holds the decoding rows -> each row's K new tokens
+        and their log-probabilities. The host writes the inputs once, launches K steps, reads back once."""
+        rows = self.rows[:self.decoding]
+        b = self.bucket(len(rows))
+        self.write(rows, b)
+        for _ in range(self.steps):
+            self.step(self.model, *self.views[b], key=b)
+        out, logp = self.out[:len(rows)].tolist(), self.logp[:len(rows)].tolist()
+        return list(zip(rows, out, logp))
+
+    @contextlib.contextmanager
+    def rows_from(self, first: int):
+        """Within: the model's batch row i is cache row first + i (each layer's cache seen as a view)."""
+        caches = [layer.attention.kv_cache for layer in self.model.layers]
+        for layer, c in zip(self.model.layers, caches):
+            layer.attention.kv_cache = c.rows_from(first)
+        try:
+            yield
+        finally:
+            for layer, c in zip(self.model.layers, caches):
+                layer.attention.kv_cache = c
+
+    @torch.no_grad()
+    def prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple]:
+        """(request, stop): prompt[request.prefilled:stop] into the request's row, all in one forward (rows
+        new to the runner are the first free ones; the rows must follow the decoding ones in order).
+        -> per chunk (the first token or None, its log-probability, the chunk's prompt log-probabilities or
+        None). A request whose prompt is complete decodes from the next round."""
+        for r, _ in chunks:
+            if r not in self.rows:
+                self.rows.append(r)
+        first = self.rows.index(chunks[0][0])
+        complete = [stop == len(r.prompt) for r, stop in chunks]
+        if (first != self.decoding or self.rows[first:first + len(chunks)] != [r for r, _ in chunks]
+                or complete != sorted(complete, reverse=True)):
+            raise RuntimeError("prefill: chunks must be the prefilling rows in order, the complete ones first")
+        S, last = max(stop - r.prefilled for r, stop in chunks), self.length - 1
+        idx, pos = [], []
+        for r, stop in chunks:  # padding past the chunk: positions it does not hold yet
+            n = stop - r.prefilled
+            idx.append(r.prompt[r.prefilled:stop] + [0] * (S - n))
+            pos.append([min(p, last) for p in range(r.prefilled, r.prefilled + S)])
+        with self.rows_from(first):
+            logits = self.model(torch.tensor(idx, device=self.device), torch.tensor(pos, device=self.device))
+        ends = torch.tensor([stop - r.prefilled - 1 for r, stop in chunks], device=self.device)
+        final = logits[torch.arange(len(chunks), device=self.device), ends].float()  # [m, V]
+        settings = torch.tensor(row_settings([r for r, _ in chunks], self.vocab), device=self.device)
+        tokens = sample_rows(final, settings[0], settings[1].long(), settings[2])
+        firsts = zip(tokens.tolist(), final.log_softmax(-1).gather(-1, tokens[:, None])[:, 0].tolist())
+        results = []
+        for i, ((r, stop), (t, lp)) in enumerate(zip(chunks, firsts)):
+            lps = None
+            if r.params.prompt_logprobs:  # logits at position j score the prompt's token j + 1
+                targets = torch.tensor(r.prompt[r.prefilled + 1:stop + 1], device=self.device)
+                lps = logits[i, :len(targets)].float().log_softmax(-1).gather(-1, targets[:, None])[:, 0].tolist()
+            results.append((t if complete[i] else None, lp, lps))
+        self.decoding += sum(complete)
+        return results
+
+    def move(self, src: int, dst: int, positions: int) -> None:
+        """Cache row src's first `positions` keys and values to row dst, in every layer."""
         for layer in self.model.layers:
             c = layer.attention.kv_cache
-            c.k_cache[dst].copy_(c.k_cache[src])
-            c.v_cache[dst].copy_(c.v_cache[src])
+            c.k_cache[dst, :, :positions].copy_(c.k_cache[src, :, :positions])
+            c.v_cache[dst, :, :positions].copy_(c.v_cache[src, :, :positions])
 
-    @torch.no_grad()
-    def decode(self, rows: list[Request]) -> list[list[int]]:
-        """One round: K steps of the smallest bucket that holds the rows -> K new tokens per row.
-        The host writes the inputs once, launches K replays back to back and reads back once."""
-        b = self.bucket(len(rows))
-        pad = b - len(rows)  # padding rows: token 0 at position 0 of a free row
-        inputs = torch.tensor([[r.out[-1] for r in rows] + [0] * pad, [r.pos for r in rows] + [0] * pad])
-        token, pos, out = self.views[b]
-        inputs = inputs.to(self.device, non_blocking=True)
-        token.copy_(inputs[0, :, None])
-        pos.copy_(inputs[1, :, None])
-        self.col.zero_()
-        for _ in range(self.steps):
-            self.step(self.model, token, pos, out, self.col, self.sampling)
-        return out[: len(rows), : self.steps].tolist()
+    def release(self, r: Request) -> None:
+        """Free r's row: the last decoding row fills it, and the prefilling rows after move down one."""
+        i = self.rows.index(r)
+        filled = lambda q: q.prefilled + max(len(q.out) - 1, 0)  # noqa: E731 (positions its cache row holds)
+        if i < self.decoding:
+            self.decoding -= 1
+            if i != self.decoding:
+                self.move(self.decoding, i, filled(self.rows[self.decoding]))
+                self.rows[i] = self.rows[self.decoding]
+            i = self.decoding
+        for j in range(i + 1, len(self.rows)):
+            self.move(j, j - 1, filled(self.rows[j]))
+        del self.rows[i]
+
+
+class Scheduler:
+    """Who runs, between rounds; it never touches a tensor. Waiting requests join in arrival order while rows
+    are free: a round first prefills the next prompt chunks that fit one forward of `budget` tokens (padded: the
+    rows times the longest chunk), a prompt longer than that in chunks over rounds (first in line until done),
+    then decodes every decoding row. Rows already decoding wait at most one budget's forward between rounds."""
+
+    def __init__(self, max_batch: int, budget: int):
+        self.max_batch, self.budget = max_batch, budget
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # (in row order; at most one holds a partial prompt)
+        self.running: list[Request] = []
+
+    def add(self, r: Request) -> None:
+        self.waiting.append(r)
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def chunks(self) -> list[tuple[Request, int]]:
+        """This round's prefill: (request, stop) for prompt[request.prefilled:stop]."""
+        free = self.max_batch - len(self.running) - len(self.prefilling)
+        line = self.prefilling + [self.waiting[i] for i in range(min(free, len(self.waiting)))]
+        out, width = [], 0
+        for r in line:
+            cap = self.budget // (len(out) + 1)  # the widest chunk a forward of one more row may hold
+            if cap < max(width, 1):
+                break
+            n = min(len(r.prompt) - r.prefilled, cap)
+            out.append((r, r.prefilled + n))
+            width = max(width, n)
+            if r.prefilled + n < len(r.prompt):  # a partial prompt goes on next round, first
+                break
+        for r, _ in out[len(self.prefilling):]:
+            self.prefilling.append(self.waiting.popleft())
+        return out
+
+    def prefilled(self, r: Request) -> None:  # its prompt is in the cache: it decodes from now on
+        self.prefilling.remove(r)
+        self.running.append(r)
+
+    def finish(self, r: Request) -> None:
+        for q in (self.waiting, self.prefilling, self.running):
+            if r in q:
+                q.remove(r)
 
 
 class LLM:
-    """The Python API: LLM(checkpoint).generate(prompts, sampling) -> texts, in the prompts' order.
-    max_length: positions a row holds (a prompt and its output), fixed at start-up as the graphs are."""
+    """The engine: LLM(checkpoint).generate(prompts, params) -> texts; or add_request / step / abort; or, from
+    other threads, submit / receive while loop() runs in one. max_length: positions a row holds (a prompt and
+    its output), fixed at start-up as the graphs are. prefill_budget: tokens of one prefill forward."""
 
     def __init__(self, checkpoint=None, device=None, dtype=None, max_batch: int = 16, max_length: int = 1024,
-                 buckets: list[int] | None = None, steps: int = 8, kernels: bool = True,
+                 buckets: list[int] | None = None, steps: int = 8, prefill_budget: int = 1024, kernels: bool = True,
                  compile: bool | None = None, model: Transformer | None = None, tokenizer=None):
-        if max_batch < 1 or steps < 1:
-            raise UsageError(f"--max-batch and --decode-steps must be >= 1 (got {max_batch}, {steps})")
+        if min(max_batch, steps, prefill_budget, max_length) < 1:
+            raise UsageError(f"max_batch, steps, prefill_budget and max_length must be >= 1 (got {max_batch}, "
+                             f"{steps}, {prefill_budget}, {max_length})")
         if model is None:
-            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            dtype = DTYPES.get(dtype, dtype) or DTYPES["bf16" if device.type == "cuda" else "fp32"]  # a name or a dtype
-            model = load(checkpoint, device=device, dtype=dtype)
+            device = default_device(device)
+            model = load(checkpoint, device=device, dtype=default_dtype(dtype, device))
             if kernels and gdkernels.enabled():
                 gdkernels.apply(model)
         self.model, self.device = model, model.tok_embeddings.weight.device
         self.tokenizer = tokenizer or (load_tokenizer(checkpoint) if checkpoint else None)
-        cuda = self.device.type == "cuda"  # by default graphs on CUDA; on the CPU eager (compiling buckets is slow)
-        self.mode = {None: "graphs" if cuda else "eager", True: "graphs" if cuda else "compile", False: "eager"}[compile]
-        self.max_batch, self.steps, self.buckets = max_batch, steps, buckets
-        self.max_length = min(max_length, model.args.max_seq_len)
-        self.runners, self.runner = {}, None  # a warm runner per sampling setting; the last one used
-        self.tokens_out, self.seconds = 0, 0.0  # generated tokens of the last run, and its seconds (warm-up apart)
+        self.runner = Runner(model, max_batch, min(max_length, model.args.max_seq_len), buckets,
+                             decode_mode(self.device, compile), steps)
+        self.scheduler = Scheduler(max_batch, prefill_budget)
+        self.inbox = queue.SimpleQueue()  # submit()'s requests, for the loop's thread
+        self.tokens_out, self.seconds = 0, 0.0  # generated tokens of the last run(), and its seconds
+        self.warm = False
 
-    def requests(self, prompts, max_new_tokens: int = 256, chat: bool = False) -> list[Request]:
-        """Prompts (texts, or (text, max_new_tokens) pairs) -> Requests, each checked against max_length."""
-        return encode_requests(self.tokenizer, prompts, max_new_tokens, chat, self.max_length)
+    def warm_up(self, progress=None) -> None:
+        if not self.warm:
+            self.runner.warm_up(progress)
+            self.warm = True
 
-    def generate(self, prompts, sampling: Sampling = Sampling(), max_new_tokens: int = 256, chat: bool = False,
-                 ignore_eos: bool = False, progress=None) -> list[str]:
-        reqs = self.requests(prompts, max_new_tokens, chat)
-        stop_ids = set() if ignore_eos else set(self.tokenizer.eos_ids)
-        self.run(reqs, sampling, stop_ids, progress)
-        return self.texts(reqs, stop_ids)
+    def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> Request:
+        """A request for the next step (checked here: errors are UsageErrors, nothing is queued)."""
+        r = self.make_request(prompt, params)
+        self.scheduler.add(r)
+        return r
 
-    def texts(self, requests: list[Request], stop_ids) -> list[str]:
-        """Each request's generated text, its stop token left out."""
-        return [self.tokenizer.decode([t for t in r.out if t not in stop_ids]) for r in requests]
+    def make_request(self, prompt, params: SamplingParams) -> Request:
+        params.check()
+        vocab = self.model.args.vocab_size
+        if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise UsageError(f"a prompt must be a non-empty list of token ids in [0, {vocab})")
+        if len(prompt) + params.max_new_tokens > self.runner.length:
+            raise UsageError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                             f"exceeds the {self.runner.length} positions a row holds")
+        if params.stop and self.tokenizer is None:
+            raise UsageError("stop strings need the engine's tokenizer")
+        eos = () if params.ignore_eos or self.tokenizer is None else self.tokenizer.eos_ids
+        decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+        return Request(list(prompt), params, stop_ids=frozenset(eos) | frozenset(params.stop_ids), decoder=decoder)
 
-    def make_runner(self, sampling: Sampling, progress=None) -> Runner:
-        """The runner for a sampling setting (part of the compiled step), warmed up once (progress(bucket,
-        seconds so far) after each bucket)."""
-        sampling.check()
-        if sampling not in self.runners:
-            self.runners[sampling] = Runner(self.model, sampling, self.max_batch, self.max_length, self.buckets,
-                                            self.mode, self.steps)
-            self.runners[sampling].warm_up(progress)
-        self.runner = self.runners[sampling]
-        return self.runner
+    def abort(self, r: Request) -> None:
+        """Stop r (from any thread): the next step frees its row and reports it finished ("abort")."""
+        r.aborted = True
 
-    def run(self, requests: list[Request], sampling: Sampling, stop_ids=frozenset(), progress=None) -> None:
-        """The scheduler: continuous batching. Between rounds, finished rows leave (the last active row
-        moves into each) and waiting requests join (each prefilled in row 0, whose request moves to the
-        first free row); then a round decodes every active row at its own position."""
-        runner = self.make_runner(sampling)
-        if any(len(r.prompt) + r.max_new_tokens > runner.length for r in requests):
-            raise UsageError(f"a request's prompt and max_new_tokens exceed the {runner.length} positions a row holds")
-        synchronize(self.device)
+    @torch.no_grad()
+    def step(self) -> list[tuple[Request, list[int], bool]]:
+        """One round: aborts, the prefill chunks that fit, K decode steps -> (request, new tokens, finished)."""
+        self.warm_up()
+        while True:
+            try:
+                self.scheduler.add(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        s, events = self.scheduler, {}
+        for r in [r for q in (s.waiting, s.prefilling, s.running) for r in q if r.aborted]:
+            r.finish_reason, events[r] = "abort", []
+        self.retire(events)
+        chunks = s.chunks()
+        with no_recompiles(self.runner.mode):
+            for (r, stop), (token, lp, lps) in zip(chunks, self.runner.prefill(chunks) if chunks else []):
+                if r.params.prompt_logprobs:
+                    r.prompt_logprobs += ([None] if r.prefilled == 0 else []) + lps
+                r.prefilled = stop
+                if token is not None:
+                    s.prefilled(r)
+                    events[r] = r.accept([token], [lp])
+            self.retire(events)  # (requests done at their first token)
+            if self.runner.decoding:
+                for r, tokens, logp in self.runner.decode():
+                    events[r] = events.get(r, []) + r.accept(tokens, logp)
+        self.retire(events)
+        return [(r, new, r.done) for r, new in events.items()]
+
+    def retire(self, requests) -> None:
+        """The done ones leave: their rows are freed."""
+        for r in requests:
+            if r.done and r in self.runner.rows:
+                self.runner.release(r)
+            if r.done:
+                self.scheduler.finish(r)
+
+    # -- a fixed list of requests -----------------------------------------------------------------
+
+    def generate(self, prompts, params: Sampling = SamplingParams(), max_new_tokens: int | None = None,
+                 chat: bool = False, ignore_eos: bool | None = None, progress=None) -> list[str]:
+        """Texts for prompts (texts, or (text, max_new_tokens) pairs), in order; Sampling or SamplingParams."""
+        reqs = self.requests(prompts, as_params(params, max_new_tokens, ignore_eos), chat)
+        self.run(reqs, progress)
+        return [r.text for r in reqs]
+
+    def requests(self, prompts, params: SamplingParams, chat: bool = False) -> list[Request]:
+        """Prompts (texts, or (text, max_new_tokens) pairs) -> requests, each checked (errors name the prompt)."""
+        out = []
+        for i, (ids, n) in enumerate(encode(self.tokenizer, prompts, chat), 1):
+            try:
+                out.append(self.make_request(ids, params if n is None else replace(params, max_new_tokens=n)))
+            except UsageError as e:
+                raise UsageError(f"prompt {i}: {e}") from None
+        return out
+
+    def run(self, requests: list[Request], progress=None) -> None:
+        """Requests (make_request's) to completion: add them, step until all are done; progress(request) as
+        each finishes."""
+        self.warm_up()
         start = time.perf_counter()
-        waiting, active = deque(requests), []  # active[i] is the request in cache row i
-        with no_recompiles(runner.mode):
-            while waiting or active:
-                while waiting and len(active) < self.max_batch:
-                    r = waiting.popleft()
-                    active.append(r)
-                    if len(active) > 1:  # row 0's request to the first free row, r to row 0
-                        runner.move(0, len(active) - 1)
-                        active[0], active[-1] = r, active[0]
-                    r.accept([runner.prefill(r.prompt)], stop_ids)
-                    self.retire(active, progress)
-                if active:
-                    for r, tokens in zip(active, runner.decode(active)):
-                        r.accept(tokens, stop_ids)
-                    self.retire(active, progress)
-        synchronize(self.device)
+        for r in requests:
+            self.scheduler.add(r)
+        while not all(r.done for r in requests):
+            for r, _, finished in self.step():
+                if finished and progress is not None:
+                    progress(r)
         self.seconds = time.perf_counter() - start
         self.tokens_out = sum(len(r.out) for r in requests)
 
-    def retire(self, active: list[Request], progress) -> None:
-        """Remove finished rows, highest first, moving the last active row into each."""
-        for i in reversed([i for i, r in enumerate(active) if r.done]):
-            if i != len(active) - 1:
-                self.runner.move(len(active) - 1, i)
-            r, active[i] = active[i], active[-1]
-            active.pop()
-            if progress is not None:
-                progress(r)
+    # -- another thread's requests ----------------------------------------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> Request:
+        """From any thread: a request for loop()'s thread (checked here); its tokens come through receive()."""
+        r = self.make_request(prompt, params)
+        r.outbox = queue.SimpleQueue()
+        self.inbox.put(r)
+        return r
+
+    @staticmethod
+    def receive(r: Request, timeout: float | None = None) -> tuple[list[int], bool]:
+        """The next (new token ids, finished) of a submitted request; queue.Empty after `timeout` seconds."""
+        return r.outbox.get(timeout=timeout)
+
+    def loop(self, stop: threading.Event, idle: float = 0.01) -> None:
+        """The engine loop, for one background thread, until `stop` is set: steps while there is work, and
+        waits for submit()'s requests while there is none."""
+        while not stop.is_set():
+            if not self.scheduler.busy():
+                try:
+                    self.scheduler.add(self.inbox.get(timeout=idle))
+                except queue.Empty:
+                    continue
+            for r, new, finished in self.step():
+                if r.outbox is not None:
+                    r.outbox.put((new, finished))
 
 
-def encode_requests(tokenizer, prompts, max_new_tokens: int, chat: bool, length: int) -> list[Request]:
-    """Prompts (texts, or (text, max_new_tokens) pairs) -> Requests, each within `length` positions."""
+def as_params(s: Sampling, max_new_tokens: int | None = None, ignore_eos: bool | None = None) -> SamplingParams:
+    """A Sampling (or SamplingParams) with these fields set where given."""
+    p = s if isinstance(s, SamplingParams) else SamplingParams(s.temperature, s.top_k, s.top_p)
+    given = {"max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
+    return replace(p, **{k: v for k, v in given.items() if v is not None})
+
+
+def encode(tokenizer, prompts, chat: bool) -> list[tuple[list[int], int | None]]:
+    """Prompts (texts, or (text, max_new_tokens) pairs) -> (token ids, max_new_tokens or None)."""
     out = []
     for i, p in enumerate(prompts, 1):
-        text, budget = p if isinstance(p, tuple) else (p, max_new_tokens)
+        text, n = p if isinstance(p, tuple) else (p, None)
         if not isinstance(text, str) or not text.strip():
-            raise UsageError(f"prompt {i} is empty")
-        if not isinstance(budget, int) or budget < 1:
-            raise UsageError(f"prompt {i}: max_new_tokens must be an integer >= 1 (got {budget!r})")
-        ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
-        if len(ids) + budget > length:
-            raise UsageError(f"prompt {i} ({len(ids)} tokens) plus max_new_tokens ({budget}) exceeds the "
-                             f"{length} positions a row holds (the model's context, or max_length)")
-        out.append(Request(ids, budget))
+            raise UsageError(f"prompt {i} is empty (or not a string)")
+        out.append((tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text), n))
     return out
 
 
-def read_prompts(path: Path, max_new_tokens: int) -> list:
+def read_prompts(path: Path) -> list[tuple[str, int | None]]:
     """One prompt a line, or JSONL lines {"prompt": ..., "max_new_tokens": N (optional)}."""
     try:
         lines = [(n, line) for n, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--prompts-file: cannot read {path} ({e})") from None
+        raise UsageError(f"cannot read the prompts file {path} ({e})") from None
     if not lines:
-        raise UsageError(f"--prompts-file: {path} holds no prompt")
+        raise UsageError(f"the prompts file {path} holds no prompt")
     prompts = []
     for n, line in lines:  # (n: the file's line number)
         if not line.lstrip().startswith("{"):
-            prompts.append((line, max_new_tokens))
+            prompts.append((line, None))
             continue
         try:
             d = json.loads(line)
-            prompts.append((d["prompt"], d.get("max_new_tokens", max_new_tokens)))
+            prompts.append((d["prompt"], d.get("max_new_tokens")))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UsageError(f"--prompts-file line {n}: not a JSON object with a \"prompt\" ({e})") from None
+            raise UsageError(f"{path} line {n}: not a JSON object with a \"prompt\" ({e})") from None
+        if prompts[-1][1] is not None and (not isinstance(prompts[-1][1], int) or prompts[-1][1] < 1):
+            raise UsageError(f"{path} line {n}: max_new_tokens must be an integer >= 1 (got {prompts[-1][1]!r})")
     return prompts
 
 
-def main_file(args, checkpoint, device, dtype, use_kernels: bool, sampling: Sampling, log) -> None:
-    """generate.py --prompts-file: every prompt through the engine, one JSONL line each, in order."""
+def run_file(checkpoint: Path, prompts_file: Path, output: Path | None, params: SamplingParams, chat: bool,
+             max_batch: int, buckets: list[int] | None, steps: int, device, dtype, kernels: bool,
+             compile: bool | None) -> None:
+    """Every prompt of a file through the engine, one JSONL line {"prompt", "text"} each, in order (to
+    `output`, else stdout); progress and figures on stderr."""
     from tqdm import tqdm
 
-    if args.interactive or args.draft_checkpoint or args.check_graphs or args.profile:
-        raise UsageError("--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile")
-    if args.output and not args.output.resolve().parent.is_dir():  # (before the run, not after it)
-        raise UsageError(f"--output {args.output}: no such directory")
+    if output and not output.resolve().parent.is_dir():  # (before the run, not after it)
+        raise UsageError(f"{output}: no such directory")
+    prompts = read_prompts(prompts_file)
     tokenizer, config = load_tokenizer(checkpoint), read_config(checkpoint)
-    context = config["args"].max_seq_len
-    prompts = read_prompts(args.prompts_file, args.max_new_tokens)
-    reqs = encode_requests(tokenizer, prompts, args.max_new_tokens, args.chat, context)
-    length = min(context, -(-max(len(r.prompt) + r.max_new_tokens for r in reqs) // 64) * 64)
-    check_memory(config, checkpoint, args.max_batch, length, dtype, device)  # the KV cache of every row
-    try:
-        buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
-    except ValueError:
-        raise UsageError(f"--buckets takes comma-separated batch sizes (got {args.buckets!r})") from None
-    llm = LLM(checkpoint, device, dtype, args.max_batch, length, buckets, args.decode_steps, use_kernels,
-              args.compile, tokenizer=tokenizer)
-    runner = llm.make_runner(sampling, lambda b, sec: log(f"engine: bucket {b} compiled and warm ({sec:.1f} s)"))
-    log(f"engine: {llm.mode}, buckets {runner.buckets}, {llm.steps} decode steps a round, {runner.length} "
-        f"positions a row, warm-up {runner.warmup_s:.1f} s")
-    stop_ids = set() if args.ignore_eos else set(tokenizer.eos_ids)
+    need = max(len(ids) + (n or params.max_new_tokens) for ids, n in encode(tokenizer, prompts, chat))
+    length = min(config["args"].max_seq_len, -(-need // 64) * 64)  # (too long: the requests below say which)
+    device = default_device(device)
+    dtype = default_dtype(dtype, device)
+    check_memory(config, checkpoint, max_batch, length, dtype, device, workspace=max_batch * config["args"].vocab_size * 64)
+    llm = LLM(checkpoint, device, dtype, max_batch, length, buckets, steps, kernels=kernels, compile=compile,
+              tokenizer=tokenizer)
+    reqs = llm.requests(prompts, params, chat)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    llm.warm_up(lambda b, sec: log(f"engine: bucket {b} compiled and warm ({sec:.1f} s)"))
+    r = llm.runner
+    log(f"engine: {r.mode}, buckets {r.buckets}, {r.steps} decode steps a round, {r.length} positions a row, "
+        f"warm-up {r.step.compile_s:.1f} s")
     start, tokens = time.perf_counter(), 0
     with tqdm(total=len(reqs), unit="req", file=sys.stderr, disable=None) as bar:
-        def progress(r: Request):
+        def progress(q: Request):
             nonlocal tokens
-            tokens += len(r.out)
+            tokens += len(q.out)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
             bar.update()
-        llm.run(reqs, sampling, stop_ids, progress)
-    lines = "".join(json.dumps({"prompt": p, "text": t}) + "\n" for (p, _), t in zip(prompts, llm.texts(reqs, stop_ids)))
-    if args.output:
-        Path(args.output).write_text(lines)
+        llm.run(reqs, progress)
+    lines = "".join(json.dumps({"prompt": p, "text": q.text}) + "\n" for (p, _), q in zip(prompts, reqs))
+    if output:
+        Path(output).write_text(lines)
     else:
         sys.stdout.write(lines)
     log(f"{len(reqs)} requests, {llm.tokens_out} tokens in {llm.seconds:.2f} s: {llm.tokens_out / llm.seconds:.1f} tok/s")

@@ -17,7 +17,7 @@ p at the last position. Every draw is argmax(probs / Exponential(1)), never torc
 import torch
 
 import gdkernels
-from common import Sampling, UsageError, check_memory, compiled, draw, logits_to_probs, sample, synchronize
+from common import Sampling, Step, UsageError, check_memory, draw, logits_to_probs, sample, synchronize
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -103,26 +103,30 @@ class SpeculativeGenerator:
         self.mode = mode
         if mode != "eager":
             gdkernels.register_fallbacks()
-        # graphs: one graph for the K draft steps, one for the verification
-        self.draft_fn, self.verify_fn = (compiled(f, mode, self.device) for f in (draft_steps, verify))
+        # graphs: one graph for the K draft steps, one for the verification (common.Step: warm-up timed apart)
+        self.draft_fn, self.verify_fn = (Step(f, mode, self.device) for f in (draft_steps, verify))
         dev, V = self.device, target.args.vocab_size
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.draft_tokens = torch.zeros(1, k, dtype=torch.long, device=dev)
         self.draft_probs = torch.zeros(1, k, V, dtype=torch.float32, device=dev)
         self.result = torch.zeros(k + 2, dtype=torch.long, device=dev)
-        if mode != "eager":  # (as in Generator.reserve: eager needs no marks)
-            for t in (self.token, self.pos, self.draft_tokens, self.draft_probs, self.result):
-                torch._dynamo.mark_static_address(t)  # mutated in the graphs: must stay put
+        self.draft_fn.static(self.token, self.pos, self.draft_tokens, self.draft_probs, self.result)
         self.reset_stats()
 
-    @torch.no_grad()  # grad mode is part of what the compiled functions are specialised on
+    @property
+    def warm(self) -> bool:
+        return self.draft_fn.warm() and self.verify_fn.warm()
+
+    @property
+    def compile_s(self) -> float:
+        return self.draft_fn.compile_s + self.verify_fn.compile_s
+
     def draft_loop(self) -> None:
         """The K draft steps of a round (one graph replay in mode graphs), on the static buffers."""
         self.draft_fn(self.draft, self.token, self.pos, self.draft_tokens, self.draft_probs,
                       self.sampling)
 
-    @torch.no_grad()
     def verify_round(self) -> None:
         """The target's verification of the proposals (one graph replay in mode graphs)."""
         self.verify_fn(self.target, self.draft, self.token, self.pos, self.draft_tokens, self.draft_probs,
