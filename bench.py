@@ -29,12 +29,12 @@ import torch
 
 import gdkernels
 import tp
-from common import DTYPES, Sampling, UsageError, no_recompiles, synchronize
+from common import DTYPES, Sampling, Step, UsageError, no_recompiles, synchronize
 from generate import (Generator, check_graphs, count_launches, decode_one_token, launches_per_call, prefill,
                       speculative_round_bytes, weight_bytes_per_step)
 from model import ModelArgs, Transformer
 from quantize import load, quantize_model
-from serve import LLM, Request, Runner, serve_step
+from serve import LLM, Runner, SamplingParams
 from speculative import SpeculativeGenerator
 
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -131,7 +131,7 @@ class ManualGraph:
 def make_generator(model, mode: str, sampling: Sampling = Sampling(temperature=0)) -> Generator:
     gen = Generator(model, sampling, "eager" if mode == "manual" else mode)
     if mode == "manual":
-        gen.step, gen.mode, gen.warmup_calls = ManualGraph(), "manual", 1
+        gen.step, gen.mode = Step(ManualGraph(), "manual", gen.device), "manual"
     return gen
 
 
@@ -272,34 +272,40 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     return record
 
 
-def workload(n: int, vocab: int, longest: int = 512, seed: int = 0) -> list[Request]:
-    """n requests of random tokens, their prompt and output lengths uniform in 16..longest (seeded)."""
+def workload(n: int, vocab: int, longest: int = 512, sampling: Sampling = Sampling(temperature=0),
+             seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
+    """n requests of random tokens, their prompt and output lengths uniform in 16..longest (seeded), no stop."""
     rng, shortest = random.Random(seed), min(16, longest)
-    return [Request([rng.randrange(vocab) for _ in range(rng.randint(shortest, longest))],
-                    rng.randint(shortest, longest)) for _ in range(n)]
+    return [([rng.randrange(vocab) for _ in range(rng.randint(shortest, longest))],
+             SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, max_new_tokens=rng.randint(
+                 shortest, longest), ignore_eos=True)) for _ in range(n)]
 
 
 class Timed:
     """A runner's prefills, row moves and decode steps timed by CUDA events (their GPU time, not the gaps
-    between), and the rows and padding rows of its rounds counted."""
+    between); per round its decoding rows, padding rows and the KV positions its K steps read; prefills counted."""
 
     def __init__(self, runner: Runner):
-        self.events, self.rows, self.padded = [], 0, 0
+        self.events, self.rounds, self.prefills = [], [], 0
         for name in ("prefill", "move", "step"):
-            setattr(runner, name, self.wrap(getattr(runner, name)))
-        decode = runner.decode
+            setattr(runner, name, self.wrap(name, getattr(runner, name)))
+        decode, K = runner.decode, runner.steps
 
-        def counted(rows):
-            self.rows += len(rows)
-            self.padded += runner.bucket(len(rows)) - len(rows)
-            return decode(rows)
+        def counted():
+            rows = runner.rows[:runner.decoding]
+            self.rounds.append((len(rows), runner.bucket(len(rows)) - len(rows),
+                                sum(K * (r.pos + 1) + K * (K - 1) // 2 for r in rows)))
+            return decode()
         runner.decode = counted
 
-    def wrap(self, fn):
-        def timed(*a):
+    def wrap(self, name, fn):
+        def timed(*a, **kw):
+            self.prefills += name == "prefill"
+            if not torch.cuda.is_available():
+                return fn(*a, **kw)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            r = fn(*a)
+            r = fn(*a, **kw)
             e.record()
             self.events.append((s, e))
             return r
@@ -327,44 +333,80 @@ def capture(step, reset, pool=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def by_hand(runner: Runner) -> None:
-    """The runner's buckets captured by hand into one pool, largest first, on its static views; its step becomes
-    a replay of the bucket's graph: what CUDAGraph Trees does for serve.py, without Inductor."""
-    pool, graphs = torch.cuda.graph_pool_handle(), {}
-    for b in reversed(runner.buckets):
-        step = functools.partial(serve_step, runner.model, *runner.views[b], runner.col, runner.sampling)
-        graphs[b] = capture(step, runner.col.zero_, pool)
-    runner.step = lambda model, token, *rest: graphs[token.shape[0]].replay()
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-@torch.no_grad()
-def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, longest: int,
-                  sampling: Sampling) -> dict:
-    """The serving engine (serve.py) on `requests` random requests (workload), continuous batching up to
-    max_batch rows over buckets 1, 2, 4, ... (graphs: CUDAGraph Trees; manual: captured by hand into one pool;
-    eager and compile: none): output tok/s and warm-up; then the same engine one request at a time (the first
-    8) for batch 1. On CUDA also the padding rows' share of the rounds, and the host overhead: wall time over
-    the GPU time of the prefills, row moves and steps."""
+def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, longest: int, sampling: Sampling,
+                  ceiling: float, budgets: list[int], alone: int = 0) -> list[dict]:
+    """The serving engine (serve.py) on `requests` random requests arriving at once (workload), continuous
+    batching up to max_batch rows over its default buckets, once per prefill budget on the same warm engine:
+    output tok/s; its share of the bandwidth bound (weights once a step and each decoding row's KV up to its
+    position, at the copy ceiling); inter-token latency of the decoding rows (a round's wall time over K, for
+    each row it decoded) against the median step of rounds without a prefill; time to first token from
+    arrival; warm-up. Then the engine's bucket-1 step against Generator's (at position 256 or longest), and the first
+    `alone` requests one by one through Generator (generate.py's path), all in the same process."""
     device = model.tok_embeddings.weight.device
-    llm = LLM(model=model, max_batch=max_batch, max_length=2 * longest, steps=steps,
-              compile=mode in ("graphs", "compile"))
     start = time.perf_counter()
-    runner = llm.make_runner(sampling)
-    if mode == "manual":
-        by_hand(runner)
-    synchronize(device)
-    warmup_s, timed = time.perf_counter() - start, Timed(runner) if device.type == "cuda" else None
-    reqs = workload(requests, model.args.vocab_size, longest)
-    llm.run(reqs, sampling)
-    r = {"mode": f"serve-{mode}", "batch_size": max_batch, "requests": requests, "longest": longest,
-         "decode_steps": steps, "tok_s": llm.tokens_out / llm.seconds, "seconds": llm.seconds,
-         "tokens": llm.tokens_out, "compile_s": warmup_s, "peak_mem_gb": peak_memory_gb(device)}
-    if timed is not None:
-        r.update(padded_row_share=timed.padded / (timed.rows + timed.padded), host_overhead=llm.seconds / timed.gpu_s())
-    llm.max_batch = 1  # the same engine and graphs, one request at a time
-    llm.run(workload(requests, model.args.vocab_size, longest)[:8], sampling)
-    r.update(batch1_tok_s=llm.tokens_out / llm.seconds, vs_batch1=r["tok_s"] / (llm.tokens_out / llm.seconds))
-    return r
+    llm = LLM(model=model, max_batch=max_batch, max_length=2 * longest, steps=steps, compile=mode != "eager")
+    llm.warm_up()
+    warmup_s, runner, a = time.perf_counter() - start, llm.runner, model.args
+    timed = Timed(runner)
+    kv_per_pos = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()
+    records, work = [], workload(requests, a.vocab_size, longest, sampling)
+    for budget in budgets:
+        llm.scheduler.budget = budget
+        reqs = [llm.make_request(p, params) for p, params in work]
+        timed.events.clear(), timed.rounds.clear()
+        torch.manual_seed(0)
+        itl, quiet, first, t0 = [], [], {}, time.perf_counter()
+        for r in reqs:
+            llm.scheduler.add(r)
+        while llm.scheduler.busy():
+            t, n, prefills = time.perf_counter(), len(timed.rounds), timed.prefills
+            events = llm.step()
+            now = time.perf_counter()
+            if len(timed.rounds) > n:  # (a round that decoded)
+                itl += [(now - t) / steps] * timed.rounds[-1][0]
+                if timed.prefills == prefills:
+                    quiet.append((now - t) / steps)
+            first.update((r, now - t0) for r, new, _ in events if new and r not in first)
+        seconds, tokens = time.perf_counter() - t0, sum(len(r.out) for r in reqs)
+        read = sum(steps * weight_bytes_per_step(model) + kv_per_pos * kv for _, _, kv in timed.rounds)
+        bound = tokens / (read / (ceiling * 1e9))
+        rows, padding = (sum(x[i] for x in timed.rounds) for i in (0, 1))
+        ttft = list(first.values())
+        records.append({"mode": f"serve-{mode}", "batch_size": max_batch, "requests": requests, "longest": longest,
+                        "decode_steps": steps, "prefill_budget": budget, "tok_s": tokens / seconds, "seconds": seconds,
+                        "tokens": tokens, "bound_tok_s": bound, "share_of_bound": tokens / seconds / bound,
+                        "itl_ms_p50": 1e3 * percentile(itl, 0.5), "itl_ms_p99": 1e3 * percentile(itl, 0.99),
+                        "step_ms_median": 1e3 * percentile(quiet, 0.5), "ttft_s_p50": percentile(ttft, 0.5),
+                        "ttft_s_p99": percentile(ttft, 0.99), "padded_row_share": padding / (rows + padding),
+                        "compile_s": warmup_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory_gb(device)})
+        if device.type == "cuda":
+            records[-1]["host_overhead"] = seconds / timed.gpu_s()
+
+    at = min(256, longest)
+    n = max(1, min(64, 2 * longest - at - 16))  # (Generator's steps: room in the cache)
+
+    def bucket1():  # a round of bucket 1 at position `at`
+        runner.write([], 1)
+        runner.pos[:1].fill_(at)
+        for _ in range(steps):
+            runner.step(model, *runner.views[1], key=1)
+    engine_step = seconds_per_call(bucket1, device, reps=10) / steps
+    gen = warmed(model, mode, 1, at, n, sampling)
+    gen_step = statistics.median(timed_decode(gen, at, n))
+    extra = {"bucket1_step_ms": engine_step * 1e3, "generator_step_ms": gen_step * 1e3}
+    if alone:
+        gen.reserve(1, 2 * longest)
+        t0 = time.perf_counter()
+        tokens = sum(len(c[0]) for p, params in work[:alone] for c in gen.generate([p], params.max_new_tokens))
+        extra.update(alone=alone, alone_tok_s=tokens / (time.perf_counter() - t0))
+    for r in records:
+        r.update(extra)
+    return records
 
 
 def quantized(model: Transformer, spec: str) -> Transformer:
@@ -400,6 +442,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-steps", type=int, default=8, help="--serving: decode steps a round")
     p.add_argument("--serving-length", type=int, default=512,
                    help="--serving: prompt and output lengths uniform in 16..N tokens")
+    p.add_argument("--prefill-budget", default="1024", help="--serving: comma-separated token budgets of a prefill")
+    p.add_argument("--serving-alone", type=int, default=16,
+                   help="--serving: then the first N requests one by one through generate.py's Generator (0: none)")
     p.add_argument("--json", type=Path, help="append each record to this JSON list as it is measured")
     p.add_argument("--plot", type=Path, help="write a PNG bar chart (needs matplotlib)")
     a = p.parse_args(argv)
@@ -407,7 +452,7 @@ def main(argv=None) -> int:
     dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     allowed = ["eager", "compile", "graphs", "manual"] if device.type == "cuda" else ["eager", "compile"]
     if a.serving is not None and device.type == "cuda":
-        allowed.remove("compile")  # (the engine compiles its buckets with graphs or not at all)
+        allowed = ["eager", "graphs"]  # (the engine's buckets are graphed or eager)
     modes = a.modes.split(",") if a.modes else allowed
     if not set(modes) <= set(allowed):
         print(f"error: mode not run {'by --serving ' if a.serving else ''}on {device.type}: {','.join(modes)}",
@@ -417,10 +462,11 @@ def main(argv=None) -> int:
     if a.repeat < 1:
         print(f"error: --repeat must be at least 1 (got {a.repeat})", file=sys.stderr)
         return 1
-    if a.serving is not None and (a.serving < 1 or a.max_batch < 1 or a.decode_steps < 1 or a.serving_length < 1
-                                  or a.speculate_k is not None):
-        print("error: --serving, --max-batch, --decode-steps and --serving-length must be >= 1, without --speculate-k",
-              file=sys.stderr)
+    budgets = [int(b) for b in a.prefill_budget.split(",") if b.strip().isdigit()]
+    if a.serving is not None and (min(a.serving, a.max_batch, a.decode_steps, a.serving_length, *budgets or [0]) < 1
+                                  or a.serving_alone < 0 or a.speculate_k is not None):
+        print("error: --serving, --max-batch, --decode-steps, --serving-length and --prefill-budget must be >= 1, "
+              "without --speculate-k", file=sys.stderr)
         return 1
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
@@ -481,13 +527,16 @@ def main(argv=None) -> int:
             torch._dynamo.reset()  # a fresh compile per configuration, as a user would see
 
     for mode in modes if a.serving else []:
-        r = bench_serving(model, mode, a.serving, a.max_batch, a.decode_steps, a.serving_length, sampling)
-        more = f"; padding {r['padded_row_share']:.1%}, host overhead {r['host_overhead']:.2f}x" if "host_overhead" in r \
-            else ""
-        print(f"  serve-{mode} {a.serving} requests, {a.max_batch} rows: {r['tok_s']:8.1f} tok/s = "
-              f"{r['vs_batch1']:.1f}x batch 1 ({r['batch1_tok_s']:.1f}); warm-up {r['compile_s']:.1f} s{more}",
-              file=sys.stderr, flush=True)
-        keep(r)
+        for r in bench_serving(model, mode, a.serving, a.max_batch, a.decode_steps, a.serving_length, sampling,
+                               ceiling, budgets, a.serving_alone):
+            alone = f", {r['tok_s'] / r['alone_tok_s']:.1f}x one by one ({r['alone_tok_s']:.1f})" if "alone" in r else ""
+            print(f"  serve-{mode} {a.serving} requests, {a.max_batch} rows, prefill budget {r['prefill_budget']}: "
+                  f"{r['tok_s']:8.1f} tok/s = {r['share_of_bound']:.0%} of {r['bound_tok_s']:.0f}{alone}; inter-token "
+                  f"p50/p99 {r['itl_ms_p50']:.2f}/{r['itl_ms_p99']:.2f} ms (step {r['step_ms_median']:.2f}); first "
+                  f"token p50/p99 {r['ttft_s_p50']:.2f}/{r['ttft_s_p99']:.2f} s; padding {r['padded_row_share']:.1%}; "
+                  f"bucket-1 step {r['bucket1_step_ms']:.2f} ms, Generator's {r['generator_step_ms']:.2f}; "
+                  f"warm-up {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
+            keep(r)
     for mode in modes if not a.serving else []:
         for batch in batches:
             r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,

@@ -77,16 +77,16 @@ def no_recompiles(mode: str):
 
 class Step:
     """A decode step on static buffers as `mode` runs it (compiled(); aot: fn is gdkernels' ahead-of-time
-    step already), the one place Generator, the engine's Runner and the speculative generator get it from:
+    step already; manual: bench.py's graph captured by hand), the one place Generator, the engine's Runner and the speculative generator get it from:
     the buffers it mutates marked static (a graph replays on fixed addresses), and the first calls per key
     (an input shape: a bucket) timed apart as warm-up (compile; CUDAGraph Trees: a warm-up run, the
     recording, a first replay). check_graphs() verifies what runs after."""
 
-    WARMUP = {"eager": 0, "compile": 1, "graphs": 3, "aot": 1, "aot-cached": 1}
+    WARMUP = {"eager": 0, "compile": 1, "graphs": 3, "aot": 1, "aot-cached": 1, "manual": 1}
 
     def __init__(self, fn, mode: str, device: torch.device, dynamic: bool | None = None):
         self.mode, self.device = mode, device
-        self.fn = fn if mode.startswith("aot") else compiled(fn, mode, device, dynamic)
+        self.fn = compiled(fn, mode, device, dynamic) if mode in ("eager", "compile", "graphs") else fn
         self.calls: dict = {}  # key -> calls so far, up to WARMUP[mode]
         self.compile_s = 0.0
 
@@ -148,7 +148,7 @@ def check_graphs(fn, device, calls: int, what: str, graphs: int = 1, outside: in
     counts = launches_per_call(fn, device, calls)
     if counts["graph_launches_per_step"] != graphs or counts["kernels_outside_graphs_per_step"] > outside:
         raise GraphCheckError(
-            f"{what} is not {graphs} graph replay(s) per call: {counts['graph_launches_per_step']:g} graph launches "
+            f"{what} is not {'one graph replay' if graphs == 1 else f'{graphs} graph replays'} per call: {counts['graph_launches_per_step']:g} graph launches "
             f"and {counts['kernels_outside_graphs_per_step']:g} kernels outside graphs per call (expected {graphs} "
             f"and at most {outside}): a graph break, a skipped graph or an eager fallback")
     return counts
@@ -224,7 +224,10 @@ def row_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     there), top-p the smallest prefix of the sorted distribution whose mass reaches top_p."""
     logits = logits.float() / temperature[:, None]
     ranked, order = logits.sort(-1, descending=True)  # [B, V]
-    kth = ranked.gather(-1, (top_k[:, None] - 1).clamp(0, logits.shape[-1] - 1))
+    # The k-th largest as the least of the first k (a reduction: Inductor's Triton code for a gather fused
+    # into the softmax's split reduction fails to build in torch 2.11).
+    first_k = torch.arange(logits.shape[-1], device=logits.device) < top_k[:, None]
+    kth = ranked.masked_fill(~first_k, float("inf")).amin(-1, keepdim=True)
     p = ranked.masked_fill(ranked < kth, -float("inf")).softmax(-1)
     p = p.masked_fill((p.cumsum(-1) - p) >= top_p[:, None], 0.0)
     return torch.zeros_like(p).scatter_(-1, order, p / p.sum(-1, keepdim=True))

@@ -458,7 +458,7 @@ def decode_weight_bytes(gen) -> int:
 
 def decode_path(gen, kernels: bool) -> str:
     """Which decode ran, in words: the mode (for the CPU's ahead-of-time step, whether one was found) and the kernels."""
-    mode = getattr(getattr(gen, "step", None), "ran", None) or {"graphs": "compiled, CUDA graphs"}.get(gen.mode, gen.mode)
+    mode = getattr(getattr(getattr(gen, "step", None), "fn", None), "ran", None) or {"graphs": "compiled, CUDA graphs"}.get(gen.mode, gen.mode)
     return f"{'speculative, ' if not isinstance(gen, Generator) else ''}{mode}, kernels {'on' if kernels else 'off'}"
 
 

@@ -62,6 +62,8 @@ class SamplingParams(Sampling):
             raise UsageError(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise UsageError(f"stop must be a sequence of non-empty strings (got {self.stop!r})")
+        if not all(isinstance(t, int) for t in self.stop_ids):
+            raise UsageError(f"stop_ids must be token ids (got {self.stop_ids!r})")
 
 
 @dataclass(eq=False)
@@ -153,7 +155,7 @@ class Runner:
         if self.buckets[0] < 1 or self.buckets[-1] != max_batch:
             raise UsageError(f"buckets {self.buckets} must be >= 1 and end at max_batch {max_batch}")
         model.setup_caches(max_batch, length)
-        self.length = model.max_seq_length
+        self.length = length  # (the cache may hold more, from an earlier user of the model)
         new = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=self.device)  # noqa: E731
         self.token, self.pos, self.out, self.col = new(max_batch, 1), new(max_batch, 1), new(max_batch, steps), new(1)
         self.logp, self.temperature = new(max_batch, steps, dtype=torch.float), new(max_batch, dtype=torch.float)

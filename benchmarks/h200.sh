@@ -8,8 +8,9 @@
 #   gains    benchmarks/kernel_gains.py: the reference path, then each kernel, then all
 #   spec     speculative decoding, K=4, the target's int4 g32 copy as draft, old against new
 #   models   Llama-3.1-8B and SmolLM2-135M shapes, bf16 B=1
-#   serving  bench.py --serving: the engine's throughput (graphs, buckets by hand, eager); benchmarks/serving.py:
-#            bucket pools and padding by hand, K-step rounds
+#   serving  bench.py --serving: the engine (Llama-2-7B shape at 64, 128 and 256 rows, three prefill budgets at
+#            64; SmolLM2's shape: its bucket-1 step against Generator's); benchmarks/serving.py: bucket pools and
+#            padding by hand, K-step rounds
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/records}
@@ -38,8 +39,10 @@ for part in "$@"; do
           old $S; new $S ;;
     models) new --model llama-3.1-8b $B --batch-sizes 1
             new --model smollm2-135m $B --batch-sizes 1 ;;
-    serving) python3 bench.py --model llama-2-7b --serving 256 --max-batch 64 --modes graphs,manual,eager \
-               --json "$OUT/serving.json"
+    serving) S="--serving 256 --modes graphs --json $OUT/serving.json"
+             python3 bench.py --model llama-2-7b $S --max-batch 64 --prefill-budget 512,1024,2048 --serving-alone 0
+             for b in 128 256; do python3 bench.py --model llama-2-7b $S --max-batch $b --serving-alone 0; done
+             python3 bench.py --model smollm2-135m $S --max-batch 64 --serving-alone 8
              python3 benchmarks/serving.py --model llama-2-7b --parts pools,padding,steps --json "$OUT/serving.json"
              python3 benchmarks/serving.py --model smollm2-135m --parts steps --json "$OUT/serving.json" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;

@@ -24,10 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gdkernels  # noqa: E402
 from bench import PRESETS, Timed, capture, launches_per_call, random_model  # noqa: E402 (generate.py's, through bench)
-from common import Sampling  # noqa: E402
-from serve import LLM, Request, default_buckets, serve_step  # noqa: E402
+from serve import LLM, Request, SamplingParams, default_buckets, serve_step  # noqa: E402
 
-GREEDY = Sampling(temperature=0)
 CUDA = torch.device("cuda")
 
 
@@ -45,10 +43,9 @@ class Bucket:
     `pool`. replay() runs it with every row at position `at` (col reset: out has 64 columns)."""
 
     def __init__(self, model, b, buffers, pool, at):
-        self.token, self.pos, self.out, self.col = buffers[0][:b], buffers[1][:b], buffers[2][:b], buffers[3]
-        self.at = at
-        self.graph = capture(lambda: serve_step(model, self.token, self.pos, self.out, self.col, GREEDY), self.reset,
-                             pool)
+        views = [t if t.shape[0] == 1 and t.dim() == 1 else t[:b] for t in buffers]  # (col: [1])
+        self.pos, self.col, self.at = views[1], views[4], at
+        self.graph = capture(lambda: serve_step(model, *views), self.reset, pool)
 
     def reset(self):
         self.pos.fill_(self.at)
@@ -68,17 +65,18 @@ class Bucket:
 
 
 def buffers(n):
-    z = lambda *s: torch.zeros(*s, dtype=torch.long, device=CUDA)  # noqa: E731
-    return z(n, 1), z(n, 1), z(n, 64), z(1)
+    """serve_step's buffers for n greedy rows (top-k and top-p off)."""
+    z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=CUDA)  # noqa: E731
+    top_k = torch.full((n,), 1 << 30, device=CUDA)  # (clamped to the vocabulary: off)
+    return (z(n, 1), z(n, 1), z(n, 64), z(n, 64, dtype=torch.float), z(1), z(n, dtype=torch.float), top_k,
+            torch.full((n,), float("inf"), device=CUDA))
 
 
 def part_pools(model, out):
-    kernels = launches_per_call(lambda: serve_step(model, *buffers(1), GREEDY), CUDA, 2)["kernels_outside_graphs_per_step"]
+    kernels = launches_per_call(lambda: serve_step(model, *buffers(1)), CUDA, 2)["kernels_outside_graphs_per_step"]
     buckets = default_buckets(64)
-    warm = buffers(64)
     for b in buckets:  # (each size's kernels and cuBLAS workspaces made before any pool is measured)
-        serve_step(model, warm[0][:b], warm[1][:b], warm[2][:b], warm[3], GREEDY)
-    del warm
+        serve_step(model, *buffers(b))
     for how in ("one pool, largest first", "one pool, smallest first", "a pool per bucket"):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -118,21 +116,23 @@ def part_padding(model, out):
 
 def part_steps(llm, out, what):
     """Rounds of K steps on buckets 1 and 64, every row at 256 cached positions."""
-    runner = llm.make_runner(GREEDY)
+    llm.warm_up()
+    runner = llm.runner
     gpu = Timed(runner)
     for b in (1, 64):
         if b not in runner.buckets:
             continue
-        rows = [Request([1] * 256, 10**6, out=[3]) for _ in range(b)]
+        runner.rows = [Request([1] * 256, SamplingParams(temperature=0), out=[3]) for _ in range(b)]
+        runner.decoding = b
         for k in (1, 4, 8):
             runner.steps = k
             rounds = max(4, 64 // k)
-            runner.decode(rows)  # (a round before the timed ones)
+            runner.decode()  # (a round before the timed ones)
             torch.cuda.synchronize()
             gpu.events.clear()
             start = time.perf_counter()
             for _ in range(rounds):
-                runner.decode(rows)
+                runner.decode()
             wall = time.perf_counter() - start
             step_s = gpu.gpu_s()
             record(out, part="steps", engine=what, dim=llm.model.args.dim, bucket=b, steps_a_round=k,

@@ -378,8 +378,25 @@ def _warm_eager(model):
 
 
 def test_check_graphs_fails_on_eager_decode(model):
-    with pytest.raises(RuntimeError, match="not one graph replay per token"):
+    with pytest.raises(RuntimeError, match="not one graph replay per call"):
         check_graphs(_warm_eager(model), steps=2)
+
+
+def test_check_graphs_fails_when_a_graph_is_skipped(model):
+    """Buffers the step mutates but nobody marked static: CUDAGraph Trees skips the graph (mutated inputs) and
+    Inductor's kernels run one by one. The check must fail, not pass on a slow step."""
+    from common import GraphCheckError, Step, check_graphs as check
+    from generate import decode_one_token
+
+    torch._dynamo.reset()
+    model.setup_caches(1, 64)
+    token, pos, tokens = (torch.zeros(*s, dtype=torch.long, device="cuda") for s in ((1, 1), (1,), (1, 64)))
+    step = Step(decode_one_token, "graphs", token.device)  # (no step.static(...))
+    run = lambda: step(model, token, pos, tokens, Sampling(temperature=0))  # noqa: E731
+    for _ in range(3):
+        run()
+    with pytest.raises(GraphCheckError, match="not one graph replay per call"):
+        check(run, token.device, 2, "decode")
 
 
 def test_no_recompiles_over_300_tokens(graphed):

@@ -180,16 +180,16 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tmp_path, monkeypatch, ca
     greedy = Sampling(temperature=0)
     # A missing package with aot-cached (generate.py's CPU default): eager decode, and a hint.
     out, gen = aot(one, greedy, "aot-cached")
-    assert out == run_gen(one, greedy) and gen.step.runner is generate.decode_one_token
-    assert gen.step.ran.startswith("eager (--compile builds a step") and not list(tmp_path.iterdir())
+    assert out == run_gen(one, greedy) and gen.step.fn.runner is generate.decode_one_token
+    assert gen.step.fn.ran.startswith("eager (--compile builds a step") and not list(tmp_path.iterdir())
     out, gen = aot(one, greedy)  # builds the package
     assert "compiling the decode step ahead of time" in capsys.readouterr().err
-    assert out == run_gen(one, greedy) and gen.step.runner is not generate.decode_one_token
+    assert out == run_gen(one, greedy) and gen.step.fn.runner is not generate.decode_one_token
     assert len(list((tmp_path / "aot").glob("*.pt2"))) == 1
     # Another model of the same shapes loads the package (it holds no weights) and follows its own.
     out, gen = aot(other, greedy, "aot-cached")
     assert out == run_gen(other, greedy) != run_gen(one, greedy)
-    assert gen.step.runner is not generate.decode_one_token and len(list((tmp_path / "aot").glob("*.pt2"))) == 1
+    assert gen.step.fn.runner is not generate.decode_one_token and len(list((tmp_path / "aot").glob("*.pt2"))) == 1
     assert "compiling" not in capsys.readouterr().err
 
 

@@ -12,7 +12,7 @@ import generate
 from common import Sampling
 from generate import Generator
 from model import ModelArgs, Transformer
-from serve import LLM, Request, default_buckets, read_prompts
+from serve import LLM, Request, SamplingParams, default_buckets, read_prompts
 
 GREEDY = Sampling(temperature=0)
 STOP = {25}  # with the tiny model below, 4 of workload()'s 13 requests stop on it, 9 run out of budget
@@ -30,20 +30,26 @@ def alone(model, prompt, budget, stop=STOP):
     return [t for chunk in gen.generate([prompt], budget, stop) for t in chunk[0]]
 
 
+def params(n, stop_ids=STOP, **kw):
+    return SamplingParams(**{"temperature": 0, **kw}, max_new_tokens=n, stop_ids=tuple(stop_ids))
+
+
 def engine(model, prompts, budgets, stop=STOP, **kw):
     llm = LLM(model=model, **kw)
-    reqs = [Request(p, n) for p, n in zip(prompts, budgets)]
-    llm.run(reqs, GREEDY, stop)
+    reqs = [llm.make_request(p, params(n, stop)) for p, n in zip(prompts, budgets)]
+    llm.run(reqs)
     return [r.out for r in reqs], llm
 
 
+@pytest.mark.parametrize("budget", [1024, 7], ids=["prefill-together", "prefill-in-chunks"])
 @pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("buckets", [None, [5]], ids=["buckets-1-2-4-5", "always-padded-to-5"])
-def test_engine_greedy_equals_each_request_alone(tiny, steps, buckets):
+def test_engine_greedy_equals_each_request_alone(tiny, steps, buckets, budget):
     prompts, budgets = workload()
     ref = [alone(tiny, p, n) for p, n in zip(prompts, budgets)]
     assert any(len(r) < n for r, n in zip(ref, budgets)) and any(len(r) == n for r, n in zip(ref, budgets))
-    got, llm = engine(tiny, prompts, budgets, max_batch=5, max_length=64, steps=steps, buckets=buckets)
+    got, llm = engine(tiny, prompts, budgets, max_batch=5, max_length=64, steps=steps, buckets=buckets,
+                      prefill_budget=budget)
     assert got == ref
     assert llm.tokens_out == sum(map(len, ref))
 
@@ -57,7 +63,7 @@ def test_padding_rows_and_stale_cache_rows_change_no_real_row(tiny):
     for layer in tiny.layers:
         layer.attention.kv_cache.k_cache.normal_(0, 100)
         layer.attention.kv_cache.v_cache.normal_(0, 100)
-    got, _ = engine(tiny, prompts, budgets, max_batch=8, max_length=64, buckets=[8])
+    got, _ = engine(tiny, prompts, budgets, max_batch=8, max_length=64, buckets=[8], prefill_budget=9)
     assert got == ref
 
 
@@ -66,35 +72,162 @@ def test_compiled_buckets_equal_eager_and_do_not_recompile(tiny):
     prompts, budgets = workload(7, seed=2)
     ref = [alone(tiny, p, n) for p, n in zip(prompts, budgets)]
     got, llm = engine(tiny, prompts, budgets, max_batch=3, max_length=64, steps=2, compile=True)
-    assert llm.mode == "compile" and llm.runner.buckets == [1, 2, 3]
+    assert llm.runner.mode == "compile" and llm.runner.buckets == [1, 2, 3]
     assert got == ref
     # a second run reuses the warm steps (no_recompiles would raise on a recompile)
-    reqs = [Request(p, n) for p, n in zip(prompts, budgets)]
-    llm.run(reqs, GREEDY, STOP)
+    reqs = [llm.make_request(p, params(n)) for p, n in zip(prompts, budgets)]
+    llm.run(reqs)
     assert [r.out for r in reqs] == ref
 
 
-def test_one_llm_serves_several_sampling_settings_and_refuses_too_long_requests(tiny):
-    """A warm runner per sampling setting (compiled: several runners' buckets within Dynamo's limit); run()
-    refuses a request longer than a row, which a round would otherwise clamp at the cache's last position."""
-    from common import UsageError
+def test_requests_added_while_others_run_and_abort(tiny):
+    """The online API: requests join between steps, each output equal to its output alone; a long prompt goes
+    in in chunks while the others decode (each gets its K tokens at every step meanwhile); an aborted request's
+    row is freed at the next step and nobody else's output changes."""
+    prompts, budgets = [[3, 1, 4], [1, 5], [9, 2, 6, 5], [(7 * i) % 64 for i in range(40)]], [30, 30, 30, 12]
+    more, more_budgets = workload(5, seed=5)
+    ref = [alone(tiny, p, n, stop=()) for p, n in zip(prompts + more, budgets + more_budgets)]
+    llm = LLM(model=tiny, max_batch=5, max_length=128, steps=2, prefill_budget=16)  # (4 rows x 4 tokens fit)
+    reqs = [llm.add_request(p, params(n, ())) for p, n in zip(prompts[:3], budgets[:3])]
+    victim = llm.add_request([1, 2, 3], params(50, ()))
+    assert {r for r, new, _ in llm.step()} == {*reqs, victim}  # all four prefilled together, then a round
+    reqs.append(llm.add_request(prompts[3], params(budgets[3], ())))  # 40 tokens: chunks of 16, 16 and 8
+    for i in range(3):
+        events = {r: new for r, new, _ in llm.step()}
+        assert all(len(events[r]) == 2 for r in reqs[:3]) and (reqs[3] in events) == (i == 2)
+    llm.abort(victim)
+    reqs += [llm.add_request(p, params(n, ())) for p, n in zip(more, more_budgets)]
+    finished = []
+    for _ in range(100):
+        finished += [r for r, _, done in llm.step() if done]
+        if not llm.scheduler.busy():
+            break
+    assert [r.out for r in reqs] == ref
+    assert victim.finish_reason == "abort" and victim in finished and len(victim.out) == 1 + 4 * 2  # prefill, 4 rounds of 2
+    assert sorted(map(id, finished)) == sorted(map(id, reqs + [victim])) and llm.runner.rows == []
+
+
+def test_chunked_prefill_and_logprobs_equal_the_reference_forward(tiny):
+    """Prompt log-probabilities from a prefill in chunks of 3 equal the one-shot forward's log_softmax (tight
+    tolerance), and each generated token's log-probability equals the reference's at its position."""
+    prompt = [(5 * i + 3) % 64 for i in range(17)]
+    p = params(6, (), prompt_logprobs=True, logprobs=True)
+    outs = {}
+    for budget in (3, 64):
+        llm = LLM(model=tiny, max_batch=2, max_length=64, steps=4, prefill_budget=budget)
+        outs[budget] = r = llm.make_request(prompt, p)
+        llm.run([r])
+    a, b = outs[3], outs[64]
+    assert a.out == b.out == alone(tiny, prompt, 6, stop=())
+    assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(prompt)
+    tiny.setup_caches(1, 64)
+    seq = torch.tensor([prompt + a.out])
+    ref = tiny(seq, torch.arange(seq.shape[1]))[0].log_softmax(-1)  # [S, V]
+    want = ref[:-1].gather(-1, seq[0, 1:, None])[:, 0]  # each token's, from the position before it
+    for r in (a, b):
+        assert torch.allclose(torch.tensor(r.prompt_logprobs[1:]), want[:len(prompt) - 1], atol=1e-5, rtol=0)
+        assert torch.allclose(torch.tensor(r.logprobs), want[len(prompt) - 1:], atol=1e-5, rtol=0)
+
+
+def test_mixed_settings_share_one_compiled_step_and_never_recompile(tiny):
+    """Greedy and sampled rows in one batch: greedy rows equal their output alone, sampled rows are reproducible
+    with a seed; switching settings between runs compiles nothing new (no_recompiles would raise)."""
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    llm = LLM(model=tiny, max_batch=2, max_length=64, steps=2, compile=True)
-    for t in (0.5, 0.6, 0.7, 0.5):
-        llm.run([Request([1, 2, 3], 4)], Sampling(temperature=t))
-    assert len(llm.runners) == 3
-    with pytest.raises(UsageError, match="exceed the 64 positions a row holds"):
-        llm.run([Request([1] * 60, 10)], GREEDY)
+    prompts, budgets = workload(6, seed=3)
+    settings = [dict(temperature=0), dict(temperature=1.0, top_k=None), dict(temperature=0.7, top_k=5),
+                dict(temperature=0), dict(temperature=1.3, top_p=0.9), dict(temperature=0.5, top_k=3, top_p=0.5)]
+    llm = LLM(model=tiny, max_batch=4, max_length=64, steps=2, compile=True)
+
+    def run(seed, mix):
+        torch.manual_seed(seed)
+        reqs = [llm.make_request(p, params(n, (), **kw)) for p, n, kw in zip(prompts, budgets, mix)]
+        llm.run(reqs)
+        return [r.out for r in reqs]
+
+    llm.warm_up()  # (warm-up draws random numbers too)
+    first = run(0, settings)
+    frames = counters["stats"]["unique_graphs"]
+    assert run(0, settings) == first
+    assert run(1, settings[::-1]) != first[::-1]  # (other draws)
+    assert counters["stats"]["unique_graphs"] == frames  # nothing compiled for the new mix
+    for i in (0, 3):
+        assert first[i] == alone(tiny, prompts[i], budgets[i], stop=())
+    assert all(len(o) == n for o, n in zip(first, budgets))
+
+
+def test_row_probs_equal_logits_to_probs_for_each_rows_setting():
+    from common import logits_to_probs, row_probs, sample_rows
+
+    torch.manual_seed(0)
+    V = 300
+    logits = torch.randn(6, V) * 3
+    logits[3, :10] = logits[3, 0]  # ties at the top-k boundary: kept, as logits_to_probs keeps them
+    settings = [Sampling(1.0, None, None), Sampling(0.7, 20, None), Sampling(1.3, None, 0.8), Sampling(1.0, 5, None),
+                Sampling(0.5, 50, 0.3), Sampling(2.0, V, 1.0)]
+    t = torch.tensor([s.temperature for s in settings])
+    k = torch.tensor([s.top_k or V for s in settings])
+    p = torch.tensor([s.top_p if s.top_p is not None and s.top_p < 1 else float("inf") for s in settings])
+    got = row_probs(logits, t, k, p)
+    for i, s in enumerate(settings):
+        assert torch.allclose(got[i], logits_to_probs(logits[i:i + 1], s)[0], atol=1e-6, rtol=1e-5), s
+    greedy = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    drawn = sample_rows(logits, greedy, k, p)
+    assert drawn[greedy == 0].equal(logits.argmax(-1)[greedy == 0])
+
+
+def test_submit_and_receive_from_another_thread(tiny):
+    """The engine loop in a background thread; two threads submit and read their tokens as they come."""
+    import threading
+
+    prompts, budgets = workload(4, seed=6)
+    ref = [alone(tiny, p, n, stop=()) for p, n in zip(prompts, budgets)]
+    llm = LLM(model=tiny, max_batch=2, max_length=64, steps=3)
+    stop = threading.Event()
+    loop = threading.Thread(target=llm.loop, args=(stop,), daemon=True)
+    loop.start()
+    got = [None] * 4
+
+    def client(i):
+        r, out = llm.submit(prompts[i], params(budgets[i], ())), []
+        for _ in range(100):
+            new, finished = llm.receive(r, timeout=30)
+            out += new
+            if finished:
+                break
+        got[i] = out
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(timeout=60)
+    stop.set()
+    loop.join(timeout=10)
+    assert got == ref and not loop.is_alive()
+
+
+def test_bad_requests_are_usage_errors(tiny):
+    from common import UsageError
+
+    llm = LLM(model=tiny, max_batch=2, max_length=64)
+    for prompt, p, message in [([], params(4), "non-empty list of token ids"), ([64], params(4), "token ids in"),
+                               ([1] * 60, params(10), "exceeds the 64 positions a row holds"),
+                               ([1], params(0), "max_new_tokens must be"), ([1], params(4, temperature=-1), "temperature"),
+                               ([1], params(4, stop=("x",)), "stop strings need the engine's tokenizer"),
+                               ([1], params(4, ("x",)), "stop_ids must be")]:
+        with pytest.raises(UsageError, match=message):
+            llm.add_request(prompt, p)
+    assert not llm.scheduler.busy()
 
 
 def test_sampled_outputs_keep_their_budgets(tiny):
     prompts, budgets = workload(6, seed=3)
     llm = LLM(model=tiny, max_batch=4, max_length=64)
-    reqs = [Request(p, n) for p, n in zip(prompts, budgets)]
+    reqs = [llm.make_request(p, SamplingParams(temperature=1.0, top_k=None, max_new_tokens=n)) for p, n in zip(prompts, budgets)]
     torch.manual_seed(0)
-    llm.run(reqs, Sampling(temperature=1.0, top_k=None))
-    assert [len(r.out) for r in reqs] == budgets
+    llm.run(reqs)
+    assert [len(r.out) for r in reqs] == budgets and all(r.finish_reason == "length" for r in reqs)
     assert all(0 <= t < 64 for r in reqs for t in r.out)
 
 
@@ -117,6 +250,21 @@ def test_llm_api_on_the_default_model_equals_generating_alone(default_ckpt):
         out = alone(llm.model, ids, 20, set(llm.tokenizer.eos_ids))
         assert text == llm.tokenizer.decode([t for t in out if t not in llm.tokenizer.eos_ids])
     assert texts[0].strip().startswith("Paris") or "Paris" in texts[0]
+
+
+def test_stop_strings_cut_the_text_even_across_rounds(default_ckpt):
+    """A stop string ends the text just before it, found token by token: the same cut at 1 and 8 steps a
+    round (a string spanning two read-backs), and equal to cutting the unstopped text at its first match."""
+    llm = LLM(default_ckpt, device="cpu", max_batch=2, max_length=128, steps=1)
+    full = llm.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))[0]
+    stop = full[full.index(",", 3):][:3]  # two or three characters, from the fourth output character on
+    assert len(stop) >= 2 and full.count(stop) >= 1
+    want = full[:full.index(stop)]
+    for steps in (1, 8):
+        llm = LLM(model=llm.model, tokenizer=llm.tokenizer, max_batch=2, max_length=128, steps=steps)
+        reqs = llm.requests(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_new_tokens=24, stop=(stop, "never!")))
+        llm.run(reqs)
+        assert reqs[0].text == want and reqs[0].finish_reason == "stop", (steps, stop, reqs[0].text)
 
 
 def cli(capsys, *args):
@@ -148,11 +296,11 @@ def test_cli_prompts_file_writes_jsonl_in_order(default_ckpt, tmp_path, capsys):
     ("", [], "holds no prompt"),
     ("\n  \n", [], "holds no prompt"),
     ('{"text": "no prompt key"}', [], 'line 1: not a JSON object with a "prompt"'),
-    ('{"prompt": "Hi", "max_new_tokens": 0}', [], "prompt 1: max_new_tokens must be an integer >= 1"),
-    ("Hi\n" + "word " * 9000, [], "prompt 2 .* exceeds the 8192 positions"),
+    ('{"prompt": "Hi", "max_new_tokens": 0}', [], "line 1: max_new_tokens must be an integer >= 1"),
+    ("Hi\n" + "word " * 9000, [], "prompt 2: .* exceeds the 8192 positions"),
     ("Hi", ["--max-batch", "0"], "--max-batch must be >= 1"),
-    ("Hi", ["--decode-steps", "0"], "--decode-steps must be >= 1"),
-    ("Hi", ["--buckets", "1,2"], r"buckets \[1, 2\] must be >= 1 and end at --max-batch 4"),
+    ("Hi", ["--stop-check-interval", "0"], "--stop-check-interval must be >= 1"),
+    ("Hi", ["--buckets", "1,2"], r"buckets \[1, 2\] must be >= 1 and end at max_batch 4"),
     ("Hi", ["--buckets", "1,two,4"], "--buckets takes comma-separated batch sizes"),
     ("Hi", ["--max-batch", "100000000"], "do not fit"),
     ("Hi", ["--interactive"], "--prompts-file goes without"),
@@ -176,12 +324,13 @@ def test_read_prompts_missing_file(tmp_path):
     from common import UsageError
 
     with pytest.raises(UsageError, match="cannot read"):
-        read_prompts(tmp_path / "nope.txt", 10)
+        read_prompts(tmp_path / "nope.txt")
 
 
 def test_bench_serving_record(tmp_path, capsys):
-    """bench.py --serving: every request of the seeded workload runs to its budget (random weights, no stop
-    token), the record's tok/s is its tokens over its seconds, and batch 1 is measured beside it."""
+    """bench.py --serving: every request of the seeded workload runs to its budget (random weights, no stop),
+    once per prefill budget; the record's tok/s is its tokens over its seconds, its share of the bound is
+    tok/s over the bound, and the same requests one by one through Generator are measured beside it."""
     import bench
     from test_quantize import write_float_checkpoint
 
@@ -189,16 +338,21 @@ def test_bench_serving_record(tmp_path, capsys):
                                                         intermediate_size=128, max_seq_len=256))
     out = tmp_path / "records.json"
     assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), "--modes", "eager", "--serving", "6",
-                       "--max-batch", "4", "--decode-steps", "3", "--serving-length", "24", "--json", str(out)]) == 0
-    (r,) = json.loads(out.read_text())
-    assert (r["mode"], r["batch_size"], r["requests"], r["decode_steps"]) == ("serve-eager", 4, 6, 3)
-    assert r["tokens"] == sum(q.max_new_tokens for q in bench.workload(6, 64, 24))
-    assert r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"])
-    assert r["batch1_tok_s"] > 0 and r["vs_batch1"] == pytest.approx(r["tok_s"] / r["batch1_tok_s"])
-    assert "serve-eager 6 requests, 4 rows" in capsys.readouterr().err
+                       "--max-batch", "4", "--decode-steps", "3", "--serving-length", "24", "--prefill-budget", "8,64",
+                       "--serving-alone", "3", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["mode"], r["batch_size"], r["requests"], r["decode_steps"], r["prefill_budget"]) for r in records] == \
+        [("serve-eager", 4, 6, 3, 8), ("serve-eager", 4, 6, 3, 64)]
+    for r in records:
+        assert r["tokens"] == sum(p.max_new_tokens for _, p in bench.workload(6, 64, 24))
+        assert r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"])
+        assert r["share_of_bound"] == pytest.approx(r["tok_s"] / r["bound_tok_s"])
+        assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"] and 0 < r["ttft_s_p50"] <= r["ttft_s_p99"] <= r["seconds"]
+        assert r["alone"] == 3 and r["alone_tok_s"] > 0 and r["bucket1_step_ms"] > 0 and r["generator_step_ms"] > 0
+    assert "serve-eager 6 requests, 4 rows, prefill budget 8" in capsys.readouterr().err
     for bad in (["--serving", "0"], ["--serving", "2", "--max-batch", "0"], ["--serving", "2", "--speculate-k", "1"],
-                ["--serving", "2", "--serving-length", "200"]):  # (200 + 200 tokens: past the model's 256)
-        assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), *bad]) == 1
+                ["--serving", "2", "--serving-length", "200"], ["--serving", "2", "--prefill-budget", "x"]):
+        assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), *bad]) == 1  # (200 + 200 > 256)
         err = capsys.readouterr().err
         assert err.startswith("error:") and err.count("\n") == 1, err
 
@@ -232,11 +386,11 @@ def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps, kernels, mo
     prompts, budgets = workload(20, seed=4)
     ref = [alone(model, p, n) for p, n in zip(prompts, budgets)]
     got, llm = engine(model, prompts, budgets, max_batch=8, max_length=128, steps=steps, compile=True)
-    assert llm.mode == "graphs"
+    assert llm.runner.mode == "graphs"
     assert got == ref
     runner = llm.runner
     for b in runner.buckets:  # a round: K graph replays; outside them only the inputs' copies and col's reset
-        rows = [Request([1], 5, out=[3]) for _ in range(b)]
-        counts = launches_per_call(lambda: runner.decode(rows), runner.device, 3)
+        runner.rows, runner.decoding = [Request([1], params(5), out=[3]) for _ in range(b)], b
+        counts = launches_per_call(runner.decode, runner.device, 3)
         assert counts["graph_launches_per_step"] == steps, (b, counts)
         assert counts["kernels_outside_graphs_per_step"] <= 3, (b, counts)
