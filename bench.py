@@ -18,7 +18,6 @@ import argparse
 import datetime
 import functools
 import json
-import os
 import random
 import statistics
 import sys
@@ -29,9 +28,9 @@ import torch
 
 import gdkernels
 import tp
-from common import DTYPES, Sampling, Step, UsageError, no_recompiles, synchronize
-from generate import (Generator, check_graphs, count_launches, decode_one_token, launches_per_call, prefill,
-                      speculative_round_bytes, weight_bytes_per_step)
+from common import (DTYPES, Sampling, Step, UsageError, default_device, default_dtype, launches_per_call, no_recompiles,
+                    synchronize)
+from generate import Generator, check_graphs, decode_one_token, decode_weight_bytes, prefill, weight_bytes_per_step
 from model import ModelArgs, Transformer
 from quantize import load, quantize_model
 from serve import LLM, Runner, SamplingParams
@@ -98,6 +97,23 @@ def copy_bandwidth(device, gib: float = 2.0) -> float:
     return copied / seconds / 1e9
 
 
+def capture(step, reset, pool=None) -> torch.cuda.CUDAGraph:
+    """step() recorded by hand into a torch.cuda.CUDAGraph (in `pool`), after two runs on a side stream that build
+    its kernels and lazy state outside the capture; reset() puts its inputs back before each run and the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
+            reset()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+        step()
+    return graph
+
+
 class ManualGraph:
     """decode_one_token captured by hand in one torch.cuda.CUDAGraph, the teaching version of what reduce-overhead
     automates: the step reads and writes only static buffers (token, pos, tokens, the KV cache), so 'copy-in' is
@@ -105,26 +121,16 @@ class ManualGraph:
     graph = None  # captured on the first call
 
     def __call__(self, model, token, pos, tokens, s):
-        """The first call captures: three steps warm up on a side stream (kernels built, lazy inits, cuBLAS
-        workspaces: none of it captured), the buffers and the CUDA generator are put back (so the warm-up changes
-        neither the tokens nor what a seeded sampler draws), and the step is recorded, not run. Each call replays it."""
+        """The first call captures (capture(); reset puts the buffers and the CUDA generator back, so the warm-up
+        changes neither the tokens nor what a seeded sampler draws) and each call replays the graph."""
         if self.graph is None:
-            device = token.device
-            saved = [t.clone() for t in (token, pos, tokens)]
-            rng = torch.cuda.get_rng_state(device)
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.no_grad():
-                with torch.cuda.stream(stream):
-                    for _ in range(3):
-                        decode_one_token(model, token, pos, tokens, s)
-                torch.cuda.current_stream(device).wait_stream(stream)
+            saved, rng = [t.clone() for t in (token, pos, tokens)], torch.cuda.get_rng_state(token.device)
+
+            def reset():
                 for t, v in zip((token, pos, tokens), saved):
                     t.copy_(v)
-                torch.cuda.set_rng_state(rng, device)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    decode_one_token(model, token, pos, tokens, s)
+                torch.cuda.set_rng_state(rng, token.device)
+            self.graph = capture(functools.partial(decode_one_token, model, token, pos, tokens, s), reset)
         self.graph.replay()
 
 
@@ -139,11 +145,10 @@ def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
     """The GPU kernels of `steps` decode steps, costliest first (graph replays included); on the CPU its ops."""
     from torch.profiler import ProfilerActivity, profile
 
-    token, pos, tokens = gen.buffers
     cuda = gen.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            gen._decode_step(token, pos, tokens)
+            gen._decode_step(*gen.buffers)
         synchronize(gen.device)
     return prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                      row_limit=rows, max_name_column_width=70)
@@ -168,20 +173,25 @@ def warmed(model, mode: str, batch: int, prompt_tokens: int, new_tokens: int,
 def timed_decode(gen: Generator, prompt_tokens: int, new_tokens: int) -> list[float]:
     """Seconds of each of new_tokens decode steps from position prompt_tokens: CUDA events between steps on the
     GPU (no sync inside the run), the host clock around each step on the CPU."""
-    token, pos, tokens = gen.buffers
-    pos.fill_(prompt_tokens)
+    step = functools.partial(gen._decode_step, *gen.buffers)
+    gen.buffers[1].fill_(prompt_tokens)  # pos
     if gen.device.type != "cuda":
-        step = functools.partial(gen._decode_step, token, pos, tokens)
         return [seconds_per_call(step, gen.device, reps=1, warmup=0) for _ in range(new_tokens)]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(new_tokens + 1)]
     events[0].record()
     for i in range(new_tokens):
-        gen._decode_step(token, pos, tokens)
+        step()
         events[i + 1].record()
     events[-1].synchronize()
     return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(new_tokens)]
 
 
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+@torch.no_grad()
 def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=False, show_kernels=False,
               sampling: Sampling = Sampling(temperature=0), repeat: int = 1) -> dict:
     """One configuration's record: new_tokens decode steps after a prompt, timed `repeat` times from the same
@@ -192,25 +202,25 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         torch.cuda.reset_peak_memory_stats(device)
         reserved_before = torch.cuda.memory_reserved(device)
     gen = warmed(model, mode, batch, prompt_tokens, new_tokens, sampling)
-    with torch.no_grad():
-        counts = count_launches(gen, 4) if device.type == "cuda" and mode != "eager" else {}
-        if check:
-            check_graphs(gen)
-        if show_kernels:
-            print(f"-- {mode} B={batch}: kernels of 4 decode steps\n{kernel_table(gen)}", file=sys.stderr)
-        runs = []
-        with no_recompiles(gen.mode) if mode in ("compile", "graphs") else torch.no_grad():
-            for _ in range(repeat):
-                times = timed_decode(gen, prompt_tokens, new_tokens)
-                runs.append(batch * new_tokens / sum(times))
+    step = functools.partial(gen._decode_step, *gen.buffers)
+    counts = launches_per_call(step, device, 4) if device.type == "cuda" and mode != "eager" else {}
+    if check:
+        check_graphs(gen)
+    if show_kernels:
+        print(f"-- {mode} B={batch}: kernels of 4 decode steps\n{kernel_table(gen)}", file=sys.stderr)
+    runs = []
+    with no_recompiles(gen.mode):  # (eager and manual trace nothing: no check)
+        for _ in range(repeat):
+            times = timed_decode(gen, prompt_tokens, new_tokens)
+            runs.append(batch * new_tokens / sum(times))
     total, a = sum(times), model.args
     mean_len, itemsize = prompt_tokens + new_tokens / 2, model.tok_embeddings.weight.element_size()
     kv_bytes = 2 * a.n_layers * batch * a.n_kv_heads * mean_len * a.head_dim * itemsize
     gb_s = (weight_bytes_per_step(model) + kv_bytes) * new_tokens / total / 1e9  # bytes a step must read, once
-    ms = sorted(t * 1e3 for t in times)
+    ms = [t * 1e3 for t in times]
     record = {"mode": mode, "batch_size": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
               "tok_s": batch * new_tokens / total, "tok_s_runs": runs, "step_ms_median": statistics.median(ms),
-              "step_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))], "gb_s": gb_s, "ceiling_gb_s": ceiling,
+              "step_ms_p99": percentile(ms, 0.99), "gb_s": gb_s, "ceiling_gb_s": ceiling,
               "pct_of_ceiling": 100 * gb_s / ceiling, "compile_s": gen.compile_s, **counts,
               "peak_mem_gb": peak_memory_gb(device)}
     if device.type == "cuda":
@@ -250,7 +260,7 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     n = sum(len(c) for c in chunks)
     synchronize(device)
     decode_s = time.perf_counter() - start
-    gb_s = gen.rounds * speculative_round_bytes(gen) / decode_s / 1e9  # (the draft K times, the target once)
+    gb_s = decode_weight_bytes(gen) / decode_s / 1e9  # (a round: the target once, the draft K + 1 times)
     record = {"mode": f"speculative-{mode}", "batch_size": 1, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
               "speculate_k": k, "temperature": sampling.temperature, "tok_s": n / decode_s, "rounds": gen.rounds,
               "acceptance_histogram": gen.histogram, "mean_tokens_per_round": gen.mean_tokens_per_round,
@@ -258,12 +268,8 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     # Both timed from just after the prompt: the last round may have run up to the end of the cache.
     gen.pos.fill_(prompt_tokens + 1)
     loop_s = seconds_per_call(gen.draft_loop, device)
-    single = make_generator(draft, mode, sampling)
-    token, pos, tokens = single.reserve(1, gen.draft.max_seq_length)
-    pos.fill_(prompt_tokens)
-    while not single.warm:
-        single._decode_step(token, pos, tokens)
-    step_s = seconds_per_call(lambda: single._decode_step(token, pos, tokens), device)  # <= 24 steps: fits
+    single = warmed(draft, mode, 1, prompt_tokens, 0, sampling)  # (reserve keeps the draft's longer cache)
+    step_s = seconds_per_call(functools.partial(single._decode_step, *single.buffers), device)  # <= 24 steps: fits
     record.update(draft_loop_ms=loop_s * 1e3, draft_step_ms=step_s * 1e3, draft_loop_vs_k_steps=loop_s / (k * step_s))
     if device.type == "cuda":
         counts = launches_per_call(gen.draft_loop, device, 4)
@@ -307,35 +313,13 @@ class Timed:
             s.record()
             r = fn(*a, **kw)
             e.record()
-            self.events.append((s, e))
+            self.events.append((name, s, e))
             return r
         return timed
 
-    def gpu_s(self) -> float:
+    def gpu_s(self, name: str | None = None) -> float:  # (of the calls of `name`; None: of all)
         torch.cuda.synchronize()
-        return sum(s.elapsed_time(e) for s, e in self.events) / 1e3
-
-
-def capture(step, reset, pool=None) -> torch.cuda.CUDAGraph:
-    """step() recorded by hand into a torch.cuda.CUDAGraph (in `pool`), after two runs on a side stream that build
-    its kernels and lazy state outside the capture; reset() puts its inputs back before each run and the capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(2):
-            reset()
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
-        step()
-    return graph
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+        return sum(s.elapsed_time(e) for n, s, e in self.events if name in (None, n)) / 1e3
 
 
 def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, longest: int, sampling: Sampling,
@@ -385,7 +369,8 @@ def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, l
                         "ttft_s_p99": percentile(ttft, 0.99), "padded_row_share": padding / (rows + padding),
                         "compile_s": warmup_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory_gb(device)})
         if device.type == "cuda":
-            records[-1]["host_overhead"] = seconds / timed.gpu_s()
+            records[-1].update(host_overhead=seconds / timed.gpu_s(),
+                               **{f"{n}_gpu_share": timed.gpu_s(n) / timed.gpu_s() for n in ("prefill", "move", "step")})
 
     at = min(256, longest)
     n = max(1, min(64, 2 * longest - at - 16))  # (Generator's steps: room in the cache)
@@ -439,53 +424,47 @@ def main(argv=None) -> int:
     p.add_argument("--serving", type=int, metavar="REQUESTS",
                    help="measure the serving engine (serve.py) instead: REQUESTS random requests, batched continuously")
     p.add_argument("--max-batch", type=int, default=64, help="--serving: the engine's rows (largest bucket)")
-    p.add_argument("--decode-steps", type=int, default=8, help="--serving: decode steps a round")
+    p.add_argument("--stop-check-interval", type=int, default=8, metavar="K", help="--serving: decode steps a round")
     p.add_argument("--serving-length", type=int, default=512,
                    help="--serving: prompt and output lengths uniform in 16..N tokens")
     p.add_argument("--prefill-budget", default="1024", help="--serving: comma-separated token budgets of a prefill")
     p.add_argument("--serving-alone", type=int, default=16,
                    help="--serving: then the first N requests one by one through generate.py's Generator (0: none)")
     p.add_argument("--json", type=Path, help="append each record to this JSON list as it is measured")
-    p.add_argument("--plot", type=Path, help="write a PNG bar chart (needs matplotlib)")
-    a = p.parse_args(argv)
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    try:
+        return run(p.parse_args(argv))
+    except UsageError as e:  # bad input: one line, exit status 1
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def run(a) -> int:
+    """Check the flags (UsageError), make or load the model and draft, then measure, print and keep each record."""
+    device = default_device(a.device)
+    dtype = default_dtype(a.dtype, device)
     allowed = ["eager", "compile", "graphs", "manual"] if device.type == "cuda" else ["eager", "compile"]
     if a.serving is not None and device.type == "cuda":
         allowed = ["eager", "graphs"]  # (the engine's buckets are graphed or eager)
     modes = a.modes.split(",") if a.modes else allowed
     if not set(modes) <= set(allowed):
-        print(f"error: mode not run {'by --serving ' if a.serving else ''}on {device.type}: {','.join(modes)}",
-              file=sys.stderr)
-        return 1
+        raise UsageError(f"mode not run {'by --serving ' if a.serving else ''}on {device.type}: {','.join(modes)}")
     batches = [int(b) for b in a.batch_sizes.split(",")]
     if a.repeat < 1:
-        print(f"error: --repeat must be at least 1 (got {a.repeat})", file=sys.stderr)
-        return 1
+        raise UsageError(f"--repeat must be at least 1 (got {a.repeat})")
     budgets = [int(b) for b in a.prefill_budget.split(",") if b.strip().isdigit()]
-    if a.serving is not None and (min(a.serving, a.max_batch, a.decode_steps, a.serving_length, *budgets or [0]) < 1
-                                  or a.serving_alone < 0 or a.speculate_k is not None):
-        print("error: --serving, --max-batch, --decode-steps, --serving-length and --prefill-budget must be >= 1, "
-              "without --speculate-k", file=sys.stderr)
-        return 1
+    if a.serving is not None and (min(a.serving, a.max_batch, a.stop_check_interval, a.serving_length,
+                                      *budgets or [0]) < 1 or a.serving_alone < 0 or a.speculate_k is not None):
+        raise UsageError("--serving, --max-batch, --stop-check-interval, --serving-length and --prefill-budget must "
+                         "be >= 1, without --speculate-k")
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
-        print("error: --speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint", file=sys.stderr)
-        return 1
+        raise UsageError("--speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint")
     use_kernels = not a.no_kernels and gdkernels.enabled()
-    rank, n = tp.world()  # torchrun --nproc-per-node N bench.py: each rank times its share (tp.py); rank 0 reports
+    n = tp.world()[1]  # torchrun --nproc-per-node N bench.py: each rank times its share (tp.py); rank 0 reports
     if n > 1:
         if a.quantize or a.speculate_k or a.checkpoint or a.serving:
-            print("error: under torchrun bench.py times a preset's float model", file=sys.stderr)
-            return 1
-        try:
-            tp.local_args(PRESETS[a.model], n)
-        except UsageError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        device = tp.init(device)
-        if rank:
-            sys.stdout = sys.stderr = open(os.devnull, "w")
+            raise UsageError("under torchrun bench.py times a preset's float model")
+        device = tp.join(PRESETS[a.model], device, seed=0)
     torch.manual_seed(0)
     name = a.checkpoint.name if a.checkpoint else a.model + (f" tp{n}" if n > 1 else "")
     model = load(a.checkpoint, device, dtype) if a.checkpoint else random_model(PRESETS[a.model], device, dtype)
@@ -495,13 +474,11 @@ def main(argv=None) -> int:
     elif a.draft_checkpoint:
         draft, draft_name = load(a.draft_checkpoint, device=device, dtype=dtype), a.draft_checkpoint.name
         if draft.args.vocab_size != model.args.vocab_size:
-            print(f"error: the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
-                  f"({model.args.vocab_size})", file=sys.stderr)
-            return 1
+            raise UsageError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
+                             f"({model.args.vocab_size})")
     if a.serving and 2 * a.serving_length > model.args.max_seq_len:
-        print(f"error: --serving-length {a.serving_length}: a prompt and its output would pass the model's "
-              f"{model.args.max_seq_len} positions", file=sys.stderr)
-        return 1
+        raise UsageError(f"--serving-length {a.serving_length}: a prompt and its output would pass the model's "
+                         f"{model.args.max_seq_len} positions")
     if a.quantize:
         model, name = quantized(model, a.quantize), f"{name} {a.quantize}"
     swapped = gdkernels.apply(model, fuse=n == 1) if use_kernels else []
@@ -527,13 +504,14 @@ def main(argv=None) -> int:
             torch._dynamo.reset()  # a fresh compile per configuration, as a user would see
 
     for mode in modes if a.serving else []:
-        for r in bench_serving(model, mode, a.serving, a.max_batch, a.decode_steps, a.serving_length, sampling,
+        for r in bench_serving(model, mode, a.serving, a.max_batch, a.stop_check_interval, a.serving_length, sampling,
                                ceiling, budgets, a.serving_alone):
             alone = f", {r['tok_s'] / r['alone_tok_s']:.1f}x one by one ({r['alone_tok_s']:.1f})" if "alone" in r else ""
             print(f"  serve-{mode} {a.serving} requests, {a.max_batch} rows, prefill budget {r['prefill_budget']}: "
                   f"{r['tok_s']:8.1f} tok/s = {r['share_of_bound']:.0%} of {r['bound_tok_s']:.0f}{alone}; inter-token "
                   f"p50/p99 {r['itl_ms_p50']:.2f}/{r['itl_ms_p99']:.2f} ms (step {r['step_ms_median']:.2f}); first "
                   f"token p50/p99 {r['ttft_s_p50']:.2f}/{r['ttft_s_p99']:.2f} s; padding {r['padded_row_share']:.1%}; "
+                  + (f"GPU time in prefill {r['prefill_gpu_share']:.0%}; " if "prefill_gpu_share" in r else "") +
                   f"bucket-1 step {r['bucket1_step_ms']:.2f} ms, Generator's {r['generator_step_ms']:.2f}; "
                   f"warm-up {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
             keep(r)
@@ -555,8 +533,6 @@ def main(argv=None) -> int:
                   f"({r['draft_step_ms']:.2f} ms each)", file=sys.stderr, flush=True)
             keep(r)
     print_table(records)
-    if a.plot:
-        plot(records, a.plot)
     return 0
 
 
@@ -568,22 +544,6 @@ def print_table(records):
     for r in records:
         cells = [f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
         print("| " + " | ".join(cells) + " |")
-
-
-def plot(records, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(figsize=(1.2 * len(records) + 2, 4))
-    ax.bar([f"{r['mode']}\nB={r['batch_size']}" for r in records], [r["pct_of_ceiling"] for r in records])
-    ax.set_ylabel("% of copy bandwidth")
-    ax.set_title(f"{records[0]['model']} decode on {records[0]['gpu']}")
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 if __name__ == "__main__":

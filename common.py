@@ -32,6 +32,12 @@ def default_dtype(name, device: torch.device) -> torch.dtype:
     return DTYPES.get(name, name) or DTYPES["bf16" if device.type == "cuda" else "fp32"]
 
 
+def cache_length(need: int, context: int) -> int:
+    """Positions a KV cache holds for `need`: rounded up to 64 (prompts of about one length then share a compiled
+    step and its graphs), at most the model's context."""
+    return min(context, -(-need // 64) * 64)
+
+
 def decode_mode(device: torch.device, compile: bool | None, aot: bool = False) -> str:
     """How decode runs (compile: None the default, True asked for, False refused): CUDA graphs on CUDA; on
     the CPU eager, or torch.compile when asked; aot (the CPU kernels' single-prompt step, gdkernels/aot.py):
@@ -43,22 +49,6 @@ def decode_mode(device: torch.device, compile: bool | None, aot: bool = False) -
     if aot:
         return "aot" if compile else "aot-cached"
     return "compile" if compile else "eager"
-
-
-def compiled(fn, mode: str, device: torch.device, dynamic: bool | None = None):
-    """fn as decode runs it: "eager"; "compile", Inductor's kernels launched one by one (on the CPU not
-    handing decode's small loops to OpenMP threads); "graphs", those kernels replayed as CUDA graphs.
-    dynamic=False: one static compilation per input shape (serve.py's buckets), never a dynamic one."""
-    if mode == "eager":
-        return fn
-    if mode == "compile":
-        return torch.compile(fn, fullgraph=True, dynamic=dynamic,
-                             options={"cpp.min_chunk_size": 65536} if device.type == "cpu" else None)
-    if mode != "graphs":
-        raise ValueError(f"unknown decode mode {mode!r}")
-    if device.type != "cuda":
-        raise ValueError("mode 'graphs' needs a CUDA device")
-    return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=dynamic)
 
 
 @contextlib.contextmanager
@@ -76,17 +66,24 @@ def no_recompiles(mode: str):
 
 
 class Step:
-    """A decode step on static buffers as `mode` runs it (compiled(); aot: fn is gdkernels' ahead-of-time
-    step already; manual: bench.py's graph captured by hand), the one place Generator, the engine's Runner and the speculative generator get it from:
-    the buffers it mutates marked static (a graph replays on fixed addresses), and the first calls per key
-    (an input shape: a bucket) timed apart as warm-up (compile; CUDAGraph Trees: a warm-up run, the
-    recording, a first replay). check_graphs() verifies what runs after."""
+    """A decode step on static buffers as `mode` runs it, the one place Generator, the engine's Runner and the
+    speculative generator get it from: "eager"; "compile", Inductor's kernels launched one by one (on the CPU
+    not handing decode's small loops to OpenMP threads); "graphs", those kernels replayed as CUDA graphs; "aot"
+    and "manual": fn is gdkernels' ahead-of-time step or bench.py's graph captured by hand already. The
+    buffers it mutates are marked static (a graph replays on fixed addresses), and the first calls per key (an
+    input shape: a bucket) are timed apart as warm-up (compile; CUDAGraph Trees: a warm-up run, the recording,
+    a first replay). dynamic=False: one static compilation per shape (the engine's buckets), never a dynamic
+    one. check_graphs() verifies what runs after warm-up."""
 
     WARMUP = {"eager": 0, "compile": 1, "graphs": 3, "aot": 1, "aot-cached": 1, "manual": 1}
 
     def __init__(self, fn, mode: str, device: torch.device, dynamic: bool | None = None):
-        self.mode, self.device = mode, device
-        self.fn = compiled(fn, mode, device, dynamic) if mode in ("eager", "compile", "graphs") else fn
+        if mode == "graphs" and device.type != "cuda":
+            raise ValueError("mode 'graphs' needs a CUDA device")
+        self.mode, self.device, self.fn = mode, device, fn
+        if mode in ("compile", "graphs"):
+            self.fn = torch.compile(fn, fullgraph=True, dynamic=dynamic, mode="reduce-overhead" if mode == "graphs"
+                                    else None, options={"cpp.min_chunk_size": 65536} if device.type == "cpu" else None)
         self.calls: dict = {}  # key -> calls so far, up to WARMUP[mode]
         self.compile_s = 0.0
 
@@ -142,9 +139,10 @@ def launches_per_call(fn, device, calls: int) -> dict:
     return {"graph_launches_per_step": graphs / calls, "kernels_outside_graphs_per_step": kernels / calls}
 
 
-def check_graphs(fn, device, calls: int, what: str, graphs: int = 1, outside: int = 0) -> dict:
+def check_graphs(fn, device, calls: int, what: str, graphs: int = 1, outside: int = 0, random: bool = False) -> dict:
     """The one graph check: profile `calls` calls of fn and raise GraphCheckError unless each launches exactly
-    `graphs` graphs and at most `outside` kernels outside them."""
+    `graphs` graphs and at most `outside` kernels outside them (random: and each graph's RNG kernels)."""
+    outside += RNG_KERNELS_PER_REPLAY * graphs * random
     counts = launches_per_call(fn, device, calls)
     if counts["graph_launches_per_step"] != graphs or counts["kernels_outside_graphs_per_step"] > outside:
         raise GraphCheckError(
@@ -185,6 +183,18 @@ class Sampling:
             raise UsageError(f"top_p must be in (0, 1] (got {self.top_p})")
 
 
+@torch.library.custom_op("graphdecode::cumsum", mutates_args=())
+def cumsum(x: torch.Tensor) -> torch.Tensor:
+    """x.cumsum(-1) as ATen runs it, also when compiled: torch 2.11's Inductor splits a vocabulary-long scan over
+    few rows into a SplitScan whose Triton code fails to build."""
+    return x.cumsum(-1)
+
+
+@cumsum.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """logits [B, V] -> sampling distribution [B, V] in float32."""
     logits = logits.float() / s.temperature
@@ -196,7 +206,7 @@ def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         # Keep the smallest prefix of the sorted distribution whose mass reaches top_p: a token is
         # dropped when the mass before it already does. Full-vocabulary sort: a fixed shape.
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= s.top_p
+        drop_sorted = (cumsum(sorted_probs) - sorted_probs) >= s.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -229,7 +239,7 @@ def row_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     first_k = torch.arange(logits.shape[-1], device=logits.device) < top_k[:, None]
     kth = ranked.masked_fill(~first_k, float("inf")).amin(-1, keepdim=True)
     p = ranked.masked_fill(ranked < kth, -float("inf")).softmax(-1)
-    p = p.masked_fill((p.cumsum(-1) - p) >= top_p[:, None], 0.0)
+    p = p.masked_fill((cumsum(p) - p) >= top_p[:, None], 0.0)
     return torch.zeros_like(p).scatter_(-1, order, p / p.sum(-1, keepdim=True))
 
 

@@ -11,7 +11,6 @@ Architectures: llama (Llama 2/3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3. The
 vocabulary is rebuilt as a Hugging Face tokenizer.json with the pre-tokenizer `tokenizer.ggml.pre` names.
 """
 import contextlib
-import functools
 import json
 import math
 import warnings
@@ -76,22 +75,14 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
-                        high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
-    """The divisors of the RoPE inverse frequencies that Llama 3 scaling uses (llama.cpp's
-    rope_freqs.weight): 1 for short wavelengths, `factor` for long ones, interpolated between."""
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    old_over_wavelen = original_max_position_embeddings * freqs / (2 * math.pi)
-    smooth = np.clip((old_over_wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor), 0, 1)
-    return 1.0 / ((1 - smooth) / factor + smooth)
-
-
 def _rope_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict | None:
     """Llama 3 rope_scaling parameters that reproduce the stored factors exactly, or fail.
 
-    Only ratios are determined by the factors (scaling the original context and both frequency
-    factors together changes nothing), so the original context is fixed at Llama 3's 8192 and the
-    two thresholds are fitted from the smooth band; the fit must recompute the stored factors."""
+    The factors (llama.cpp's rope_freqs.weight) divide the RoPE inverse frequencies: 1 for short
+    wavelengths, `factor` for long ones, interpolated between. Only ratios are determined by the
+    factors (scaling the original context and both frequency factors together changes nothing), so
+    the original context is fixed at Llama 3's 8192 and the two thresholds are fitted from the smooth
+    band; the fit must recompute the stored factors."""
     factors = np.asarray(factors, dtype=np.float64).reshape(-1)
     if factors.shape[0] != head_dim // 2 or not np.all(np.isfinite(factors)):
         raise ConversionError(f"rope_freqs.weight has {factors.shape[0]} values, expected {head_dim // 2}")
@@ -100,7 +91,8 @@ def _rope_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float)
     old = 8192
     factor = float(factors.max())
     candidates = [(1.0, 4.0)]
-    inv_wavelen = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)) / (2 * math.pi)
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    inv_wavelen = freqs / (2 * math.pi)
     smooth_band = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
     if factor > 1 and smooth_band.sum() >= 2:
         # 1/r = (1 - s)/factor + s  =>  s = (1/r - 1/factor) / (1 - 1/factor);  s = old/wl*a' + b'
@@ -113,8 +105,8 @@ def _rope_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float)
     for low, high in candidates:
         if not 0 < low < high:
             continue
-        expect = llama3_rope_factors(head_dim, theta, factor, low, high, old)
-        if np.allclose(expect, factors, rtol=1e-4, atol=1e-6):
+        smooth = np.clip((old * freqs / (2 * math.pi) - low) / (high - low), 0, 1)
+        if np.allclose(1.0 / ((1 - smooth) / factor + smooth), factors, rtol=1e-4, atol=1e-6):
             return {"factor": float(f"{factor:.6g}"), "low_freq_factor": low, "high_freq_factor": high,
                     "original_max_position_embeddings": old}
     raise ConversionError("rope_freqs.weight holds RoPE frequency factors that do not follow Llama 3 "
@@ -129,52 +121,47 @@ class GGUFSource:
         self._reader = reader
         if getattr(reader, "byte_order", "I") != "I":
             raise ConversionError(f"{path.name}: big-endian GGUF files are not supported")
-        self.arch = arch = self._typed("general.architecture", str, required=True)
+        self.arch = arch = self._value("general.architecture", str, required=True)
         if arch not in SUPPORTED_ARCHS:
             raise ConversionError(f"{path.name}: unsupported architecture {arch!r} "
                                   f"(supported: {', '.join(SUPPORTED_ARCHS)})")
         self._tensors = {t.name: t for t in reader.tensors}
         self.model_args = self._model_args()
         self._plan = self._tensor_plan()
+        self.tensor_shapes = {ours: shape for ours, _, shape, _ in self._plan}  # in tensors()'s order
         self._check_tensor_types()
         self._tokenizer_meta = self._tokenizer_metadata()
         self.description = f"gguf:{path.name} ({arch}, {self._file_type()})"
 
     # -- metadata ------------------------------------------------------------------------------
-    def _value(self, key: str, required: bool = True, default: Any = None) -> Any:
+    def _value(self, key: str, kind: type = object, default: Any = None, required: bool = False) -> Any:
+        """Metadata `key`, which must be a `kind`; `default` when absent (an error when required)."""
         field = self._reader.fields.get(key)
         if field is None:
             if required:
                 raise ConversionError(f"{self.path.name}: missing required metadata {key}")
             return default
         try:
-            return field.contents()
+            v = field.contents()
         except Exception as e:  # corrupt string/array contents
             raise ConversionError(f"{self.path.name}: bad metadata {key} ({_one_line(e)})") from None
-
-    def _typed(self, key: str, kind: type, default: Any = None, required: bool = False) -> Any:
-        v = self._value(key, required)
-        if v is None:
-            return default
         if not isinstance(v, kind):
             what = "string" if kind is str else kind.__name__
             raise ConversionError(f"{self.path.name}: metadata {key} should be a {what}, got {v!r:.60}")
         return v
 
     def _int(self, key: str, required: bool = True, default: int | None = None) -> int | None:
-        v = self._value(key, required, default)
+        v = self._value(key, default=default, required=required)
         if isinstance(v, list):  # per-layer arrays (e.g. head_count): accept only uniform ones
             if not v or len(set(v)) != 1:
                 raise ConversionError(f"{self.path.name}: metadata {key} varies per layer; not supported")
             v = v[0]
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
             raise ConversionError(f"{self.path.name}: metadata {key} should be a non-negative integer, got {v!r:.60}")
-        return int(v)
+        return None if v is None else int(v)
 
     def _float(self, key: str, required: bool = True, default: float | None = None) -> float | None:
-        v = self._value(key, required, default)
+        v = self._value(key, default=default, required=required)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v):
@@ -210,7 +197,7 @@ class GGUFSource:
         if rope_dim != head_dim:
             raise ConversionError(f"{name}: partial rotary embeddings "
                                   f"(rope.dimension_count {rope_dim} != head size {head_dim}) are not supported")
-        scaling_type = self._typed(f"{a}.rope.scaling.type", str)
+        scaling_type = self._value(f"{a}.rope.scaling.type", str)
         if scaling_type not in (None, "none"):
             raise ConversionError(f"{name}: rope scaling type {scaling_type!r} is not supported yet")
 
@@ -237,7 +224,7 @@ class GGUFSource:
                     qk_norm="blk.0.attn_q_norm.weight" in self._tensors)
 
     def _file_type(self) -> str:
-        ft = self._value("general.file_type", required=False)
+        ft = self._value("general.file_type")
         if isinstance(ft, int) and not isinstance(ft, bool):
             with contextlib.suppress(ValueError):  # an unknown file type: named from the tensors below
                 return gguf.LlamaFileType(ft).name.removeprefix("MOSTLY_").removeprefix("ALL_")
@@ -285,30 +272,22 @@ class GGUFSource:
                 raise ConversionError(f"{self.path.name}: tensor {theirs} has shape {list(self._shape(t))}, "
                                       f"expected {list(shape)}")
         expected = {theirs for _, theirs, _, _ in plan} | {"rope_freqs.weight"}
-        extra = [n for n in self._tensors if n not in expected]
-        if extra:
+        if extra := [n for n in self._tensors if n not in expected]:
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
             raise ConversionError(f"{self.path.name}: unexpected tensor {extra[0]}{more} for {self.arch}")
         return plan
 
     def _check_tensor_types(self) -> None:
         """Fail early (before any output is written) on tensor types gguf-py cannot dequantize."""
-        ok: dict[Any, bool] = {}
-        for t in self._reader.tensors:
-            qt = t.tensor_type
-            if qt not in ok:
-                block, type_size = gguf.GGML_QUANT_SIZES[qt]
-                try:
-                    with warnings.catch_warnings(action="ignore"), np.errstate(all="ignore"):
-                        out = gguf.quants.dequantize(np.zeros((type_size,), dtype=np.uint8), qt)
-                    ok[qt] = out.dtype == np.float32 and out.size == block
-                except Exception:
-                    ok[qt] = False
-            if not ok[qt]:
-                raise ConversionError(f"{self.path.name}: tensor {t.name} has type {qt.name}, "
+        for qt in dict.fromkeys(t.tensor_type for t in self._reader.tensors):  # each type once, in file order
+            block, type_size = gguf.GGML_QUANT_SIZES[qt]
+            out = None  # stays None if gguf-py raises
+            with contextlib.suppress(Exception), warnings.catch_warnings(action="ignore"), np.errstate(all="ignore"):
+                out = gguf.quants.dequantize(np.zeros((type_size,), dtype=np.uint8), qt)
+            if out is None or out.dtype != np.float32 or out.size != block:
+                first = next(t.name for t in self._reader.tensors if t.tensor_type == qt)
+                raise ConversionError(f"{self.path.name}: tensor {first} has type {qt.name}, "
                                       f"which cannot be dequantized (not supported)")
-            if int(t.data.nbytes) != int(t.n_bytes):
-                raise ConversionError(f"{self.path.name}: tensor {t.name} data is truncated")
 
     def _dequantize(self, name: str, t) -> np.ndarray:
         try:
@@ -318,11 +297,6 @@ class GGUFSource:
         except Exception as e:
             raise ConversionError(f"{self.path.name}: cannot dequantize tensor {name} "
                                   f"({t.tensor_type.name}): {_one_line(e)}") from None
-
-    @property
-    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Our tensor names and shapes, in the order tensors() yields them (nothing is read)."""
-        return {ours: shape for ours, _, shape, _ in self._plan}
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (our name, float32 tensor) one at a time, dequantized from the memory-mapped file."""
@@ -335,12 +309,12 @@ class GGUFSource:
     # -- tokenizer -----------------------------------------------------------------------------
     def _tokenizer_metadata(self) -> dict:
         name = self.path.name
-        kind = self._typed("tokenizer.ggml.model", str)
+        kind = self._value("tokenizer.ggml.model", str)
         if kind is None:
             raise ConversionError(f"{name}: no embedded tokenizer (tokenizer.ggml.model missing)")
         if kind not in ("gpt2", "llama"):
             raise ConversionError(f"{name}: unsupported tokenizer model {kind!r} (supported: gpt2, llama)")
-        pre = self._typed("tokenizer.ggml.pre", str)
+        pre = self._value("tokenizer.ggml.pre", str)
         if kind == "gpt2":
             if pre is None:
                 raise ConversionError(f"{name}: byte-level BPE vocabulary without tokenizer.ggml.pre")
@@ -363,31 +337,27 @@ class GGUFSource:
             ids[key] = v
         llama3 = kind == "gpt2" and _PRE_TOKENIZERS[pre] == "llama3"
         return dict(kind=kind, pre=pre, ids=ids,
-                    add_bos=self._typed("tokenizer.ggml.add_bos_token", bool, kind == "llama" or llama3),
-                    add_eos=self._typed("tokenizer.ggml.add_eos_token", bool, False),
-                    add_space_prefix=self._typed("tokenizer.ggml.add_space_prefix", bool, kind == "llama"),
-                    chat_template=self._typed("tokenizer.chat_template", str))
+                    add_bos=self._value("tokenizer.ggml.add_bos_token", bool, kind == "llama" or llama3),
+                    add_eos=self._value("tokenizer.ggml.add_eos_token", bool, False),
+                    add_space_prefix=self._value("tokenizer.ggml.add_space_prefix", bool, kind == "llama"),
+                    chat_template=self._value("tokenizer.chat_template", str))
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """tokenizer.json, tokenizer_config.json and generation_config.json, as bytes."""
-        return dict(self._tokenizer_files)
-
-    @functools.cached_property
-    def _tokenizer_files(self) -> dict[str, bytes]:
         meta, ids = self._tokenizer_meta, self._tokenizer_meta["ids"]
-        tokens = self._value("tokenizer.ggml.tokens")
+        tokens = self._value("tokenizer.ggml.tokens", required=True)
         n = len(tokens)
-        types = self._value("tokenizer.ggml.token_type", required=False) or [TT.NORMAL] * n
+        types = self._value("tokenizer.ggml.token_type") or [TT.NORMAL] * n
         if not isinstance(tokens, list) or not isinstance(types, list) or len(types) != n \
                 or not all(isinstance(t, str) for t in tokens):
             raise ConversionError(f"{self.path.name}: malformed tokenizer.ggml.tokens / token_type arrays")
         if meta["kind"] == "gpt2":
-            merges = self._value("tokenizer.ggml.merges")
+            merges = self._value("tokenizer.ggml.merges", required=True)
             if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
                 raise ConversionError(f"{self.path.name}: malformed tokenizer.ggml.merges")
             tok = _byte_level_tokenizer(tokens, merges, _PRE_TOKENIZERS[meta["pre"]])
         else:
-            scores = self._value("tokenizer.ggml.scores", required=False, default=[-float(i) for i in range(n)])
+            scores = self._value("tokenizer.ggml.scores", default=[-float(i) for i in range(n)])
             if not isinstance(scores, list) or len(scores) != n:
                 raise ConversionError(f"{self.path.name}: malformed tokenizer.ggml.scores")
             tok = _sentencepiece_tokenizer(tokens, types, scores, meta)

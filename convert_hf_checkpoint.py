@@ -134,8 +134,7 @@ def hf_weight_files(src: Path) -> list[Path]:
         return [src / s for s in shards]
     if (src / "model.safetensors").is_file():
         return [src / "model.safetensors"]
-    bins = sorted(src.glob("pytorch_model*.bin"))
-    if bins:
+    if bins := sorted(src.glob("pytorch_model*.bin")):
         return bins
     raise ConversionError(f"{src}: no model.safetensors, model.safetensors.index.json or pytorch_model*.bin")
 
@@ -149,9 +148,7 @@ def read_hf_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     for name in f.keys():
                         yield name, f.get_tensor(name)
             else:
-                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-                yield from state.items()
-                del state
+                yield from torch.load(file, map_location="cpu", mmap=True, weights_only=True).items()
         except Exception as e:  # safetensors, pickle and zip errors all mean a damaged file
             raise ConversionError(f"{file}: unreadable weights ({type(e).__name__}: {e})") from None
 
@@ -186,12 +183,10 @@ class HFSource:
         tied = self.model_args["tie_embeddings"]
         for name, tensor in read_hf_tensors(self.files):
             ours = rename(name, WEIGHT_MAP)
-            if ours is None:
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                raise ConversionError(f"unexpected weight {name!r} in {self.src}")
-            if tied and ours == "output.weight":
+            if name.endswith("rotary_emb.inv_freq") or (tied and ours == "output.weight"):
                 continue
+            if ours is None:
+                raise ConversionError(f"unexpected weight {name!r} in {self.src}")
             yield ours, tensor
 
     def tokenizer_files(self) -> dict[str, bytes]:
@@ -254,17 +249,15 @@ def write_safetensors(path: Path, tensors: Iterator[tuple[str, torch.Tensor]], m
             nbytes = t.numel() * t.element_size()
             header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [offset, offset + nbytes]}
-            if nbytes:
-                data.write(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own memory, no copy
+            data.write(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own memory, no copy
             offset += nbytes
-    header["__metadata__"] = metadata
-    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob = json.dumps({**header, "__metadata__": metadata}, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format allows space padding; aligns the data
     with open(path, "wb") as out, open(data_path, "rb") as data:
         out.write(struct.pack("<Q", len(blob)) + blob)
         shutil.copyfileobj(data, out, 1 << 24)
     data_path.unlink()
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    return {k: v["shape"] for k, v in header.items()}
 
 
 def check_complete(args: dict, shapes: dict) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import DTYPES
+from common import DTYPES, UsageError, default_device, default_dtype
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -47,11 +47,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     args = p.parse_args(argv)
     stride = args.stride if args.stride is not None else max(1, args.window // 2)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     try:
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available")
+        device = default_device(args.device)
+        dtype = default_dtype(args.dtype, device)
         if not 1 <= stride < args.window:
             raise ValueError(f"need 1 <= --stride < --window (got --stride {stride}, --window {args.window})")
         read_config(args.checkpoint)  # a missing or broken checkpoint says so before anything loads
@@ -64,7 +62,7 @@ def main(argv=None) -> int:
         if args.window > model.args.max_seq_len:
             raise ValueError(f"--window {args.window} exceeds the model's context of {model.args.max_seq_len}")
         ppl = perplexity(model, tokens, args.window, stride)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"perplexity {ppl:.4f} ({len(tokens) - 1} tokens scored, window {args.window}, stride {stride}, "

@@ -12,7 +12,6 @@ gdkernels.apply() swaps in the fast kernels after loading (--no-kernels: the pla
 """
 import argparse
 import contextlib
-import os
 import resource
 import sys
 import time
@@ -23,8 +22,8 @@ import torch
 import gdkernels
 import serve
 import tp
-from common import (DTYPES, RNG_KERNELS_PER_REPLAY, GraphCheckError, Sampling, Step, UsageError, check_memory,
-                    decode_mode, default_device, default_dtype, launches_per_call, no_recompiles, sample, synchronize)
+from common import (DTYPES, GraphCheckError, Sampling, Step, UsageError, cache_length, check_memory,
+                    decode_mode, default_device, default_dtype, no_recompiles, sample, synchronize)
 from common import check_graphs as common_check_graphs
 from gdkernels.aot import AotStep
 from model import Transformer, read_config
@@ -67,8 +66,6 @@ class Generator:
         self.stop_check_interval = stop_check_interval
         self.decode_steps = 0  # decode steps the last generate ran (up to K - 1 past a stop: GB/s counts them)
         self.mode = mode
-        if mode in ("compile", "graphs") or compile_prefill:
-            gdkernels.register_fallbacks()
         if mode.startswith("aot") and self.device.type != "cpu":  # the CPU: gdkernels/aot.py
             raise ValueError(f"mode {mode!r} is for the CPU")
         self.step = self.make_step()
@@ -146,44 +143,20 @@ class Generator:
 
 # -- graph verification (--check-graphs: common.check_graphs) -------------------------------------
 
-def count_launches(gen: Generator, steps: int) -> dict:
-    """launches_per_call for `steps` decode steps from the generator's current buffers."""
-    return launches_per_call(lambda: gen._decode_step(*gen.buffers), gen.device, steps)
-
-
-def rng_kernels(sampling: Sampling) -> int:
-    return RNG_KERNELS_PER_REPLAY if sampling.temperature > 0 else 0
-
-
-def check_graphs(gen: Generator, steps: int = 8) -> dict:
-    """Profile `steps` decode steps (from the buffers' current position) and raise GraphCheckError
-    unless each is exactly one graph launch with no kernel outside it (but the RNG's two)."""
-    return common_check_graphs(lambda: gen._decode_step(*gen.buffers), gen.device, steps, "decode",
-                               outside=rng_kernels(gen.sampling))
-
-
-def check_decode_graphs(gen: Generator, start: int) -> dict:
-    """check_graphs after a generation: decode again from position `start` (which later tokens
-    rewrite), warming up first if the generation ended before warm-up did."""
+def check_graphs(gen, start: int | None = None, steps: int = 8) -> dict:
+    """Profile `steps` decode steps from position `start` (which later tokens rewrite; None: from where the
+    buffers are), warmed up first if the generation ended before warm-up did, and raise GraphCheckError unless
+    each is one graph replay with no kernel outside it but the RNG's. A SpeculativeGenerator: its own check."""
+    if not isinstance(gen, Generator):
+        return gen.check_graphs(start)
     token, pos, tokens = gen.buffers
+    start = int(pos) if start is None else start
     pos.fill_(start)
     while not gen.warm:
         gen._decode_step(token, pos, tokens)
     pos.fill_(start)
-    return check_graphs(gen)
-
-
-def check_speculative_graphs(gen, start: int) -> dict:
-    """The same for a SpeculativeGenerator: its draft loop (K steps) and its verification must each
-    be one graph replay. Runs a round's worth of positions from `start`, which a later round rewrites."""
-    while not gen.warm:  # warm (compiled and recorded) even after a short generation
-        gen.pos.fill_(start)
-        gen.draft_loop()
-        gen.verify_round()
-    gen.pos.fill_(start)
-    outside = rng_kernels(gen.sampling)
-    return {"draft_loop": common_check_graphs(gen.draft_loop, gen.device, 4, "the draft loop", outside=outside),
-            "verify": common_check_graphs(gen.verify_round, gen.device, 1, "verification", outside=outside)}
+    return common_check_graphs(lambda: gen._decode_step(token, pos, tokens), gen.device, steps, "decode",
+                               random=gen.sampling.temperature > 0)
 
 
 def weight_bytes_per_step(model: Transformer) -> int:
@@ -252,7 +225,6 @@ def main(argv=None) -> int:
     return 0
 
 
-CACHE_ROUNDING = 64  # cache lengths are rounded up to this: prompts of about one length share a compiled step
 INTERACTIVE_CACHE = 512  # --interactive starts with this many positions and doubles them when a turn needs more
 CHECK_GRAPHS_ROOM = 12  # --check-graphs decodes 8 steps after the prompt, and up to 3 before them to warm up
 
@@ -263,47 +235,27 @@ def run(args) -> None:
     device = default_device(args.device)
     dtype = default_dtype(args.dtype, device)
     use_kernels = not args.no_kernels and gdkernels.enabled()
-    mode = decode_mode(device, args.compile, aot=use_kernels)  # (the CPU with kernels: the ahead-of-time step)
-    if args.check_graphs and (mode != "graphs" or args.interactive):
-        raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile) and a --prompt (not --interactive)")
+    mode = decode_mode(device, args.compile, aot=use_kernels and not args.draft_checkpoint)  # (CPU: gdkernels/aot.py)
+    if args.check_graphs and mode != "graphs":
+        raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile)")
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    rank, n = tp.world()  # torchrun: this process's share of the model (tp.py); ranks must not all convert at once
-    if n > 1 and (args.prompts_file or args.draft_checkpoint or args.interactive or args.profile or not args.checkpoint):
-        raise UsageError("under torchrun: a --checkpoint and a --prompt (no --prompts-file, draft, --interactive, --profile)")
     checkpoint = args.checkpoint or prepare_default(device)  # (the CPU: its int4 form, README)
     if args.prompts_file:
-        if args.interactive or args.draft_checkpoint or args.check_graphs or args.profile:
-            raise UsageError("--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile")
         params = serve.SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, args.max_new_tokens,
                                       ignore_eos=args.ignore_eos)
         return serve.run_file(checkpoint, args.prompts_file, args.output, params, args.chat, args.max_batch,
                               parse_buckets(args.buckets), args.stop_check_interval, device, dtype, use_kernels,
                               args.compile)
-    context = read_config(checkpoint)["args"].max_seq_len
+    config, n = read_config(checkpoint)["args"], tp.world()[1]  # torchrun: this process's share (tp.py)
     if n > 1:
-        device = join_tensor_parallel(checkpoint, device, rank, n, args.seed)
-    t0 = time.perf_counter()
-    tokenizer = load_tokenizer(checkpoint)
-    extra = args.speculate_k + 1 if args.speculate_k else 0  # the target verifies K + 1 positions
-    encode = lambda m: encode_prompt(tokenizer, m, args.chat or args.interactive, args.max_new_tokens + extra, context)  # noqa: E731
-    prompt = None if args.interactive else encode([{"role": "user", "content": args.prompt}] if args.chat else args.prompt)
-    length = cache_length(args, prompt, context, extra)
-    model, swapped = load_model(checkpoint, device, dtype, use_kernels, n, context if args.interactive else length)
-    log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
-        + ("; ".join(swapped) or "none" if use_kernels else "off"))
-    if args.draft_checkpoint:
-        draft = load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length, use_kernels)
-        gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, decode_mode(device, args.compile))
-        gen.reserve(length)
-    else:
-        gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)
-        gen.reserve(1, length)  # buffers at their final size up front: a later resize would recompile
+        device = tp.join(config, device, args.seed)
+    tokenizer, context = load_tokenizer(checkpoint), config.max_seq_len
+    gen, prompt, kernels = load_generator(args, checkpoint, tokenizer, context, sampling, device, dtype, mode, n)
     stop_ids = set() if args.ignore_eos else set(tokenizer.eos_ids)
     if args.interactive:
-        return chat(gen, tokenizer, encode, args.max_new_tokens + extra, context, stop_ids, args.max_new_tokens,
-                    bool(swapped))
-    one_shot(args, gen, tokenizer, prompt, stop_ids, bool(swapped))
+        return chat(args, gen, tokenizer, stop_ids, kernels, context)
+    one_shot(args, gen, tokenizer, prompt, stop_ids, kernels)
 
 
 def check_flags(args) -> Sampling:
@@ -316,10 +268,18 @@ def check_flags(args) -> Sampling:
     for flag in ("max_new_tokens", "num_samples", "stop_check_interval", "speculate_k", "max_batch"):
         if (value := getattr(args, flag)) is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
-    if bool(args.draft_checkpoint) != bool(args.speculate_k):
-        raise UsageError("--draft-checkpoint and --speculate-k go together")
-    if not args.interactive and not args.prompt.strip():
-        raise UsageError("the prompt is empty")
+    n = tp.world()[1]  # (under torchrun every rank preparing the default model at once would race)
+    for wrong, message in [
+            (bool(args.draft_checkpoint) != bool(args.speculate_k), "--draft-checkpoint and --speculate-k go together"),
+            (not args.interactive and not args.prompt.strip(), "the prompt is empty"),
+            (args.check_graphs and args.interactive, "--check-graphs needs a --prompt (not --interactive)"),
+            (args.prompts_file and (args.interactive or args.draft_checkpoint or args.check_graphs or args.profile),
+             "--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile"),
+            (n > 1 and (args.prompts_file or args.draft_checkpoint or args.interactive or args.profile
+                        or not args.checkpoint),
+             "under torchrun: a --checkpoint and a --prompt (no --prompts-file, draft, --interactive, --profile)")]:
+        if wrong:
+            raise UsageError(message)
     return sampling
 
 
@@ -330,49 +290,61 @@ def parse_buckets(text: str | None) -> list[int] | None:
         raise UsageError(f"--buckets takes comma-separated batch sizes (got {text!r})") from None
 
 
-def join_tensor_parallel(checkpoint: Path, device, rank: int, n: int, seed: int | None) -> torch.device:
-    """Under torchrun: check the split, join the process group (rank 0 speaks for all), one common seed."""
-    tp.local_args(read_config(checkpoint)["args"], n)  # (an error before any rank waits for the others)
-    device = tp.init(device)
-    if rank:
-        sys.stdout = sys.stderr = open(os.devnull, "w")
-    torch.manual_seed(tp.common_seed(seed, device))
-    return device
+def room(args) -> int:
+    """Positions a prompt must leave: its output, and with a draft the K + 1 that the target verifies."""
+    return args.max_new_tokens + (args.speculate_k + 1 if args.speculate_k else 0)
 
 
-def encode_prompt(tokenizer, messages_or_text, chat: bool, budget: int, context: int) -> list[int]:
-    """A prompt's ids (chat: messages through the chat template), checked to leave `budget` positions."""
+def encode_prompt(tokenizer, messages_or_text, args, context: int) -> list[int]:
+    """A prompt's ids (--chat, --interactive: messages through the chat template), checked to leave room(args)."""
+    chat = args.chat or args.interactive
     ids = tokenizer.encode_chat(messages_or_text) if chat else tokenizer.encode(messages_or_text)
     if not ids:
         raise UsageError("the prompt is empty")
-    if len(ids) + budget > context:
-        raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens ({budget}) "
+    if len(ids) + room(args) > context:
+        raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens ({room(args)}) "
                          f"exceeds the model's context of {context} tokens")
     return ids
 
 
-def cache_length(args, prompt: list[int] | None, context: int, extra: int) -> int:
+def positions(args, prompt: list[int] | None, context: int) -> int:
     """Positions the cache holds: the prompt and its output (--interactive: INTERACTIVE_CACHE to start, a
-    speculative chat the whole context), rounded up to CACHE_ROUNDING."""
+    speculative chat the whole context), rounded up (common.cache_length)."""
     if args.interactive:
-        length = context if args.draft_checkpoint else INTERACTIVE_CACHE
-    else:
-        length = len(prompt) + args.max_new_tokens + extra
-    if args.check_graphs:
-        length = max(length, len(prompt) + CHECK_GRAPHS_ROOM + extra)
-    return min(context, -(-length // CACHE_ROUNDING) * CACHE_ROUNDING)
+        return context if args.draft_checkpoint else INTERACTIVE_CACHE
+    # (--check-graphs decodes CHECK_GRAPHS_ROOM steps, however few tokens are asked for)
+    return cache_length(len(prompt) + room(args) + args.check_graphs * max(0, CHECK_GRAPHS_ROOM - args.max_new_tokens),
+                        context)
 
 
-def load_model(checkpoint: Path, device, dtype, use_kernels: bool, n: int, length: int):
-    """The model (under torchrun this rank's share), with the kernels -> (model, what the kernels swapped)."""
+def load_generator(args, checkpoint: Path, tokenizer, context: int, sampling: Sampling, device, dtype, mode: str,
+                   n: int):
+    """The prompt encoded; the model (under torchrun this rank's share) and any draft loaded, with the kernels
+    and a cache that fits -> (generator, prompt ids or None with --interactive, whether kernels swapped in)."""
+    t0 = time.perf_counter()
+    prompt = None if args.interactive else encode_prompt(
+        tokenizer, [{"role": "user", "content": args.prompt}] if args.chat else args.prompt, args, context)
+    length = positions(args, prompt, context)
+    use_kernels = not args.no_kernels and gdkernels.enabled()
     if n > 1:  # (each rank holds 1/n of the weights and of the cache: no memory check)
-        return tp.load(checkpoint, device, dtype, use_kernels)
-    check_memory(read_config(checkpoint), checkpoint, 1, length, dtype, device)
-    model = load(checkpoint, device=device, dtype=dtype)
-    return model, gdkernels.apply(model) if use_kernels else []
+        model, swapped = tp.load(checkpoint, device, dtype, use_kernels)
+    else:
+        check_memory(read_config(checkpoint), checkpoint, 1, context if args.interactive else length, dtype, device)
+        model = load(checkpoint, device=device, dtype=dtype)
+        swapped = gdkernels.apply(model) if use_kernels else []
+    log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
+        + ("; ".join(swapped) or "none" if use_kernels else "off"))
+    if args.draft_checkpoint:
+        draft = load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length, use_kernels)
+        gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, mode)
+        gen.reserve(length)
+    else:
+        gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)
+        gen.reserve(1, length)  # buffers at their final size up front: a later resize would recompile
+    return gen, prompt, bool(swapped)
 
 
-def chat(gen, tokenizer, encode, budget: int, context: int, stop_ids, max_new_tokens: int, kernels: bool) -> None:
+def chat(args, gen, tokenizer, stop_ids, kernels: bool, context: int) -> None:
     """--interactive: a turn a line of stdin until EOF; the cache doubles when a turn needs more."""
     history = []
     while True:
@@ -381,12 +353,13 @@ def chat(gen, tokenizer, encode, budget: int, context: int, stop_ids, max_new_to
         if not line:
             return
         history.append({"role": "user", "content": line.rstrip("\n")})
-        ids = encode(history)
-        need = len(ids) + budget
-        if isinstance(gen, Generator) and need > gen.buffers[2].shape[1]:  # (the whole conversation is prefilled)
-            gen.reserve(1, min(context, max(-(-need // CACHE_ROUNDING) * CACHE_ROUNDING, 2 * gen.buffers[2].shape[1])))
+        ids = encode_prompt(tokenizer, history, args, context)
+        need, have = len(ids) + room(args), gen.buffers[2].shape[1] if isinstance(gen, Generator) else context
+        if need > have:  # (the whole conversation is prefilled)
+            gen.reserve(1, max(cache_length(need, context), min(context, 2 * have)))
             log(f"cache: {gen.buffers[2].shape[1]} positions")
-        history.append({"role": "assistant", "content": stream(gen, tokenizer, ids, max_new_tokens, stop_ids, kernels)})
+        history.append({"role": "assistant",
+                        "content": stream(gen, tokenizer, ids, args.max_new_tokens, stop_ids, kernels)})
 
 
 def one_shot(args, gen, tokenizer, prompt: list[int], stop_ids, kernels: bool) -> None:
@@ -397,32 +370,24 @@ def one_shot(args, gen, tokenizer, prompt: list[int], stop_ids, kernels: bool) -
         stream(gen, tokenizer, prompt, args.max_new_tokens, stop_ids, kernels)
     if args.profile and isinstance(gen, Generator):
         profile(gen, prompt, args.profile)
-    if args.check_graphs:
-        if isinstance(gen, Generator):  # from just after the prompt, or as late as leaves CHECK_GRAPHS_ROOM - 1 steps
-            counts = check_decode_graphs(gen, max(0, min(len(prompt), gen.model.max_seq_length - CHECK_GRAPHS_ROOM)))
-        else:
-            counts = check_speculative_graphs(gen, len(prompt) + 1)
-        log(f"check-graphs: one graph replay per call, as expected: {counts}")
+    if args.check_graphs:  # from just after the prompt (a Generator: as late as leaves CHECK_GRAPHS_ROOM - 1 steps)
+        start = max(0, min(len(prompt), gen.model.max_seq_length - CHECK_GRAPHS_ROOM)) \
+            if isinstance(gen, Generator) else len(prompt) + 1
+        log(f"check-graphs: one graph replay per call, as expected: {check_graphs(gen, start)}")
 
 
 def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set[int], kernels: bool = False) -> str:
     """Generate for one prompt (with a Generator or a SpeculativeGenerator), printing text as it
     arrives; stats to stderr. Returns the text."""
-    decoder = tokenizer.stream_decoder()
-    speculative = not isinstance(gen, Generator)
-    pieces, n_new, compile_before = [], 0, gen.compile_s
-    device = gen.device
+    decoder, speculative, device = tokenizer.stream_decoder(), not isinstance(gen, Generator), gen.device
+    pieces, n_new, compile_before, first_at = [], 0, gen.compile_s, None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     start = time.perf_counter()
-    first_at = None
-    if speculative:
-        chunks, check = gen.generate(prompt, max_new_tokens, stop_ids), contextlib.nullcontext()
-    else:
-        chunks = (c[0] for c in gen.generate([prompt], max_new_tokens, stop_ids))
-        check = no_recompiles(gen.mode) if gen.warm else contextlib.nullcontext()
-    with check:
+    chunks = gen.generate(prompt, max_new_tokens, stop_ids) if speculative else \
+        (c[0] for c in gen.generate([prompt], max_new_tokens, stop_ids))
+    with no_recompiles(gen.mode) if gen.warm else contextlib.nullcontext():
         for chunk in chunks:
             if first_at is None:
                 first_at, first = time.perf_counter(), len(chunk)
@@ -431,48 +396,39 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
             text = "".join(decoder.push(t) for t in ids)
             pieces.append(text)
             print(text, end="", flush=True)
-    tail = decoder.flush()
-    pieces.append(tail)
-    print(tail, flush=True)
-    total = time.perf_counter() - start
-    report_stats(device, len(prompt), first, n_new, total, gen.compile_s - compile_before,
-                 first_at - start, decode_weight_bytes(gen), decode_path(gen, kernels))
+    pieces.append(decoder.flush())
+    print(pieces[-1], flush=True)
+    # The figures: the prefill (the time to the `first` tokens) and the decode after it, its compile apart.
+    compile_s, first_s = gen.compile_s - compile_before, first_at - start
+    dec_s = max(time.perf_counter() - first_at - compile_s, 1e-9)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    log(f"prefill {len(prompt)} tokens in {first_s:.3f} s ({len(prompt) / first_s:.0f} tok/s; time to first token); "
+        f"decode {n_new - first} tokens in {dec_s:.2f} s: {(n_new - first) / dec_s:.1f} tok/s, "
+        f"{decode_weight_bytes(gen) / dec_s / 1e9:.1f} GB/s of weights"
+        + (f", compile {compile_s:.1f} s" if compile_s >= 0.05 else "")
+        + f"; {n_new} tokens in all; peak memory {peak / 2**30:.2f} GiB; decode: {decode_path(gen, kernels)}")
     if speculative:
         log(f"speculative: {gen.rounds} rounds, {gen.mean_tokens_per_round:.2f} tokens per round, "
             f"rounds accepting 0..{gen.k} proposals: {gen.histogram}")
     return "".join(pieces)
 
 
-def speculative_round_bytes(gen) -> int:
-    """Bytes of weights a speculative round reads: the target once, the draft K + 1 times."""
-    return weight_bytes_per_step(gen.target) + (gen.k + 1) * weight_bytes_per_step(gen.draft)
-
-
 def decode_weight_bytes(gen) -> int:
     """Bytes of weights the decode steps of gen's last generate read (a Generator or a SpeculativeGenerator,
-    the prefill apart): the model once a step it ran (up to K - 1 past a stop), or a round's reads."""
+    the prefill apart): the model once a step it ran (up to K - 1 past a stop), or per round the target once
+    and the draft K + 1 times."""
     if isinstance(gen, Generator):
         return gen.decode_steps * weight_bytes_per_step(gen.model)
-    return gen.rounds * speculative_round_bytes(gen)
+    return gen.rounds * (weight_bytes_per_step(gen.target) + (gen.k + 1) * weight_bytes_per_step(gen.draft))
 
 
 def decode_path(gen, kernels: bool) -> str:
     """Which decode ran, in words: the mode (for the CPU's ahead-of-time step, whether one was found) and the kernels."""
-    mode = getattr(getattr(getattr(gen, "step", None), "fn", None), "ran", None) or {"graphs": "compiled, CUDA graphs"}.get(gen.mode, gen.mode)
-    return f"{'speculative, ' if not isinstance(gen, Generator) else ''}{mode}, kernels {'on' if kernels else 'off'}"
-
-
-def report_stats(device, prompt_tokens: int, first: int, n_new: int, total: float, compile_s: float,
-                 first_token_s: float, decode_bytes: int, path: str):
-    """The run's figures to stderr: the prefill (the time to the `first` tokens) and the decode after it apart.
-    decode_bytes: the weights the decode steps read, all together."""
-    dec_s = max(total - first_token_s - compile_s, 1e-9)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    log(f"prefill {prompt_tokens} tokens in {first_token_s:.3f} s ({prompt_tokens / first_token_s:.0f} tok/s; "
-        f"time to first token); decode {n_new - first} tokens in {dec_s:.2f} s: {(n_new - first) / dec_s:.1f} tok/s, "
-        f"{decode_bytes / dec_s / 1e9:.1f} GB/s of weights" + (f", compile {compile_s:.1f} s" if compile_s >= 0.05 else "")
-        + f"; {n_new} tokens in all; peak memory {peak / 2**30:.2f} GiB; decode: {path}")
+    if not isinstance(gen, Generator):
+        return f"speculative, {gen.mode}, kernels {'on' if kernels else 'off'}"
+    mode = getattr(gen.step.fn, "ran", None) or {"graphs": "compiled, CUDA graphs"}.get(gen.mode, gen.mode)
+    return f"{mode}, kernels {'on' if kernels else 'off'}"
 
 
 def profile(gen: Generator, prompt: list[int], path: Path) -> None:

@@ -16,6 +16,7 @@ quantize.load reads it (generate.py with no extra flag); gdkernels/ swaps in GEM
 """
 import argparse
 import functools
+import itertools
 import json
 import shutil
 import sys
@@ -28,7 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from convert_hf_checkpoint import staged, write_safetensors
+from common import ConversionError, UsageError
+from convert_hf_checkpoint import prepare_default_model, staged, write_safetensors
 from model import ModelArgs, Transformer, read_config
 
 SCALE_DTYPE = torch.bfloat16  # the kernels' dtype: scales are fitted to the values they will have
@@ -130,15 +132,11 @@ def load(path, device="cpu", dtype=torch.bfloat16) -> Transformer:
     return Transformer.from_checkpoint(path, device=device, dtype=dtype, swap=swap_linears)
 
 
-def int4_grid_unit(v: torch.Tensor, levels: int) -> torch.Tensor:
-    """v [N, G] -> [N, 1] float32: per row, the smallest power of two u with max |v| <= levels u (1 if all 0)."""
-    m, e = torch.frexp(v.float().abs().amax(1, keepdim=True) / levels)
-    return torch.where(m > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
-
-
 def int4_units(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """The grid's units for int4 scales and zeros [N, G]: [N, 2] float32, the scales' (255 levels), the zeros' (127)."""
-    return torch.cat([int4_grid_unit(scales, 255), int4_grid_unit(zeros, 127)], dim=1)
+    """The grid's units for int4 scales and zeros [N, G]: [N, 2] float32, per row the smallest power of two u with
+    max |scales| <= 255 u, then the one with max |zeros| <= 127 u (1 where all are 0)."""
+    m, e = torch.frexp(torch.stack([scales.float().abs().amax(1) / 255, zeros.float().abs().amax(1) / 127], dim=1))
+    return torch.where(m > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
 
 
 # -- the quantizers: float weight [N, K] -> the file's tensors ------------------------------------
@@ -157,79 +155,67 @@ def quantize_int4(w: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.
     if w.shape[1] % 2:
         raise QuantizeError(f"int4 needs an even input dim (got {w.shape[1]})")
     pieces, fits, units = _group_fits(w, groupsize)
-    parts = [_grid_fit(piece, fit[1], fit[2], units) for piece, fit in zip(pieces, fits)]
-    q = torch.cat([p[0].flatten(1) for p in parts], dim=1).to(torch.uint8)  # [N, K] in 0..15
-    scales, zeros = (torch.cat([p[i] for p in parts], dim=1) for i in (1, 2))
-    return q[:, ::2] | q[:, 1::2] << 4, scales, zeros
+    levels, scales, zeros = zip(*(_grid_fit(piece, *fit, units) for piece, fit in zip(pieces, fits)))
+    q = torch.cat([lv.flatten(1) for lv in levels], dim=1).to(torch.uint8)  # [N, K] in 0..15
+    return q[:, ::2] | q[:, 1::2] << 4, torch.cat(scales, dim=1), torch.cat(zeros, dim=1)
 
 
 def _group_fits(w: torch.Tensor, groupsize: int) -> tuple[list, list, torch.Tensor]:
     """w [N, K] in float32 as groups ([N, K // groupsize, groupsize], then [N, 1, K % groupsize] if that is not 0),
-    their _fit_int4 fits, and the grid's units [N, 2] of each row from those fits."""
+    their _fit_int4 fits (scale, zero), and the grid's units [N, 2] of each row from those fits."""
     N, K = w.shape
     full = K // groupsize * groupsize
-    pieces = ([w[:, :full].float().view(N, -1, groupsize)] if full else []) + \
-             ([w[:, full:].float().view(N, 1, K - full)] if full < K else [])
+    pieces = [p.view(N, -1, min(groupsize, p.shape[1])) for p in w.float().split([full, K - full], dim=1) if p.shape[1]]
     fits = [_fit_int4(piece) for piece in pieces]
-    return pieces, fits, int4_units(*(torch.cat([f[i] for f in fits], dim=1) for i in (1, 2)))
+    return pieces, fits, int4_units(*(torch.cat(f, dim=1) for f in zip(*fits)))
 
 
 # Scales and zeros on a grid: a whole number of a power of two per row, 8 bits (scales 1..255, zeros -127..127),
 # exact in bf16, so every kernel computes with the same weights and gdkernels/int4.py reads them as one byte each.
 
-def on_grid(scales: torch.Tensor, zeros: torch.Tensor, units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales and zeros [N, G] rounded to whole numbers of their rows' units [N, 2] (scales >= 1), in SCALE_DTYPE."""
-    s = (scales.float() / units[:, :1]).round().clamp(1, 255) * units[:, :1]
-    z = (zeros.float() / units[:, 1:]).round().clamp(-127, 127) * units[:, 1:]
-    return s.to(SCALE_DTYPE), z.to(SCALE_DTYPE)
-
-
 def _grid_fit(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
               units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fit of groups w [N, G, g] (scale, zero [N, G]) moved onto the grid of `units` [N, 2]: of the four grid
     points around it, the one whose levels leave the least squared error -> (levels [N, G, g] in 0..15, scale,
-    zero in SCALE_DTYPE). (Nearest rounding alone, on_grid, cost the default model 0.7% perplexity at g128.)"""
+    zero in SCALE_DTYPE). (Nearest rounding of scale and zero alone cost the default model 0.7% perplexity at g128.)"""
     unit_s, unit_z = units[:, None, :1], units[:, None, 1:]  # [N, 1, 1]
     codes_s, codes_z = scale.float()[..., None] / unit_s, zero.float()[..., None] / unit_z  # [N, G, 1]
     best = None
-    for k_s in (codes_s.floor(), codes_s.ceil()):
-        for k_z in (codes_z.floor(), codes_z.ceil()):
-            s, z = k_s.clamp(1, 255) * unit_s, k_z.clamp(-127, 127) * unit_z
-            levels = ((w - z) / s).round().clamp(-8, 7)
-            err = ((levels * s + z - w) ** 2).sum(-1, keepdim=True)
-            new = (err, levels, s, z)
-            best = new if best is None else tuple(torch.where(new[0] < best[0], a, b) for a, b in zip(new, best))
+    for k_s, k_z in itertools.product((codes_s.floor(), codes_s.ceil()), (codes_z.floor(), codes_z.ceil())):
+        s, z = k_s.clamp(1, 255) * unit_s, k_z.clamp(-127, 127) * unit_z
+        levels = ((w - z) / s).round().clamp(-8, 7)
+        err = ((levels * s + z - w) ** 2).sum(-1, keepdim=True)
+        new = (err, levels, s, z)
+        best = new if best is None else tuple(torch.where(new[0] < best[0], a, b) for a, b in zip(new, best))
     _, levels, s, z = best
     return levels + 8, s.squeeze(-1).to(SCALE_DTYPE), z.squeeze(-1).to(SCALE_DTYPE)
 
 
 def _fit_int4(w: torch.Tensor, clips=(0.0, 0.05, 0.1)) -> tuple[torch.Tensor, ...]:
-    """w [N, G, g] -> (q [N, G, g] in 0..15, scales [N, G], zeros [N, G]) minimising the squared error per group:
+    """w [N, G, g] -> (scales [N, G], zeros [N, G]) minimising the squared error per group:
     for each clipping of the group's [min, max] range from below and above, round, refit scale and zero by least
     squares for those levels, round again; keep the best (it beats plain min/max and symmetric 4-bit: BENCHMARKS.md)."""
     g = w.shape[-1]
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     span = (hi - lo).clamp(min=1e-12)
     best = (torch.full_like(lo, float("inf")), span / 15, lo + 8 * span / 15)
-    for a in clips:
-        for b in clips:
-            scale = span * (1 - a - b) / 15
-            zero = lo + a * span + 8 * scale
-            for refit in (True, False):
-                scale, zero = scale.to(SCALE_DTYPE).float().clamp(min=1e-12), zero.to(SCALE_DTYPE).float()
-                q = ((w - zero) / scale).round().clamp(-8, 7)
-                if refit:  # least squares for w ~ q * scale + zero, the levels q fixed
-                    sq, sw = q.sum(-1, keepdim=True), w.sum(-1, keepdim=True)
-                    den = g * (q * q).sum(-1, keepdim=True) - sq * sq
-                    ok = den > 0
-                    fit_scale = (g * (q * w).sum(-1, keepdim=True) - sq * sw) / torch.where(ok, den, 1)
-                    scale = torch.where(ok & (fit_scale > 0), fit_scale, scale)
-                    zero = torch.where(ok, (sw - scale * sq) / g, zero)
-            err = ((q * scale + zero - w) ** 2).sum(-1, keepdim=True)
-            best = tuple(torch.where(err < best[0], new, old) for new, old in zip((err, scale, zero), best))
+    for a, b in itertools.product(clips, clips):
+        scale = span * (1 - a - b) / 15
+        zero = lo + a * span + 8 * scale
+        for refit in (True, False):
+            scale, zero = scale.to(SCALE_DTYPE).float().clamp(min=1e-12), zero.to(SCALE_DTYPE).float()
+            q = ((w - zero) / scale).round().clamp(-8, 7)
+            if refit:  # least squares for w ~ q * scale + zero, the levels q fixed
+                sq, sw = q.sum(-1, keepdim=True), w.sum(-1, keepdim=True)
+                den = g * (q * q).sum(-1, keepdim=True) - sq * sq
+                ok = den > 0
+                fit_scale = (g * (q * w).sum(-1, keepdim=True) - sq * sw) / torch.where(ok, den, 1)
+                scale = torch.where(ok & (fit_scale > 0), fit_scale, scale)
+                zero = torch.where(ok, (sw - scale * sq) / g, zero)
+        err = ((q * scale + zero - w) ** 2).sum(-1, keepdim=True)
+        best = tuple(torch.where(err < best[0], new, old) for new, old in zip((err, scale, zero), best))
     _, scale, zero = best
-    q = ((w - zero) / scale).round().clamp(-8, 7) + 8
-    return q, scale.squeeze(-1).to(SCALE_DTYPE), zero.squeeze(-1).to(SCALE_DTYPE)
+    return scale.squeeze(-1).to(SCALE_DTYPE), zero.squeeze(-1).to(SCALE_DTYPE)
 
 
 def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: float = 0.01,
@@ -249,7 +235,7 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     units = _group_fits(W.float(), groupsize)[2]  # from W as it starts
     q = torch.zeros(N, K, dtype=torch.uint8, device=w.device)
-    scales, zeros = [], []
+    fits = []  # (scale, zero) [N, 1] of each group
     for b0 in range(0, K, block):
         b1 = min(b0 + block, K)
         Wb, errors = W[:, b0:b1].clone(), torch.zeros(N, b1 - b0, dtype=W.dtype, device=W.device)
@@ -257,15 +243,14 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
             j = b0 + i
             if j % groupsize == 0:  # a new group: its scale and zero
                 group = torch.cat([Wb[:, i:], W[:, b1:j + groupsize]], dim=1)[:, :groupsize].float().unsqueeze(1)
-                _, scale, zero = _grid_fit(group, *_fit_int4(group)[1:], units)
-                scales.append(scale)
-                zeros.append(zero)
-                s, z = scale.double().view(N), zero.double().view(N)
+                fits.append(_grid_fit(group, *_fit_int4(group), units)[1:])
+                s, z = (t.double().view(N) for t in fits[-1])
             level = ((Wb[:, i] - z) / s).round().clamp(-8, 7)
             q[:, j] = (level + 8).to(torch.uint8)
             errors[:, i] = (Wb[:, i] - (level * s + z)) / U[j, j]
             Wb[:, i:] -= errors[:, i:i + 1] * U[j, j:b1][None, :]
         W[:, b1:] -= errors @ U[b0:b1, b1:]
+    scales, zeros = zip(*fits)
     return q[:, ::2] | q[:, 1::2] << 4, torch.cat(scales, dim=1), torch.cat(zeros, dim=1)
 
 
@@ -317,30 +302,25 @@ def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, gro
                 continue
             name = "output.weight"  # the tied head, stored apart from now on: int8 below
         module, _, kind = name.rpartition(".")
-        if kind == "weight" and (module == "output" or (mode == "int8" and module.endswith(BLOCK_LINEARS))):
-            q, scales = quantize_int8(t)
-            yield name, q
-            yield module + ".scales", scales
-        elif kind == "weight" and module.endswith(BLOCK_LINEARS):
+        names = (name, module + ".scales", module + ".zeros")  # the quantizers' tensors, in order
+        if kind != "weight" or not (module == "output" or module.endswith(BLOCK_LINEARS)):
+            yield name, t  # norms, biases: as they are
+        elif module == "output" or mode == "int8":
+            yield from zip(names, quantize_int8(t))
+        else:
             N, K = t.shape
             if K % 32 or N % 16:
                 raise QuantizeError(f"{name}: {INT4_DIMS} (got {N} x {K})")
             if hessians is not None and name not in hessians:
                 raise QuantizeError(f"{name}: no calibration statistics for it (GPTQ)")
-            q, scales, zeros = (quantize_int4(t, groupsize) if hessians is None
-                                else gptq_int4(t, hessians[name], groupsize))
-            yield name, q
-            yield module + ".scales", scales
-            yield module + ".zeros", zeros
-        else:  # norms, biases: as they are
-            yield name, t
+            yield from zip(names, quantize_int4(t, groupsize) if hessians is None
+                           else gptq_int4(t, hessians[name], groupsize))
 
 
 def quantized_config(config: dict, mode: str, groupsize: int | None) -> dict:
-    config = {k: v for k, v in config.items() if k != "args"}
-    config["model"] = dict(config["model"], tie_embeddings=False)
-    config["quantization"] = {"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize}
-    return config
+    quantization = {"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize}
+    return {k: v for k, v in config.items() if k != "args"} | {
+        "model": dict(config["model"], tie_embeddings=False), "quantization": quantization}
 
 
 def quantize_model(model: Transformer, mode: str, groupsize: int | None = None,
@@ -353,11 +333,11 @@ def quantize_model(model: Transformer, mode: str, groupsize: int | None = None,
     with torch.device("meta"):
         qmodel = Transformer(ModelArgs.from_dict(config["model"]))
         swap_linears(qmodel, config["quantization"])
-    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    emb = model.tok_embeddings.weight
     hessians = calibrate(model, calibration) if calibration and mode == "int4" else None
-    qstate = {k: v.to(dtype) if v.is_floating_point() else v
+    qstate = {k: v.to(emb.device, emb.dtype if v.is_floating_point() else v.dtype)
               for k, v in quantize_tensors(iter(state.items()), mode, groupsize, args.tie_embeddings, hessians)}
-    qmodel.load_state_dict({k: v.to(device) for k, v in qstate.items()}, strict=True, assign=True)
+    qmodel.load_state_dict(qstate, strict=True, assign=True)
     return qmodel.eval().requires_grad_(False)
 
 
@@ -367,11 +347,9 @@ def split_fused(state: dict, args: ModelArgs) -> dict:
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     for name, t in state.items():
         if ".attention.wqkv." in name:
-            for part, piece in zip(("wq", "wk", "wv"), t.split([q, kv, kv])):
-                out[name.replace("wqkv", part)] = piece
+            out.update((name.replace("wqkv", p), x) for p, x in zip(("wq", "wk", "wv"), t.split([q, kv, kv])))
         elif ".feed_forward.w13." in name:
-            for part, piece in zip(("w1", "w3"), t.chunk(2)):
-                out[name.replace("w13", part)] = piece
+            out.update((name.replace("w13", p), x) for p, x in zip(("w1", "w3"), t.chunk(2)))
         else:
             out[name] = t
     return out
@@ -387,9 +365,6 @@ def default_out(checkpoint: Path, mode: str, groupsize: int | None) -> Path:
 def prepare_default(device: torch.device) -> Path:
     """The default model, prepared on first use (convert_hf_checkpoint.py); on the CPU its int4 form: 2.5x the
     float model's speed there (README). A failure is a UsageError, one line."""
-    from common import ConversionError, UsageError
-    from convert_hf_checkpoint import prepare_default_model
-
     try:
         checkpoint = prepare_default_model()
         return prepare_default_int4(checkpoint) if device.type == "cpu" else checkpoint

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 import gdkernels
-from common import (Sampling, Step, UsageError, check_memory, decode_mode, default_device, default_dtype,
-                    no_recompiles, sample_rows)
+from common import (Sampling, Step, UsageError, cache_length, check_memory, decode_mode, default_device,
+                    default_dtype, no_recompiles, sample_rows)
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -136,9 +136,8 @@ def default_buckets(max_batch: int) -> list[int]:
     return sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
 
 
-def row_settings(requests: list[Request], vocab: int) -> list[list[float]]:
-    """temperature, top_k, top_p rows for serve_step (padding rows are greedy; top-k and top-p off: vocab, inf)."""
-    s = [r.params for r in requests]
+def row_settings(s: list[SamplingParams], vocab: int) -> list[list[float]]:
+    """temperature, top_k, top_p rows for serve_step (top-k and top-p off: vocab, inf)."""
     return [[p.temperature for p in s], [p.top_k or vocab for p in s],
             [p.top_p if p.top_p is not None and p.top_p < 1 else float("inf") for p in s]]
 
@@ -187,8 +186,7 @@ class Runner:
         write at the first position their row does not hold yet (a prefilling row's next, else 0)."""
         pad = [r.prefilled if r.prefilled < len(r.prompt) else 0 for r in self.rows[len(rows):b]]
         pad += [0] * (b - len(rows) - len(pad))
-        greedy = SamplingParams(temperature=0)
-        settings = row_settings(rows + [Request([0], greedy)] * (b - len(rows)), self.vocab)
+        settings = row_settings([r.params for r in rows] + [SamplingParams(temperature=0)] * len(pad), self.vocab)
         host = torch.tensor([[r.out[-1] for r in rows] + [0] * len(pad), [r.pos for r in rows] + pad, *settings],
                             dtype=torch.float64)  # (one copy to the device: token ids and positions are exact)
         host = host.to(self.device, non_blocking=True)
@@ -231,9 +229,8 @@ class Runner:
                 self.rows.append(r)
         first = self.rows.index(chunks[0][0])
         complete = [stop == len(r.prompt) for r, stop in chunks]
-        if (first != self.decoding or self.rows[first:first + len(chunks)] != [r for r, _ in chunks]
-                or complete != sorted(complete, reverse=True)):
-            raise RuntimeError("prefill: chunks must be the prefilling rows in order, the complete ones first")
+        assert first == self.decoding and self.rows[first:first + len(chunks)] == [r for r, _ in chunks] and \
+            complete == sorted(complete, reverse=True), "chunks: the prefilling rows in order, the complete ones first"
         S, last = max(stop - r.prefilled for r, stop in chunks), self.length - 1
         idx, pos = [], []
         for r, stop in chunks:  # padding past the chunk: positions it does not hold yet
@@ -244,7 +241,7 @@ class Runner:
             logits = self.model(torch.tensor(idx, device=self.device), torch.tensor(pos, device=self.device))
         ends = torch.tensor([stop - r.prefilled - 1 for r, stop in chunks], device=self.device)
         final = logits[torch.arange(len(chunks), device=self.device), ends].float()  # [m, V]
-        settings = torch.tensor(row_settings([r for r, _ in chunks], self.vocab), device=self.device)
+        settings = torch.tensor(row_settings([r.params for r, _ in chunks], self.vocab), device=self.device)
         tokens = sample_rows(final, settings[0], settings[1].long(), settings[2])
         firsts = zip(tokens.tolist(), final.log_softmax(-1).gather(-1, tokens[:, None])[:, 0].tolist())
         results = []
@@ -418,17 +415,17 @@ class LLM:
 
     # -- a fixed list of requests -----------------------------------------------------------------
 
-    def generate(self, prompts, params: Sampling = SamplingParams(), max_new_tokens: int | None = None,
-                 chat: bool = False, ignore_eos: bool | None = None, progress=None) -> list[str]:
-        """Texts for prompts (texts, or (text, max_new_tokens) pairs), in order; Sampling or SamplingParams."""
-        reqs = self.requests(prompts, as_params(params, max_new_tokens, ignore_eos), chat)
+    def generate(self, prompts, params: SamplingParams = SamplingParams(), chat: bool = False,
+                 progress=None) -> list[str]:
+        """Texts for prompts (texts, or (text, max_new_tokens) pairs), in order."""
+        reqs = self.requests(encode(self.tokenizer, prompts, chat), params)
         self.run(reqs, progress)
         return [r.text for r in reqs]
 
-    def requests(self, prompts, params: SamplingParams, chat: bool = False) -> list[Request]:
-        """Prompts (texts, or (text, max_new_tokens) pairs) -> requests, each checked (errors name the prompt)."""
+    def requests(self, encoded: list[tuple[list[int], int | None]], params: SamplingParams) -> list[Request]:
+        """encode()'s (token ids, max_new_tokens or None) -> requests, each checked (errors name the prompt)."""
         out = []
-        for i, (ids, n) in enumerate(encode(self.tokenizer, prompts, chat), 1):
+        for i, (ids, n) in enumerate(encoded, 1):
             try:
                 out.append(self.make_request(ids, params if n is None else replace(params, max_new_tokens=n)))
             except UsageError as e:
@@ -477,13 +474,6 @@ class LLM:
                     r.outbox.put((new, finished))
 
 
-def as_params(s: Sampling, max_new_tokens: int | None = None, ignore_eos: bool | None = None) -> SamplingParams:
-    """A Sampling (or SamplingParams) with these fields set where given."""
-    p = s if isinstance(s, SamplingParams) else SamplingParams(s.temperature, s.top_k, s.top_p)
-    given = {"max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
-    return replace(p, **{k: v for k, v in given.items() if v is not None})
-
-
 def encode(tokenizer, prompts, chat: bool) -> list[tuple[list[int], int | None]]:
     """Prompts (texts, or (text, max_new_tokens) pairs) -> (token ids, max_new_tokens or None)."""
     out = []
@@ -529,14 +519,16 @@ def run_file(checkpoint: Path, prompts_file: Path, output: Path | None, params: 
         raise UsageError(f"{output}: no such directory")
     prompts = read_prompts(prompts_file)
     tokenizer, config = load_tokenizer(checkpoint), read_config(checkpoint)
-    need = max(len(ids) + (n or params.max_new_tokens) for ids, n in encode(tokenizer, prompts, chat))
-    length = min(config["args"].max_seq_len, -(-need // 64) * 64)  # (too long: the requests below say which)
+    encoded = encode(tokenizer, prompts, chat)
+    need = max(len(ids) + (n or params.max_new_tokens) for ids, n in encoded)
+    length = cache_length(need, config["args"].max_seq_len)  # (too long: the requests below say which)
     device = default_device(device)
     dtype = default_dtype(dtype, device)
-    check_memory(config, checkpoint, max_batch, length, dtype, device, workspace=max_batch * config["args"].vocab_size * 64)
+    check_memory(config, checkpoint, max_batch, length, dtype, device,  # (and the sampling's [rows, vocab] buffers)
+                 workspace=max_batch * config["args"].vocab_size * 64)
     llm = LLM(checkpoint, device, dtype, max_batch, length, buckets, steps, kernels=kernels, compile=compile,
               tokenizer=tokenizer)
-    reqs = llm.requests(prompts, params, chat)
+    reqs = llm.requests(encoded, params)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     llm.warm_up(lambda b, sec: log(f"engine: bucket {b} compiled and warm ({sec:.1f} s)"))
     r = llm.runner

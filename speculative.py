@@ -17,7 +17,7 @@ p at the last position. Every draw is argmax(probs / Exponential(1)), never torc
 import torch
 
 import gdkernels
-from common import Sampling, Step, UsageError, check_memory, draw, logits_to_probs, sample, synchronize
+from common import Sampling, Step, UsageError, check_graphs, check_memory, draw, logits_to_probs, sample, synchronize
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -101,8 +101,6 @@ class SpeculativeGenerator:
         self.target, self.draft, self.sampling, self.k = target, draft, sampling, k
         self.device = target.tok_embeddings.weight.device
         self.mode = mode
-        if mode != "eager":
-            gdkernels.register_fallbacks()
         # graphs: one graph for the K draft steps, one for the verification (common.Step: warm-up timed apart)
         self.draft_fn, self.verify_fn = (Step(f, mode, self.device) for f in (draft_steps, verify))
         dev, V = self.device, target.args.vocab_size
@@ -131,6 +129,18 @@ class SpeculativeGenerator:
         """The target's verification of the proposals (one graph replay in mode graphs)."""
         self.verify_fn(self.target, self.draft, self.token, self.pos, self.draft_tokens, self.draft_probs,
                        self.result, self.sampling)
+
+    def check_graphs(self, start: int) -> dict:
+        """The draft loop (K steps) and the verification must each be one graph replay (common.check_graphs).
+        Runs a round's worth of positions from `start`, which a later round rewrites."""
+        while not self.warm:  # (warm, compiled and recorded, even after a short generation)
+            self.pos.fill_(start)
+            self.draft_loop()
+            self.verify_round()
+        self.pos.fill_(start)
+        random = self.sampling.temperature > 0
+        return {"draft_loop": check_graphs(self.draft_loop, self.device, 4, "the draft loop", random=random),
+                "verify": check_graphs(self.verify_round, self.device, 1, "verification", random=random)}
 
     def reset_stats(self) -> None:
         self.rounds = 0

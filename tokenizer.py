@@ -46,7 +46,7 @@ LLAMA3_STOP_TOKENS = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")
 
 # Special tokens that end generation in the common chat formats; a tokenizer.json backend stops on those it
 # registers as special, so that a checkpoint without generation_config.json still stops.
-KNOWN_STOP_TOKENS = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "</s>")
+KNOWN_STOP_TOKENS = (*LLAMA3_STOP_TOKENS, "<|im_end|>", "<|endoftext|>", "</s>")
 
 # Built-in chat templates, used only when the checkpoint has none. Each is one logical line (the
 # Python strings are concatenated), so trim_blocks/lstrip_blocks cannot change their output.
@@ -99,10 +99,9 @@ class StreamDecoder:
     def push(self, token_id: int) -> str:
         self._ids.append(int(token_id))
         before = self._tok.decode(self._ids[:self._read])
-        text = self._tok.decode(self._ids)
-        if len(text) <= len(before) or text.endswith("\ufffd"):
+        out = self._tok.decode(self._ids)[len(before):]
+        if not out or out.endswith("\ufffd"):
             return ""
-        out = text[len(before):]
         if out.strip():  # the new tokens alone are a safe context; forget the old one
             self._ids = self._ids[self._read:]
         self._read = len(self._ids)
@@ -118,20 +117,40 @@ class StreamDecoder:
 
 class Tokenizer:
     """The interface plus everything that does not depend on the backend: side files, BOS/EOS
-    resolution, chat templates, streaming. Backends implement the hooks and set their defaults in
-    __init__ (_default_bos_id, _default_add_bos, _default_stop_tokens)."""
+    resolution, chat templates, streaming. Backends implement the hooks, set _default_stop_tokens
+    and, if the model wants BOS prepended, _default_bos_id, then call Tokenizer.__init__ with the
+    checkpoint directory, which merges the side files with those defaults."""
 
-    def __init__(self) -> None:
-        self.bos_id: int | None = None
-        self.eos_ids: set[int] = set()
-        self.add_bos: bool = False
-        self.bos_token: str = ""  # text of BOS / EOS, as chat templates see them
-        self.eos_token: str = ""
-        self.chat_template: str | None = None  # the checkpoint's own template, if any
-        self._added_tokens: dict[str, int] = {}  # tokenizer_config added_tokens_decoder
-        self._default_bos_id: int | None = None
-        self._default_add_bos = False
-        self._default_stop_tokens: set[int] = set()
+    _default_bos_id: int | None = None
+
+    def __init__(self, directory: Path) -> None:
+        """Merge the side files with the backend's defaults."""
+        config = _read_json(directory / "tokenizer_config.json")
+        gen = _read_json(directory / "generation_config.json")
+
+        self._added_tokens = {e["content"]: int(k) for k, e in (config.get("added_tokens_decoder") or {}).items()}
+
+        bos_text, eos_text = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+        self.bos_id: int | None = self._resolve(bos_text, "bos_token")
+        if self.bos_id is None:
+            gen_bos = gen.get("bos_token_id")
+            self.bos_id = gen_bos if isinstance(gen_bos, int) else self._default_bos_id
+
+        gen_eos = gen.get("eos_token_id")
+        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos_ids: set[int] = set(self._default_stop_tokens)
+        self.eos_ids.update(i for i in [self._resolve(eos_text, "eos_token"), *gen_eos] if isinstance(i, int))
+
+        add_bos = config.get("add_bos_token")
+        self.add_bos: bool = add_bos if isinstance(add_bos, bool) else self._default_bos_id is not None
+        if self.add_bos and self.bos_id is None:
+            raise ValueError(f"{directory}: the tokenizer should add a BOS token but none is defined")
+
+        # The text of BOS / EOS as chat templates see them: the config's, else the vocabulary's.
+        self.bos_token = bos_text or (self._vocab_text(self.bos_id) if self.bos_id is not None else None) or ""
+        stop = min(self._default_stop_tokens, default=None)
+        self.eos_token = eos_text or (self._vocab_text(stop) if stop is not None else None) or ""
+        self.chat_template: str | None = _chat_template(directory, config)  # the checkpoint's own, if any
 
     # ---- backend hooks: _encode_text(text) (ids, no BOS added), decode(ids) (special tokens
     # rendered as text), _vocab_lookup(token string) -> id or None, _vocab_text(id) -> string.
@@ -180,36 +199,6 @@ class Tokenizer:
             return CHATML_TEMPLATE
         return LLAMA2_TEMPLATE
 
-    def _configure(self, directory: Path) -> None:
-        """Merge the side files with the backend's defaults."""
-        config = _read_json(directory / "tokenizer_config.json")
-        gen = _read_json(directory / "generation_config.json")
-
-        self._added_tokens = {e["content"]: int(k) for k, e in (config.get("added_tokens_decoder") or {}).items()}
-
-        bos_text, eos_text = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
-        self.bos_id = self._resolve(bos_text, "bos_token")
-        if self.bos_id is None:
-            gen_bos = gen.get("bos_token_id")
-            self.bos_id = gen_bos if isinstance(gen_bos, int) else self._default_bos_id
-
-        gen_eos = gen.get("eos_token_id")
-        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        self.eos_ids = set(self._default_stop_tokens)
-        self.eos_ids.update(i for i in [self._resolve(eos_text, "eos_token"), *gen_eos] if isinstance(i, int))
-
-        add_bos = config.get("add_bos_token")
-        self.add_bos = add_bos if isinstance(add_bos, bool) else self._default_add_bos
-        if self.add_bos and self.bos_id is None:
-            raise ValueError(f"{directory}: the tokenizer should add a BOS token but none is defined")
-
-        self.bos_token = bos_text or (self._vocab_text(self.bos_id) if self.bos_id is not None else None) or ""
-        if eos_text is None and self._default_stop_tokens:
-            eos_text = self._vocab_text(min(self._default_stop_tokens))
-        self.eos_token = eos_text or ""
-
-        self.chat_template = _chat_template(directory, config)
-
     def _resolve(self, token: str | None, what: str) -> int | None:
         if token is None:
             return None
@@ -225,7 +214,6 @@ class HFTokenizer(Tokenizer):
     """tokenizer.json through the Hugging Face `tokenizers` library."""
 
     def __init__(self, path: Path):
-        super().__init__()
         from tokenizers import Tokenizer as _HF
 
         try:
@@ -235,15 +223,17 @@ class HFTokenizer(Tokenizer):
         # A saved truncation/padding setting would silently cut or pad prompts.
         self._tok.no_truncation()
         self._tok.no_padding()
+        self._vocab_lookup, self._vocab_text = self._tok.token_to_id, self._tok.id_to_token  # already the hooks
 
         # The post-processor (e.g. TemplateProcessing "<s> $A") shows whether the model wants BOS.
         # We always encode with add_special_tokens=False and add BOS ourselves, so it is never doubled.
         plain = self._tok.encode("a", add_special_tokens=False).ids
         full = self._tok.encode("a", add_special_tokens=True).ids
         if len(full) > len(plain) and full[1:len(plain) + 1] == plain:  # "<s> $A" or "<s> $A </s>"
-            self._default_bos_id, self._default_add_bos = full[0], True
+            self._default_bos_id = full[0]
         specials = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self._default_stop_tokens = {specials[t] for t in KNOWN_STOP_TOKENS if t in specials}
+        super().__init__(path.parent)
 
     def _encode_text(self, text: str) -> list[int]:
         # Added (special) tokens in the text are matched whatever add_special_tokens says.
@@ -252,18 +242,11 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def _vocab_lookup(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def _vocab_text(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
-
 
 class SentencePieceTokenizer(Tokenizer):
     """tokenizer.model holding a SentencePiece ModelProto (Llama 1/2, Mistral, Gemma...)."""
 
     def __init__(self, data: bytes, path: Path):
-        super().__init__()
         import sentencepiece
 
         try:
@@ -282,19 +265,17 @@ class SentencePieceTokenizer(Tokenizer):
         self._control_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self._control else None
         bos, eos = self._sp.bos_id(), self._sp.eos_id()
         self._default_bos_id = bos if bos >= 0 else None
-        self._default_add_bos = self._default_bos_id is not None
         self._default_stop_tokens = {eos} if eos >= 0 else set()
+        super().__init__(path.parent)
 
     def _encode_text(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
     def _encode_chat_text(self, text: str) -> list[int]:
-        if self._control_re is None:
-            return self._encode_text(text)
         # Each text segment is encoded on its own, as Meta's Llama 2 chat code encodes each
         # "[INST] ... [/INST] answer" segment separately (each gets the "▁" dummy prefix).
         ids: list[int] = []
-        for i, part in enumerate(self._control_re.split(text)):
+        for i, part in enumerate(self._control_re.split(text) if self._control_re else [text]):
             if i % 2:
                 ids.append(self._control[part])
             elif part:
@@ -310,8 +291,7 @@ class SentencePieceTokenizer(Tokenizer):
                 run = []
             else:
                 run.append(int(i))
-        out.append(self._sp.decode(run))
-        return "".join(out)
+        return "".join([*out, self._sp.decode(run)])
 
     def _vocab_lookup(self, token: str) -> int | None:
         i = self._sp.piece_to_id(token)  # unknown pieces map to unk_id
@@ -327,20 +307,18 @@ class TiktokenTokenizer(Tokenizer):
     over 400k characters (a tiktoken limit) and long runs without whitespace; prompts here are shorter."""
 
     def __init__(self, data: bytes, path: Path):
-        super().__init__()
         import tiktoken
 
-        ranks = _parse_tiktoken_ranks(data, path)
-        base = len(ranks)
-        if max(ranks.values()) >= base:  # special ids would collide with base ranks
+        self._ranks = _parse_tiktoken_ranks(data, path)
+        base = len(self._ranks)
+        if max(self._ranks.values()) >= base:  # special ids would collide with base ranks
             raise ValueError(f"{path}: tiktoken ranks are not 0..{base - 1}")
         self._special = {t: base + i for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
-        self._ranks = ranks
-        self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+        self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=self._ranks,
                                       special_tokens=self._special)
         self._default_bos_id = self._special["<|begin_of_text|>"]
-        self._default_add_bos = True
         self._default_stop_tokens = {self._special[t] for t in LLAMA3_STOP_TOKENS}
+        super().__init__(path.parent)
 
     def _encode_text(self, text: str) -> list[int]:
         return self._enc.encode(text, allowed_special="all")
@@ -363,17 +341,14 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
     directory = Path(checkpoint_dir)
     json_path, model_path = directory / "tokenizer.json", directory / "tokenizer.model"
     if json_path.is_file():
-        tok: Tokenizer = HFTokenizer(json_path)
-    elif model_path.is_file():
-        data = model_path.read_bytes()
-        # A tiktoken file is text lines "<base64 bytes> <rank>"; a SentencePiece protobuf is binary
-        # and starts with a field tag (0x0a), so the first line decides.
-        is_tiktoken = _TIKTOKEN_LINE.fullmatch(data.split(b"\n", 1)[0].strip()) is not None
-        tok = (TiktokenTokenizer if is_tiktoken else SentencePieceTokenizer)(data, model_path)
-    else:
+        return HFTokenizer(json_path)
+    if not model_path.is_file():
         raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {directory}")
-    tok._configure(directory)
-    return tok
+    data = model_path.read_bytes()
+    # A tiktoken file is text lines "<base64 bytes> <rank>"; a SentencePiece protobuf is binary
+    # and starts with a field tag (0x0a), so the first line decides.
+    is_tiktoken = _TIKTOKEN_LINE.fullmatch(data.split(b"\n", 1)[0].strip()) is not None
+    return (TiktokenTokenizer if is_tiktoken else SentencePieceTokenizer)(data, model_path)
 
 
 def _parse_tiktoken_ranks(data: bytes, path: Path) -> dict[bytes, int]:

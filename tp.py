@@ -15,6 +15,7 @@ CUDA it is captured in the decode step's graph with the rest (NCCL supports capt
 """
 import functools
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -132,3 +133,15 @@ def common_seed(seed: int | None, device: torch.device) -> int:
         dist.broadcast(pick, src=0)
         seed = int(pick.item())
     return seed
+
+
+def join(args: ModelArgs, device: torch.device, seed: int | None = None) -> torch.device:
+    """A CLI's start under torchrun: check that the model splits (an error before any rank waits for the others),
+    join the process group, silence all ranks but 0 (it speaks for all), seed them alike -> this rank's device."""
+    rank, n = world()
+    local_args(args, n)
+    device = init(device)
+    if rank:
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    torch.manual_seed(common_seed(seed, device))
+    return device

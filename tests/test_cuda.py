@@ -9,8 +9,8 @@ import torch
 
 import gdkernels
 from bench import make_generator, random_model
-from common import Sampling, no_recompiles
-from generate import RNG_KERNELS_PER_REPLAY, check_graphs, check_speculative_graphs, count_launches
+from common import RNG_KERNELS_PER_REPLAY, Sampling, launches_per_call, no_recompiles
+from generate import check_graphs
 from model import ModelArgs
 from quantize import Int4Linear, quantize_model
 from test_kernels import reference_attention
@@ -367,7 +367,8 @@ def test_one_graph_replay_per_token(model, graphed):
         gen.reserve(1, 64)
         tokens_of(gen, 5)
         assert check_graphs(gen, steps=8)["graph_launches_per_step"] == 1
-    eager = count_launches(_warm_eager(model), 4)
+    gen = _warm_eager(model)
+    eager = launches_per_call(lambda: gen._decode_step(*gen.buffers), gen.device, 4)
     assert eager["graph_launches_per_step"] == 0 and eager["kernels_outside_graphs_per_step"] > 20
 
 
@@ -438,7 +439,7 @@ def test_speculative_graphs_equal_plain_greedy_and_draft_loop_is_one_replay(mode
     assert spec == tokens_of(make_generator(target, "eager"), 60)
     assert gen.mean_tokens_per_round > 1 and gen.histogram[k] < gen.rounds
     # (the calls write K + 1 positions from just after the prompt: inside the cache)
-    counts = check_speculative_graphs(gen, len(PROMPT[0]) + 1)
+    counts = check_graphs(gen, len(PROMPT[0]) + 1)
     one = {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": 0}
     assert counts == {"draft_loop": one, "verify": one}
 

@@ -244,7 +244,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about rain.", "1, 2, 3, 4,
 
 def test_llm_api_on_the_default_model_equals_generating_alone(default_ckpt):
     llm = LLM(default_ckpt, device="cpu", max_batch=3, max_length=128)
-    texts = llm.generate(PROMPTS, GREEDY, max_new_tokens=20)
+    texts = llm.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=20))
     for prompt, text in zip(PROMPTS, texts):
         ids = llm.tokenizer.encode(prompt)
         out = alone(llm.model, ids, 20, set(llm.tokenizer.eos_ids))
@@ -262,7 +262,8 @@ def test_stop_strings_cut_the_text_even_across_rounds(default_ckpt):
     want = full[:full.index(stop)]
     for steps in (1, 8):
         llm = LLM(model=llm.model, tokenizer=llm.tokenizer, max_batch=2, max_length=128, steps=steps)
-        reqs = llm.requests(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_new_tokens=24, stop=(stop, "never!")))
+        reqs = [llm.make_request(llm.tokenizer.encode("1, 2, 3, 4,"),
+                                 SamplingParams(temperature=0, max_new_tokens=24, stop=(stop, "never!")))]
         llm.run(reqs)
         assert reqs[0].text == want and reqs[0].finish_reason == "stop", (steps, stop, reqs[0].text)
 
@@ -338,7 +339,7 @@ def test_bench_serving_record(tmp_path, capsys):
                                                         intermediate_size=128, max_seq_len=256))
     out = tmp_path / "records.json"
     assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), "--modes", "eager", "--serving", "6",
-                       "--max-batch", "4", "--decode-steps", "3", "--serving-length", "24", "--prefill-budget", "8,64",
+                       "--max-batch", "4", "--stop-check-interval", "3", "--serving-length", "24", "--prefill-budget", "8,64",
                        "--serving-alone", "3", "--json", str(out)]) == 0
     records = json.loads(out.read_text())
     assert [(r["mode"], r["batch_size"], r["requests"], r["decode_steps"], r["prefill_budget"]) for r in records] == \
@@ -365,7 +366,7 @@ def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps, kernels, mo
     """With kernels, decode attention at a position per row is attention.py's kernel (counted in an eager
     round), and the graphed engine's tokens still equal each request's alone (the shared-position kernel)."""
     import gdkernels
-    from generate import launches_per_call
+    from common import check_graphs
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -389,8 +390,7 @@ def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps, kernels, mo
     assert llm.runner.mode == "graphs"
     assert got == ref
     runner = llm.runner
-    for b in runner.buckets:  # a round: K graph replays; outside them only the inputs' copies and col's reset
+    for b in runner.buckets:  # a round: K graph replays; outside them each replay's RNG seeding, the five inputs'
+        # copies (token, position, temperature, top-k, top-p) and col's reset
         runner.rows, runner.decoding = [Request([1], params(5), out=[3]) for _ in range(b)], b
-        counts = launches_per_call(runner.decode, runner.device, 3)
-        assert counts["graph_launches_per_step"] == steps, (b, counts)
-        assert counts["kernels_outside_graphs_per_step"] <= 3, (b, counts)
+        check_graphs(runner.decode, runner.device, 3, f"bucket {b}'s round", graphs=steps, outside=6, random=True)
