@@ -66,6 +66,8 @@ class Generator:
         self.stop_check_interval = stop_check_interval
         self.decode_steps = 0  # decode steps the last generate ran (up to K - 1 past a stop: GB/s counts them)
         self.mode = mode
+        if mode in ("compile", "graphs") or compile_prefill:  # (not at import: it imports Inductor, ~2 s)
+            gdkernels.register_fallbacks()
         if mode.startswith("aot") and self.device.type != "cpu":  # the CPU: gdkernels/aot.py
             raise ValueError(f"mode {mode!r} is for the CPU")
         self.step = self.make_step()

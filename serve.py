@@ -1,7 +1,6 @@
 """The serving engine: continuous batching over CUDA-graph buckets while requests arrive (nano-vllm's shape).
 
-    llm = LLM(checkpoint)
-    llm.generate(["Hi", "Tell me about graphs"], SamplingParams(temperature=0)) -> list[str]
+    LLM(checkpoint).generate(["Hi", "Tell me about graphs"], SamplingParams(temperature=0)) -> list[str]
     req = llm.add_request(ids, params); llm.step() -> [(req, new_ids, finished)]; llm.abort(req)
     python generate.py --prompts-file prompts.txt [--max-batch 64] [--output out.jsonl]
 
@@ -14,18 +13,17 @@ In reading order:
   LLM             add_request / step / abort, generate(), and submit / receive / loop for another thread
   run_file()      generate.py --prompts-file: JSONL in, JSONL out, progress on stderr
 
-Cache rows. The model reads and writes the first B rows of its KV cache, so the runner keeps the requests
-that decode in rows 0..n-1, and after them the ones whose prompts are still being prefilled. A finished
-request's row takes the last decoding row's keys and values (and the prefilling rows move down one). Joining
-prompts are prefilled together in one forward into the rows after the decoding ones (Runner.rows_from),
-padded to the longest chunk; a round then decodes rows 0..n-1 padded to the smallest bucket b >= n. A padding
-row writes where nobody reads: past what its row holds (attention masks every position past a row's own,
-and a row writes each position before it reads it).
+Cache rows. The model reads and writes the first B rows of its KV cache, so the runner keeps the decoding
+requests in rows 0..n-1 and after them those still prefilling. A finished request's row takes the last decoding
+row's keys and values (the prefilling rows move down one). Joining prompts are prefilled together, padded to the
+longest chunk, into the rows after the decoding ones (Runner.rows_from); a round decodes rows 0..n-1 padded to
+the smallest bucket b >= n. A padding row writes where nobody reads: past what its row holds (attention masks
+every position past a row's own, and a row writes each position before it reads it).
 
-Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest bucket first,
-so CUDAGraph Trees records every bucket into one memory pool. Temperature, top-k and top-p are per-row
-tensors among the step's static buffers: one graph per bucket serves every mix of settings. After warm-up a
-recompile is an error (common.no_recompiles).
+Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, so
+CUDAGraph Trees records every bucket into one memory pool. Temperature, top-k and top-p are per-row tensors
+among the static buffers: one graph a bucket serves every mix of settings. After warm-up a recompile is an
+error (common.no_recompiles).
 """
 import contextlib
 import json
@@ -163,6 +161,8 @@ class Runner:
         self.views = {b: (self.token[:b], self.pos[:b], self.out[:b], self.logp[:b], self.col, self.temperature[:b],
                           self.top_k[:b], self.top_p[:b]) for b in self.buckets}
         self.step = Step(serve_step, mode, self.device, dynamic=False)
+        if mode != "eager":
+            gdkernels.register_fallbacks()
         for views in self.views.values():
             self.step.static(*views)
         self.rows: list[Request] = []
@@ -172,9 +172,11 @@ class Runner:
         """Compile (and on CUDA record) every bucket's step, largest first, so the smaller buckets' graphs are
         recorded into the memory the largest one's left in the shared pool. progress(bucket, seconds so far)."""
         for b in reversed(self.buckets):
-            while not self.step.warm(b):
-                self.write([], b)
-                self.step(self.model, *self.views[b], key=b)
+            with contextlib.nullcontext() if self.step.warm(b) else \
+                    torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets))):  # (Dynamo: an entry a bucket)
+                while not self.step.warm(b):
+                    self.write([], b)
+                    self.step(self.model, *self.views[b], key=b)
             if progress is not None and self.mode != "eager":
                 progress(b, self.step.compile_s)
 
@@ -188,8 +190,7 @@ class Runner:
         pad += [0] * (b - len(rows) - len(pad))
         settings = row_settings([r.params for r in rows] + [SamplingParams(temperature=0)] * len(pad), self.vocab)
         host = torch.tensor([[r.out[-1] for r in rows] + [0] * len(pad), [r.pos for r in rows] + pad, *settings],
-                            dtype=torch.float64)  # (one copy to the device: token ids and positions are exact)
-        host = host.to(self.device, non_blocking=True)
+                            dtype=torch.float64).to(self.device)  # (one copy; token ids and positions exact in it)
         for buffer, values in zip(self.views[b][:2] + self.views[b][5:], host):
             buffer.copy_(values.view(buffer.shape))
         self.col.zero_()
@@ -220,10 +221,9 @@ class Runner:
 
     @torch.no_grad()
     def prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple]:
-        """(request, stop): prompt[request.prefilled:stop] into the request's row, all in one forward (rows
-        new to the runner are the first free ones; the rows must follow the decoding ones in order).
-        -> per chunk (the first token or None, its log-probability, the chunk's prompt log-probabilities or
-        None). A request whose prompt is complete decodes from the next round."""
+        """(request, stop): prompt[request.prefilled:stop] into the request's row (new ones: the first free rows,
+        after the decoding ones), all in one forward -> per chunk (the first token or None, its log-probability,
+        the chunk's prompt log-probabilities or None). A complete prompt's request decodes from the next round."""
         for r, _ in chunks:
             if r not in self.rows:
                 self.rows.append(r)

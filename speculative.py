@@ -101,6 +101,8 @@ class SpeculativeGenerator:
         self.target, self.draft, self.sampling, self.k = target, draft, sampling, k
         self.device = target.tok_embeddings.weight.device
         self.mode = mode
+        if mode != "eager":
+            gdkernels.register_fallbacks()
         # graphs: one graph for the K draft steps, one for the verification (common.Step: warm-up timed apart)
         self.draft_fn, self.verify_fn = (Step(f, mode, self.device) for f in (draft_steps, verify))
         dev, V = self.device, target.args.vocab_size

@@ -75,7 +75,6 @@ def apply(model: Transformer, fuse: bool = True, attend: bool = True) -> list[st
                 swap(m, Int4Cpu, f"int4 linear -> cpu.cpp (up to {CPU_MAX_ROWS} rows)")
             elif isinstance(m, Int8Linear) and m.weight.shape[1] % 32 == 0:
                 swap(m, Int8Cpu, f"int8 linear -> cpu.cpp (up to {CPU_MAX_ROWS} rows)")
-    register_fallbacks()  # (for whoever compiles the model next: Generator, the engine, the speculative steps)
     return [f"{n} x {what}" for what, n in done.items()]
 
 
