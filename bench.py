@@ -347,7 +347,7 @@ def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, l
         itl, quiet, first, t0 = [], [], {}, time.perf_counter()
         for r in reqs:
             llm.scheduler.add(r)
-        while llm.scheduler.busy():
+        while llm.scheduler.live():
             t, n, prefills = time.perf_counter(), len(timed.rounds), timed.prefills
             events = llm.step()
             now = time.perf_counter()

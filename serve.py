@@ -70,7 +70,7 @@ class Request:
     params: SamplingParams = SamplingParams()
     out: list[int] = field(default_factory=list)  # generated tokens, a stop token included
     logprobs: list[float] = field(default_factory=list)  # out's log-probabilities (params.logprobs)
-    prompt_logprobs: list = field(default_factory=list)  # [None, then each later prompt token's] (params.prompt_logprobs)
+    prompt_logprobs: list = field(default_factory=list)  # [None, then each later prompt token's] (if asked)
     text: str = ""  # out as text (with a tokenizer): stop tokens left out, cut before a stop string
     finish_reason: str | None = None  # "stop", "length" or "abort"
     prefilled: int = 0  # prompt tokens in the KV cache
@@ -173,7 +173,7 @@ class Runner:
         recorded into the memory the largest one's left in the shared pool. progress(bucket, seconds so far)."""
         for b in reversed(self.buckets):
             with contextlib.nullcontext() if self.step.warm(b) else \
-                    torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets))):  # (Dynamo: an entry a bucket)
+                    torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets))):  # (an entry a bucket)
                 while not self.step.warm(b):
                     self.write([], b)
                     self.step(self.model, *self.views[b], key=b)
@@ -291,8 +291,8 @@ class Scheduler:
     def add(self, r: Request) -> None:
         self.waiting.append(r)
 
-    def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+    def live(self) -> list[Request]:
+        return [*self.waiting, *self.prefilling, *self.running]
 
     def chunks(self) -> list[tuple[Request, int]]:
         """This round's prefill: (request, stop) for prompt[request.prefilled:stop]."""
@@ -380,13 +380,10 @@ class LLM:
     def step(self) -> list[tuple[Request, list[int], bool]]:
         """One round: aborts, the prefill chunks that fit, K decode steps -> (request, new tokens, finished)."""
         self.warm_up()
-        while True:
-            try:
-                self.scheduler.add(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+        while not self.inbox.empty():  # (the loop's thread is the only reader)
+            self.scheduler.add(self.inbox.get_nowait())
         s, events = self.scheduler, {}
-        for r in [r for q in (s.waiting, s.prefilling, s.running) for r in q if r.aborted]:
+        for r in [r for r in s.live() if r.aborted]:
             r.finish_reason, events[r] = "abort", []
         self.retire(events)
         chunks = s.chunks()
@@ -399,24 +396,21 @@ class LLM:
                     s.prefilled(r)
                     events[r] = r.accept([token], [lp])
             self.retire(events)  # (requests done at their first token)
-            if self.runner.decoding:
-                for r, tokens, logp in self.runner.decode():
-                    events[r] = events.get(r, []) + r.accept(tokens, logp)
+            for r, tokens, logp in self.runner.decode() if self.runner.decoding else []:
+                events[r] = events.get(r, []) + r.accept(tokens, logp)
         self.retire(events)
         return [(r, new, r.done) for r, new in events.items()]
 
     def retire(self, requests) -> None:
         """The done ones leave: their rows are freed."""
-        for r in requests:
-            if r.done and r in self.runner.rows:
+        for r in [r for r in requests if r.done]:
+            if r in self.runner.rows:
                 self.runner.release(r)
-            if r.done:
-                self.scheduler.finish(r)
+            self.scheduler.finish(r)
 
     # -- a fixed list of requests -----------------------------------------------------------------
 
-    def generate(self, prompts, params: SamplingParams = SamplingParams(), chat: bool = False,
-                 progress=None) -> list[str]:
+    def generate(self, prompts, params=SamplingParams(), chat: bool = False, progress=None) -> list[str]:
         """Texts for prompts (texts, or (text, max_new_tokens) pairs), in order."""
         reqs = self.requests(encode(self.tokenizer, prompts, chat), params)
         self.run(reqs, progress)
@@ -433,18 +427,15 @@ class LLM:
         return out
 
     def run(self, requests: list[Request], progress=None) -> None:
-        """Requests (make_request's) to completion: add them, step until all are done; progress(request) as
-        each finishes."""
+        """Requests (make_request's) to completion; progress(request) as each finishes."""
         self.warm_up()
         start = time.perf_counter()
-        for r in requests:
-            self.scheduler.add(r)
+        self.scheduler.waiting.extend(requests)
         while not all(r.done for r in requests):
             for r, _, finished in self.step():
                 if finished and progress is not None:
                     progress(r)
-        self.seconds = time.perf_counter() - start
-        self.tokens_out = sum(len(r.out) for r in requests)
+        self.seconds, self.tokens_out = time.perf_counter() - start, sum(len(r.out) for r in requests)
 
     # -- another thread's requests ----------------------------------------------------------------
 
@@ -462,16 +453,25 @@ class LLM:
 
     def loop(self, stop: threading.Event, idle: float = 0.01) -> None:
         """The engine loop, for one background thread, until `stop` is set: steps while there is work, and
-        waits for submit()'s requests while there is none."""
-        while not stop.is_set():
-            if not self.scheduler.busy():
-                try:
-                    self.scheduler.add(self.inbox.get(timeout=idle))
-                except queue.Empty:
-                    continue
-            for r, new, finished in self.step():
+        waits for submit()'s requests while there is none. When it ends (stopped, or a step raised), every live
+        request ends as "abort" with a last (no tokens, finished): no receive() waits for ever."""
+        try:
+            while not stop.is_set():
+                if not self.scheduler.live():
+                    try:
+                        self.scheduler.add(self.inbox.get(timeout=idle))
+                    except queue.Empty:
+                        continue
+                for r, new, finished in self.step():
+                    if r.outbox is not None:
+                        r.outbox.put((new, finished))
+        finally:
+            live = self.scheduler.live() + [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]
+            for r in live:
+                r.finish_reason = "abort"
                 if r.outbox is not None:
-                    r.outbox.put((new, finished))
+                    r.outbox.put(([], True))
+            self.retire(live)
 
 
 def encode(tokenizer, prompts, chat: bool) -> list[tuple[list[int], int | None]]:

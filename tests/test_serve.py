@@ -103,7 +103,7 @@ def test_requests_added_while_others_run_and_abort(tiny):
     finished = []
     for _ in range(100):
         finished += [r for r, _, done in llm.step() if done]
-        if not llm.scheduler.busy():
+        if not llm.scheduler.live():
             break
     assert [r.out for r in reqs] == ref
     assert victim.finish_reason == "abort" and victim in finished and len(victim.out) == 1 + 4 * 2  # prefill, 4 rounds of 2
@@ -210,6 +210,38 @@ def test_submit_and_receive_from_another_thread(tiny):
     assert got == ref and not loop.is_alive()
 
 
+def test_a_loop_that_ends_finishes_every_live_request(tiny, monkeypatch):
+    """When loop() ends, stopped or because a step raised (re-raised in its thread), each submitted request still
+    live ends as "abort" with a last (no tokens, finished): no reader waits for ever, and no row stays taken."""
+    import threading
+
+    llm = LLM(model=tiny, max_batch=2, max_length=64, steps=2)
+    for fail in (False, True):
+        stop, errors = threading.Event(), []
+        reqs = [llm.submit([1, 2, 3], params(40, ())) for _ in range(3)]  # (3 requests, 2 rows: one waits)
+
+        def run():
+            try:
+                llm.loop(stop)
+            except RuntimeError as e:
+                errors.append(e)
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        assert llm.receive(reqs[0], timeout=30)[1] is False  # (running)
+        if fail:
+            monkeypatch.setattr(llm.runner, "decode", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+        else:
+            stop.set()
+        thread.join(timeout=30)
+        for r in reqs:
+            messages = []
+            while not messages or not messages[-1][1]:
+                messages.append(llm.receive(r, timeout=5))  # (queue.Empty, not a hang, if the end never came)
+            assert r.finish_reason == "abort" and messages[-1] == ([], True)
+        assert not thread.is_alive() and len(errors) == fail and not llm.runner.rows and not llm.scheduler.live()
+        monkeypatch.undo()
+
+
 def test_bad_requests_are_usage_errors(tiny):
     from common import UsageError
 
@@ -221,7 +253,7 @@ def test_bad_requests_are_usage_errors(tiny):
                                ([1], params(4, ("x",)), "stop_ids must be")]:
         with pytest.raises(UsageError, match=message):
             llm.add_request(prompt, p)
-    assert not llm.scheduler.busy()
+    assert not llm.scheduler.live()
 
 
 def test_sampled_outputs_keep_their_budgets(tiny):
