@@ -253,7 +253,8 @@ def run(args) -> None:
     if n > 1:
         device = tp.join(config, device, args.seed)
     tokenizer, context = load_tokenizer(checkpoint), config.max_seq_len
-    gen, prompt, kernels = load_generator(args, checkpoint, tokenizer, context, sampling, device, dtype, mode, n)
+    gen, prompt, kernels = load_generator(args, checkpoint, tokenizer, context, sampling, device, dtype, mode,
+                                          use_kernels)
     stop_ids = set() if args.ignore_eos else set(tokenizer.eos_ids)
     if args.interactive:
         return chat(args, gen, tokenizer, stop_ids, kernels, context)
@@ -320,15 +321,14 @@ def positions(args, prompt: list[int] | None, context: int) -> int:
 
 
 def load_generator(args, checkpoint: Path, tokenizer, context: int, sampling: Sampling, device, dtype, mode: str,
-                   n: int):
+                   use_kernels: bool):
     """The prompt encoded; the model (under torchrun this rank's share) and any draft loaded, with the kernels
     and a cache that fits -> (generator, prompt ids or None with --interactive, whether kernels swapped in)."""
     t0 = time.perf_counter()
     prompt = None if args.interactive else encode_prompt(
         tokenizer, [{"role": "user", "content": args.prompt}] if args.chat else args.prompt, args, context)
     length = positions(args, prompt, context)
-    use_kernels = not args.no_kernels and gdkernels.enabled()
-    if n > 1:  # (each rank holds 1/n of the weights and of the cache: no memory check)
+    if tp.world()[1] > 1:  # (each rank holds 1/n of the weights and of the cache: no memory check)
         model, swapped = tp.load(checkpoint, device, dtype, use_kernels)
     else:
         check_memory(read_config(checkpoint), checkpoint, 1, context if args.interactive else length, dtype, device)

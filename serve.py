@@ -172,11 +172,9 @@ class Runner:
         """Compile (and on CUDA record) every bucket's step, largest first, so the smaller buckets' graphs are
         recorded into the memory the largest one's left in the shared pool. progress(bucket, seconds so far)."""
         for b in reversed(self.buckets):
-            with contextlib.nullcontext() if self.step.warm(b) else \
-                    torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets))):  # (an entry a bucket)
-                while not self.step.warm(b):
-                    self.write([], b)
-                    self.step(self.model, *self.views[b], key=b)
+            while not self.step.warm(b):
+                self.write([], b)
+                self.step(self.model, *self.views[b], key=b)
             if progress is not None and self.mode != "eager":
                 progress(b, self.step.compile_s)
 
