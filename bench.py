@@ -29,8 +29,8 @@ import torch
 import gdkernels
 import tp
 from common import (DTYPES, Sampling, Step, UsageError, default_device, default_dtype, launches_per_call, no_recompiles,
-                    synchronize)
-from generate import Generator, check_graphs, decode_one_token, decode_weight_bytes, prefill, weight_bytes_per_step
+                    synchronize, weight_bytes_per_step)
+from generate import Generator, check_graphs, decode_one_token, decode_weight_bytes, prefill
 from model import ModelArgs, Transformer
 from quantize import load, quantize_model
 from serve import LLM, Runner, SamplingParams
@@ -343,6 +343,7 @@ def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, l
         llm.scheduler.budget = budget
         reqs = [llm.make_request(p, params) for p, params in work]
         timed.events.clear(), timed.rounds.clear()
+        prefills_before = timed.prefills
         torch.manual_seed(0)
         itl, quiet, first, t0 = [], [], {}, time.perf_counter()
         for r in reqs:
@@ -367,7 +368,8 @@ def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, l
                         "itl_ms_p50": 1e3 * percentile(itl, 0.5), "itl_ms_p99": 1e3 * percentile(itl, 0.99),
                         "step_ms_median": 1e3 * percentile(quiet, 0.5), "ttft_s_p50": percentile(ttft, 0.5),
                         "ttft_s_p99": percentile(ttft, 0.99), "padded_row_share": padding / (rows + padding),
-                        "compile_s": warmup_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory_gb(device)})
+                        "compile_s": warmup_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory_gb(device),
+                        "rounds": len(timed.rounds), "prefills": timed.prefills - prefills_before})
         if device.type == "cuda":
             records[-1].update(host_overhead=seconds / timed.gpu_s(),
                                **{f"{n}_gpu_share": timed.gpu_s(n) / timed.gpu_s() for n in ("prefill", "move", "step")})

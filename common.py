@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -156,6 +157,24 @@ def check_graphs(fn, device, calls: int, what: str, graphs: int = 1, outside: in
     return counts
 
 
+def prefill_attention():
+    """Within: PyTorch's attention without cuDNN's kernel. cuDNN builds a plan for each new shape (~50 ms on an
+    H100, torch 2.11), and prefill's shapes change with every prompt and chunk (the engine's 101 prefills of one
+    run: 10.5 -> 5.6 s; BENCHMARKS.md)."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights a decode step reads: every stored tensor once (quantized weights and their
+    scales included), but the embedding table, of which it reads a row a sequence (unless tied)."""
+    persistent = model.state_dict().keys()
+    tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
+    tensors.update((n, b) for n, b in model.named_buffers() if n in persistent)  # not the KV cache
+    if not model.args.tie_embeddings:
+        tensors.pop("tok_embeddings.weight")
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -178,13 +197,13 @@ class Sampling:
     top_k: int | None = 200
     top_p: float | None = None
 
-    def check(self) -> None:
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise UsageError(f"temperature must be >= 0 (got {self.temperature})")
-        if self.top_k is not None and not (isinstance(self.top_k, int) and 1 <= self.top_k):
-            raise UsageError(f"top_k must be an integer >= 1 (got {self.top_k})")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise UsageError(f"top_p must be in (0, 1] (got {self.top_p})")
+    def check(self) -> None:  # (a wrong type is a UsageError too; a bool is not a number here)
+        if type(self.temperature) not in (int, float) or not 0 <= self.temperature < math.inf:
+            raise UsageError(f"temperature must be a number >= 0 (got {self.temperature!r})")
+        if self.top_k is not None and not (type(self.top_k) is int and 1 <= self.top_k):
+            raise UsageError(f"top_k must be an integer >= 1 (got {self.top_k!r})")
+        if self.top_p is not None and not (type(self.top_p) in (int, float) and 0 < self.top_p <= 1):
+            raise UsageError(f"top_p must be a number in (0, 1] (got {self.top_p!r})")
 
 
 @torch.library.custom_op("graphdecode::cumsum", mutates_args=())

@@ -23,7 +23,8 @@ import gdkernels
 import serve
 import tp
 from common import (DTYPES, GraphCheckError, Sampling, Step, UsageError, cache_length, check_memory,
-                    decode_mode, default_device, default_dtype, no_recompiles, sample, synchronize)
+                    decode_mode, default_device, default_dtype, no_recompiles, prefill_attention, sample, synchronize,
+                    weight_bytes_per_step)
 from common import check_graphs as common_check_graphs
 from gdkernels.aot import AotStep
 from model import Transformer, read_config
@@ -110,7 +111,8 @@ class Generator:
         B, S = len(prompt), len(prompt[0])
         token, pos, tokens = self.reserve(B, S + max_new_tokens)
         idx = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        first = self.prefill(self.model, idx, self.sampling)  # [B]
+        with prefill_attention():
+            first = self.prefill(self.model, idx, self.sampling)  # [B]
         token[:, 0] = first
         tokens[:, S] = first
         pos.fill_(S)
@@ -161,17 +163,6 @@ def check_graphs(gen, start: int | None = None, steps: int = 8) -> dict:
                                random=gen.sampling.temperature > 0)
 
 
-def weight_bytes_per_step(model: Transformer) -> int:
-    """Bytes of weights a decode step reads: every stored tensor once (quantized weights and their
-    scales included), but the embedding table, of which it reads a row a sequence (unless tied)."""
-    persistent = model.state_dict().keys()
-    tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
-    tensors.update((n, b) for n, b in model.named_buffers() if n in persistent)  # not the KV cache
-    if not model.args.tie_embeddings:
-        tensors.pop("tok_embeddings.weight")
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 # -- the command line ---------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after generating, verify that decode is one CUDA graph replay per token (exit 1 if not)")
     p.add_argument("--draft-checkpoint", type=Path, help="draft model for speculative decoding")
     p.add_argument("--speculate-k", type=int, default=None, help="draft tokens proposed a round (with --draft-checkpoint)")
+    p.add_argument("--prompt-lookup", type=int, metavar="K", help="speculate without a draft: propose the K tokens "
+                   "that followed the latest earlier occurrence of the last n tokens (pays where output copies input)")
+    p.add_argument("--ngram", type=int, default=3, metavar="N", help="--prompt-lookup: match n = N..1 tokens (default 3)")
     g = p.add_argument_group("many prompts at once (serve.py: continuous batching over graph buckets)")
     g.add_argument("--prompts-file", type=Path, help="one prompt a line, or JSONL {\"prompt\", \"max_new_tokens\"}")
     g.add_argument("--output", type=Path, help="write the JSONL results here (default: stdout)")
@@ -237,7 +231,7 @@ def run(args) -> None:
     device = default_device(args.device)
     dtype = default_dtype(args.dtype, device)
     use_kernels = not args.no_kernels and gdkernels.enabled()
-    mode = decode_mode(device, args.compile, aot=use_kernels and not args.draft_checkpoint)  # (CPU: gdkernels/aot.py)
+    mode = decode_mode(device, args.compile, aot=use_kernels and not speculating(args))  # (CPU: gdkernels/aot.py)
     if args.check_graphs and mode != "graphs":
         raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile)")
     if args.seed is not None:
@@ -268,19 +262,20 @@ def check_flags(args) -> Sampling:
         sampling.check()
     except UsageError as e:  # (the library names its fields: temperature, top_k, top_p)
         raise UsageError("--" + str(e).replace("_", "-", 1)) from None
-    for flag in ("max_new_tokens", "num_samples", "stop_check_interval", "speculate_k", "max_batch"):
+    for flag in "max_new_tokens num_samples stop_check_interval speculate_k prompt_lookup ngram max_batch".split():
         if (value := getattr(args, flag)) is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
     n = tp.world()[1]  # (under torchrun every rank preparing the default model at once would race)
     for wrong, message in [
             (bool(args.draft_checkpoint) != bool(args.speculate_k), "--draft-checkpoint and --speculate-k go together"),
+            (args.prompt_lookup and args.draft_checkpoint, "--prompt-lookup goes without --draft-checkpoint"),
             (not args.interactive and not args.prompt.strip(), "the prompt is empty"),
             (args.check_graphs and args.interactive, "--check-graphs needs a --prompt (not --interactive)"),
-            (args.prompts_file and (args.interactive or args.draft_checkpoint or args.check_graphs or args.profile),
-             "--prompts-file goes without --interactive, --draft-checkpoint, --check-graphs, --profile"),
-            (n > 1 and (args.prompts_file or args.draft_checkpoint or args.interactive or args.profile
+            (args.prompts_file and (args.interactive or speculating(args) or args.check_graphs or args.profile),
+             "--prompts-file goes without --interactive, a draft or --prompt-lookup, --check-graphs, --profile"),
+            (n > 1 and (args.prompts_file or speculating(args) or args.interactive or args.profile
                         or not args.checkpoint),
-             "under torchrun: a --checkpoint and a --prompt (no --prompts-file, draft, --interactive, --profile)")]:
+             "under torchrun: a --checkpoint and a --prompt (no --prompts-file, speculation, --interactive, --profile)")]:
         if wrong:
             raise UsageError(message)
     return sampling
@@ -293,9 +288,13 @@ def parse_buckets(text: str | None) -> list[int] | None:
         raise UsageError(f"--buckets takes comma-separated batch sizes (got {text!r})") from None
 
 
+def speculating(args) -> int | None:  # K, the tokens proposed a round (a draft's or prompt lookup's), or None
+    return args.speculate_k or args.prompt_lookup
+
+
 def room(args) -> int:
-    """Positions a prompt must leave: its output, and with a draft the K + 1 that the target verifies."""
-    return args.max_new_tokens + (args.speculate_k + 1 if args.speculate_k else 0)
+    """Positions a prompt must leave: its output, and speculating the K + 1 that the target verifies."""
+    return args.max_new_tokens + (speculating(args) + 1 if speculating(args) else 0)
 
 
 def encode_prompt(tokenizer, messages_or_text, args, context: int) -> list[int]:
@@ -314,7 +313,7 @@ def positions(args, prompt: list[int] | None, context: int) -> int:
     """Positions the cache holds: the prompt and its output (--interactive: INTERACTIVE_CACHE to start, a
     speculative chat the whole context), rounded up (common.cache_length)."""
     if args.interactive:
-        return context if args.draft_checkpoint else INTERACTIVE_CACHE
+        return context if speculating(args) else INTERACTIVE_CACHE
     # (--check-graphs decodes CHECK_GRAPHS_ROOM steps, however few tokens are asked for)
     return cache_length(len(prompt) + room(args) + args.check_graphs * max(0, CHECK_GRAPHS_ROOM - args.max_new_tokens),
                         context)
@@ -336,9 +335,10 @@ def load_generator(args, checkpoint: Path, tokenizer, context: int, sampling: Sa
         swapped = gdkernels.apply(model) if use_kernels else []
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
         + ("; ".join(swapped) or "none" if use_kernels else "off"))
-    if args.draft_checkpoint:
-        draft = load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length, use_kernels)
-        gen = SpeculativeGenerator(model, draft, sampling, args.speculate_k, mode)
+    if speculating(args):
+        draft = args.draft_checkpoint and load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length,
+                                                     use_kernels)
+        gen = SpeculativeGenerator(model, draft or None, sampling, speculating(args), mode, args.ngram)
         gen.reserve(length)
     else:
         gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)
@@ -412,23 +412,24 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
         + f"; {n_new} tokens in all; peak memory {peak / 2**30:.2f} GiB; decode: {decode_path(gen, kernels)}")
     if speculative:
         log(f"speculative: {gen.rounds} rounds, {gen.mean_tokens_per_round:.2f} tokens per round, "
-            f"rounds accepting 0..{gen.k} proposals: {gen.histogram}")
+            f"rounds accepting 0..{gen.k} proposals: {gen.histogram}; steps proposing nothing: {gen.plain_steps}")
     return "".join(pieces)
 
 
 def decode_weight_bytes(gen) -> int:
     """Bytes of weights the decode steps of gen's last generate read (a Generator or a SpeculativeGenerator,
     the prefill apart): the model once a step it ran (up to K - 1 past a stop), or per round the target once
-    and the draft K + 1 times."""
+    and any draft K + 1 times."""
     if isinstance(gen, Generator):
         return gen.decode_steps * weight_bytes_per_step(gen.model)
-    return gen.rounds * (weight_bytes_per_step(gen.target) + (gen.k + 1) * weight_bytes_per_step(gen.draft))
+    draft = 0 if gen.draft is None else (gen.k + 1) * weight_bytes_per_step(gen.draft)
+    return gen.rounds * (weight_bytes_per_step(gen.target) + draft)
 
 
 def decode_path(gen, kernels: bool) -> str:
     """Which decode ran, in words: the mode (for the CPU's ahead-of-time step, whether one was found) and the kernels."""
     if not isinstance(gen, Generator):
-        return f"speculative, {gen.mode}, kernels {'on' if kernels else 'off'}"
+        return f"{'speculative' if gen.draft else 'prompt lookup'}, {gen.mode}, kernels {'on' if kernels else 'off'}"
     mode = getattr(gen.step.fn, "ran", None) or {"graphs": "compiled, CUDA graphs"}.get(gen.mode, gen.mode)
     return f"{mode}, kernels {'on' if kernels else 'off'}"
 

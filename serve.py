@@ -2,7 +2,6 @@
 
     LLM(checkpoint).generate(["Hi", "Tell me about graphs"], SamplingParams(temperature=0)) -> list[str]
     req = llm.add_request(ids, params); llm.step() -> [(req, new_ids, finished)]; llm.abort(req)
-    python generate.py --prompts-file prompts.txt [--max-batch 64] [--output out.jsonl]
 
 In reading order:
   SamplingParams  a request's settings: its sampling (per row data in the graph), budget, stops, logprobs
@@ -13,17 +12,15 @@ In reading order:
   LLM             add_request / step / abort, generate(), and submit / receive / loop for another thread
   run_file()      generate.py --prompts-file: JSONL in, JSONL out, progress on stderr
 
-Cache rows. The model reads and writes the first B rows of its KV cache, so the runner keeps the decoding
-requests in rows 0..n-1 and after them those still prefilling. A finished request's row takes the last decoding
-row's keys and values (the prefilling rows move down one). Joining prompts are prefilled together, padded to the
-longest chunk, into the rows after the decoding ones (Runner.rows_from); a round decodes rows 0..n-1 padded to
-the smallest bucket b >= n. A padding row writes where nobody reads: past what its row holds (attention masks
-every position past a row's own, and a row writes each position before it reads it).
+Cache rows. The model reads and writes the first B rows of its KV cache, so the runner keeps the decoding requests in
+rows 0..n-1, then those prefilling. A finished request's row takes the last decoding row's keys and values (the
+prefilling rows move down one). Joining prompts are prefilled together, padded to the longest chunk, into the rows
+after the decoding ones (Runner.rows_from); a round decodes rows 0..n-1 padded to the smallest bucket b >= n. A
+padding row writes past what its row holds, where nobody reads (masked; each position is written before it is read).
 
-Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, so
-CUDAGraph Trees records every bucket into one memory pool. Temperature, top-k and top-p are per-row tensors
-among the static buffers: one graph a bucket serves every mix of settings. After warm-up a recompile is an
-error (common.no_recompiles).
+Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, so CUDAGraph
+Trees records every bucket into one memory pool. Temperature, top-k and top-p are per-row tensors among the static
+buffers: one graph a bucket serves every mix of settings. A recompile after warm-up is an error (no_recompiles).
 """
 import contextlib
 import json
@@ -36,13 +33,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import gdkernels
 from common import (Sampling, Step, UsageError, cache_length, check_memory, decode_mode, default_device,
-                    default_dtype, no_recompiles, sample_rows)
+                    default_dtype, no_recompiles, prefill_attention, sample_rows)
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
+
+TOP_LOGPROBS = 5  # alternatives a decode step keeps a row (OpenAI's legacy maximum): one width, one graph a bucket
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,17 @@ class SamplingParams(Sampling):
     ignore_eos: bool = False  # the end-of-sequence tokens do not stop (stop_ids still do)
     logprobs: bool = False  # keep each generated token's log-probability (the model's, before temperature)
     prompt_logprobs: bool = False  # and each prompt token's (the first has none)
+    top_logprobs: int = 0  # and with each, the N <= TOP_LOGPROBS likeliest tokens there: [(id, log-probability)]
 
-    def check(self) -> None:
+    def check(self) -> None:  # (a wrong type is a UsageError too; a bool is not an integer here)
         super().check()
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if type(self.max_new_tokens) is not int or self.max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
-        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+        if type(self.top_logprobs) is not int or not 0 <= self.top_logprobs <= TOP_LOGPROBS:
+            raise UsageError(f"top_logprobs must be an integer in [0, {TOP_LOGPROBS}] (got {self.top_logprobs!r})")
+        if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in self.stop):
             raise UsageError(f"stop must be a sequence of non-empty strings (got {self.stop!r})")
-        if not all(isinstance(t, int) for t in self.stop_ids):
+        if not isinstance(self.stop_ids, (tuple, list)) or not all(type(t) is int for t in self.stop_ids):
             raise UsageError(f"stop_ids must be token ids (got {self.stop_ids!r})")
 
 
@@ -71,13 +74,16 @@ class Request:
     out: list[int] = field(default_factory=list)  # generated tokens, a stop token included
     logprobs: list[float] = field(default_factory=list)  # out's log-probabilities (params.logprobs)
     prompt_logprobs: list = field(default_factory=list)  # [None, then each later prompt token's] (if asked)
+    top_logprobs: list = field(default_factory=list)  # per out token its alternatives [(id, logprob)] (if asked)
+    prompt_top_logprobs: list = field(default_factory=list)  # [None, then per later prompt token] (if asked)
     text: str = ""  # out as text (with a tokenizer): stop tokens left out, cut before a stop string
+    final: int = 0  # text[:final] changes no more (a stop string cannot begin in it): what a stream may send
     finish_reason: str | None = None  # "stop", "length" or "abort"
     prefilled: int = 0  # prompt tokens in the KV cache
     stop_ids: frozenset = frozenset()
     decoder: object = None  # the tokenizer's stream decoder, when the engine has a tokenizer
     aborted: bool = False  # abort() asked; the next step frees the row
-    outbox: object = None  # submit()'s queue of (new_ids, finished)
+    outbox: object = None  # submit()'s queue of (new_ids, finished), or its own: put() called on the loop's thread
 
     @property
     def done(self) -> bool:
@@ -87,18 +93,17 @@ class Request:
     def pos(self) -> int:  # the position of the last token, the next step's input
         return len(self.prompt) + len(self.out) - 1
 
-    def accept(self, tokens: list[int], logprobs: list[float]) -> list[int]:
-        """Append tokens until a stop or the budget (a round's tail after it is dropped) -> those taken.
-        Checked token by token: the output equals a per-token check, and a stop string that spans two rounds
-        is found (the text is searched from where the newest piece could complete one)."""
-        taken, longest = [], max(map(len, self.params.stop), default=0)
-        for t, lp in zip(tokens, logprobs):
+    def accept(self, tokens: list[int], logprobs: list[float], tops: list) -> list[int]:
+        """Append tokens (and log-probabilities, alternatives) until a stop or the budget -> those taken; checked token
+        by token (as a per-token check), a stop string spanning rounds found (searched from where one could begin)."""
+        first, longest = len(self.out), max(map(len, self.params.stop), default=0)
+        for t, lp, top in zip(tokens, logprobs, tops):
             if self.done:
                 break
-            taken.append(t)
             self.out.append(t)
             if self.params.logprobs:
                 self.logprobs.append(lp)
+                self.top_logprobs += [top[:self.params.top_logprobs]] if self.params.top_logprobs else []
             if t in self.stop_ids:
                 self.finish_reason = "stop"
             elif self.decoder is not None:
@@ -112,30 +117,35 @@ class Request:
         if self.done and self.decoder is not None:
             self.text += self.decoder.flush()
             self.decoder = None
-        return taken
+        self.final = len(self.text) if self.done else max(self.final, len(self.text) - max(longest - 1, 0))
+        return self.out[first:]
 
 
-def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_k, top_p) -> None:
+def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_k, top_p, top, top_ids) -> None:
     """One decode step of a bucket, on static buffers: token [b, 1] the last tokens, pos [b, 1] their positions
-    (each row its own), out [b, K] and logp [b, K] a round's tokens and their log-probabilities, col [1] the
-    step within the round, temperature, top_k, top_p [b] each row's sampling (common.sample_rows).
-    The next tokens go to `token` and to out[:, col] (on-device feedback: no host between steps)."""
+    (each row its own), out, logp [b, K] a round's tokens, log-probabilities, top, top_ids [b, K, TOP_LOGPROBS] the
+    likeliest tokens', col [1] the step within the round, temperature, top_k, top_p [b] each row's sampling. The
+    next tokens go to `token` and out[:, col] (on-device feedback: no host between steps)."""
     logits = model(token, pos)[:, -1].float()  # [b, V]
     nxt = sample_rows(logits, temperature, top_k, top_p)[:, None]  # [b, 1]
     token.copy_(nxt)
-    out.index_copy_(1, col, nxt)
-    logp.index_copy_(1, col, logits.log_softmax(-1).gather(-1, nxt))
+    lp = logits.log_softmax(-1)
+    values, ids = lp.topk(TOP_LOGPROBS, -1)  # [b, TOP_LOGPROBS]
+    for buffer, x in [(out, nxt), (logp, lp.gather(-1, nxt)), (top, values[:, None]), (top_ids, ids[:, None])]:
+        buffer.index_copy_(1, col, x)  # (column col of the round)
     col.add_(1)
     pos.add_(1).clamp_(max=model.max_seq_length - 1)  # a row done mid-round never leaves the cache
 
 
-def default_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, ... and max_batch itself."""
+def pairs(logp: torch.Tensor, ids: torch.Tensor) -> list[list[tuple[int, float]]]:  # topk's [P, N]: (id, logprob)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), logp.tolist())]
+
+
+def default_buckets(max_batch: int) -> list[int]:  # 1, 2, 4, 8, ... and max_batch itself
     return sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
 
 
-def row_settings(s: list[SamplingParams], vocab: int) -> list[list[float]]:
-    """temperature, top_k, top_p rows for serve_step (top-k and top-p off: vocab, inf)."""
+def row_settings(s: list[SamplingParams], vocab: int) -> list[list[float]]:  # temperature, top_k, top_p (off: V, inf)
     return [[p.temperature for p in s], [p.top_k or vocab for p in s],
             [p.top_p if p.top_p is not None and p.top_p < 1 else float("inf") for p in s]]
 
@@ -157,9 +167,10 @@ class Runner:
         self.token, self.pos, self.out, self.col = new(max_batch, 1), new(max_batch, 1), new(max_batch, steps), new(1)
         self.logp, self.temperature = new(max_batch, steps, dtype=torch.float), new(max_batch, dtype=torch.float)
         self.top_k, self.top_p = new(max_batch), new(max_batch, dtype=torch.float)
+        self.top, self.top_ids = (new(max_batch, steps, TOP_LOGPROBS, dtype=d) for d in (torch.float, torch.long))
         # Per bucket, views of the largest buffers, made once: a graph replays on fixed addresses.
         self.views = {b: (self.token[:b], self.pos[:b], self.out[:b], self.logp[:b], self.col, self.temperature[:b],
-                          self.top_k[:b], self.top_p[:b]) for b in self.buckets}
+                          self.top_k[:b], self.top_p[:b], self.top[:b], self.top_ids[:b]) for b in self.buckets}
         self.step = Step(serve_step, mode, self.device, dynamic=False)
         if mode != "eager":
             gdkernels.register_fallbacks()
@@ -189,21 +200,24 @@ class Runner:
         settings = row_settings([r.params for r in rows] + [SamplingParams(temperature=0)] * len(pad), self.vocab)
         host = torch.tensor([[r.out[-1] for r in rows] + [0] * len(pad), [r.pos for r in rows] + pad, *settings],
                             dtype=torch.float64).to(self.device)  # (one copy; token ids and positions exact in it)
-        for buffer, values in zip(self.views[b][:2] + self.views[b][5:], host):
+        for buffer, values in zip(self.views[b][:2] + self.views[b][5:8], host):
             buffer.copy_(values.view(buffer.shape))
         self.col.zero_()
 
     @torch.no_grad()
-    def decode(self) -> list[tuple[Request, list[int], list[float]]]:
-        """One round: K steps of the smallest bucket that holds the decoding rows -> each row's K new tokens
-        and their log-probabilities. The host writes the inputs once, launches K steps, reads back once."""
+    def decode(self) -> list[tuple[Request, list[int], list[float], list]]:
+        """One round: K steps of the smallest bucket that holds the decoding rows -> each row's K new tokens, their
+        log-probabilities and alternatives. The host writes the inputs once, launches K steps, reads back once."""
         rows = self.rows[:self.decoding]
         b = self.bucket(len(rows))
         self.write(rows, b)
         for _ in range(self.steps):
             self.step(self.model, *self.views[b], key=b)
         out, logp = self.out[:len(rows)].tolist(), self.logp[:len(rows)].tolist()
-        return list(zip(rows, out, logp))
+        tops = [[None] * self.steps] * len(rows)  # (alternatives read back only if a row asks)
+        if any(r.params.top_logprobs for r in rows):
+            tops = [pairs(*t) for t in zip(self.top[:len(rows)].cpu(), self.top_ids[:len(rows)].cpu())]
+        return list(zip(rows, out, logp, tops))
 
     @contextlib.contextmanager
     def rows_from(self, first: int):
@@ -220,8 +234,8 @@ class Runner:
     @torch.no_grad()
     def prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple]:
         """(request, stop): prompt[request.prefilled:stop] into the request's row (new ones: the first free rows,
-        after the decoding ones), all in one forward -> per chunk (the first token or None, its log-probability,
-        the chunk's prompt log-probabilities or None). A complete prompt's request decodes from the next round."""
+        after the decoding ones), all in one forward -> per chunk (the first token or None, its log-probability and
+        alternatives, the chunk's prompt log-probabilities and alternatives or None). Complete ones decode next."""
         for r, _ in chunks:
             if r not in self.rows:
                 self.rows.append(r)
@@ -235,20 +249,22 @@ class Runner:
             n = stop - r.prefilled
             idx.append(r.prompt[r.prefilled:stop] + [0] * (S - n))
             pos.append([min(p, last) for p in range(r.prefilled, r.prefilled + S)])
-        with self.rows_from(first):
+        with self.rows_from(first), prefill_attention():
             logits = self.model(torch.tensor(idx, device=self.device), torch.tensor(pos, device=self.device))
         ends = torch.tensor([stop - r.prefilled - 1 for r, stop in chunks], device=self.device)
         final = logits[torch.arange(len(chunks), device=self.device), ends].float()  # [m, V]
         settings = torch.tensor(row_settings([r.params for r, _ in chunks], self.vocab), device=self.device)
-        tokens = sample_rows(final, settings[0], settings[1].long(), settings[2])
-        firsts = zip(tokens.tolist(), final.log_softmax(-1).gather(-1, tokens[:, None])[:, 0].tolist())
+        tokens, logp = sample_rows(final, settings[0], settings[1].long(), settings[2]), final.log_softmax(-1)
+        firsts = zip(tokens.tolist(), logp.gather(-1, tokens[:, None])[:, 0].tolist(), pairs(*logp.topk(TOP_LOGPROBS)))
         results = []
-        for i, ((r, stop), (t, lp)) in enumerate(zip(chunks, firsts)):
-            lps = None
+        for i, ((r, stop), (t, lp, top)) in enumerate(zip(chunks, firsts)):
+            lps = tops = None
             if r.params.prompt_logprobs:  # logits at position j score the prompt's token j + 1
                 targets = torch.tensor(r.prompt[r.prefilled + 1:stop + 1], device=self.device)
-                lps = logits[i, :len(targets)].float().log_softmax(-1).gather(-1, targets[:, None])[:, 0].tolist()
-            results.append((t if complete[i] else None, lp, lps))
+                every = logits[i, :len(targets)].float().log_softmax(-1)  # [n, V]
+                lps = every.gather(-1, targets[:, None])[:, 0].tolist()
+                tops = pairs(*every.topk(r.params.top_logprobs, -1))
+            results.append((t if complete[i] else None, lp, top, lps, tops))
         self.decoding += sum(complete)
         return results
 
@@ -331,9 +347,12 @@ class LLM:
         if min(max_batch, steps, prefill_budget, max_length) < 1:
             raise UsageError(f"max_batch, steps, prefill_budget and max_length must be >= 1 (got {max_batch}, "
                              f"{steps}, {prefill_budget}, {max_length})")
-        if model is None:
-            device = default_device(device)
-            model = load(checkpoint, device=device, dtype=default_dtype(dtype, device))
+        if model is None:  # (refused before loading where the cache, the weights and the sampling's buffers do not fit)
+            device, config = default_device(device), read_config(checkpoint)
+            dtype = default_dtype(dtype, device)
+            check_memory(config, checkpoint, max_batch, min(max_length, config["args"].max_seq_len), dtype, device,
+                         workspace=max_batch * config["args"].vocab_size * 64)  # (sampling's [rows, vocab] buffers)
+            model = load(checkpoint, device=device, dtype=dtype)
             if kernels and gdkernels.enabled():
                 gdkernels.apply(model)
         self.model, self.device = model, model.tok_embeddings.weight.device
@@ -352,15 +371,13 @@ class LLM:
 
     def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> Request:
         """A request for the next step (checked here: errors are UsageErrors, nothing is queued)."""
-        r = self.make_request(prompt, params)
-        self.scheduler.add(r)
+        self.scheduler.add(r := self.make_request(prompt, params))
         return r
 
     def make_request(self, prompt, params: SamplingParams) -> Request:
         params.check()
-        vocab = self.model.args.vocab_size
-        if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise UsageError(f"a prompt must be a non-empty list of token ids in [0, {vocab})")
+        if not prompt or not all(type(t) is int and 0 <= t < self.runner.vocab for t in prompt):
+            raise UsageError(f"a prompt must be a non-empty list of token ids in [0, {self.runner.vocab})")
         if len(prompt) + params.max_new_tokens > self.runner.length:
             raise UsageError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
                              f"exceeds the {self.runner.length} positions a row holds")
@@ -386,16 +403,17 @@ class LLM:
         self.retire(events)
         chunks = s.chunks()
         with no_recompiles(self.runner.mode):
-            for (r, stop), (token, lp, lps) in zip(chunks, self.runner.prefill(chunks) if chunks else []):
-                if r.params.prompt_logprobs:
-                    r.prompt_logprobs += ([None] if r.prefilled == 0 else []) + lps
+            for (r, stop), (token, lp, top, lps, tops) in zip(chunks, self.runner.prefill(chunks) if chunks else []):
+                if r.params.prompt_logprobs:  # (the first prompt token has none)
+                    r.prompt_logprobs += [None] * (r.prefilled == 0) + lps
+                    r.prompt_top_logprobs += [None] * (r.prefilled == 0) + tops
                 r.prefilled = stop
                 if token is not None:
                     s.prefilled(r)
-                    events[r] = r.accept([token], [lp])
+                    events[r] = r.accept([token], [lp], [top])
             self.retire(events)  # (requests done at their first token)
-            for r, tokens, logp in self.runner.decode() if self.runner.decoding else []:
-                events[r] = events.get(r, []) + r.accept(tokens, logp)
+            for r, tokens, logp, tops in self.runner.decode() if self.runner.decoding else []:
+                events[r] = events.get(r, []) + r.accept(tokens, logp, tops)
         self.retire(events)
         return [(r, new, r.done) for r, new in events.items()]
 
@@ -405,8 +423,6 @@ class LLM:
             if r in self.runner.rows:
                 self.runner.release(r)
             self.scheduler.finish(r)
-
-    # -- a fixed list of requests -----------------------------------------------------------------
 
     def generate(self, prompts, params=SamplingParams(), chat: bool = False, progress=None) -> list[str]:
         """Texts for prompts (texts, or (text, max_new_tokens) pairs), in order."""
@@ -435,12 +451,10 @@ class LLM:
                     progress(r)
         self.seconds, self.tokens_out = time.perf_counter() - start, sum(len(r.out) for r in requests)
 
-    # -- another thread's requests ----------------------------------------------------------------
-
-    def submit(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> Request:
-        """From any thread: a request for loop()'s thread (checked here); its tokens come through receive()."""
+    def submit(self, prompt: list[int], params: SamplingParams = SamplingParams(), outbox=None) -> Request:
+        """From any thread: a request for loop()'s thread (checked here); its tokens come by receive() or outbox."""
         r = self.make_request(prompt, params)
-        r.outbox = queue.SimpleQueue()
+        r.outbox = outbox or queue.SimpleQueue()
         self.inbox.put(r)
         return r
 
@@ -493,11 +507,8 @@ def read_prompts(path: Path) -> list[tuple[str, int | None]]:
         raise UsageError(f"the prompts file {path} holds no prompt")
     prompts = []
     for n, line in lines:  # (n: the file's line number)
-        if not line.lstrip().startswith("{"):
-            prompts.append((line, None))
-            continue
         try:
-            d = json.loads(line)
+            d = json.loads(line) if line.lstrip().startswith("{") else {"prompt": line}
             prompts.append((d["prompt"], d.get("max_new_tokens")))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise UsageError(f"{path} line {n}: not a JSON object with a \"prompt\" ({e})") from None
@@ -511,8 +522,6 @@ def run_file(checkpoint: Path, prompts_file: Path, output: Path | None, params: 
              compile: bool | None) -> None:
     """Every prompt of a file through the engine, one JSONL line {"prompt", "text"} each, in order (to
     `output`, else stdout); progress and figures on stderr."""
-    from tqdm import tqdm
-
     if output and not output.resolve().parent.is_dir():  # (before the run, not after it)
         raise UsageError(f"{output}: no such directory")
     prompts = read_prompts(prompts_file)
@@ -520,10 +529,6 @@ def run_file(checkpoint: Path, prompts_file: Path, output: Path | None, params: 
     encoded = encode(tokenizer, prompts, chat)
     need = max(len(ids) + (n or params.max_new_tokens) for ids, n in encoded)
     length = cache_length(need, config["args"].max_seq_len)  # (too long: the requests below say which)
-    device = default_device(device)
-    dtype = default_dtype(dtype, device)
-    check_memory(config, checkpoint, max_batch, length, dtype, device,  # (and the sampling's [rows, vocab] buffers)
-                 workspace=max_batch * config["args"].vocab_size * 64)
     llm = LLM(checkpoint, device, dtype, max_batch, length, buckets, steps, kernels=kernels, compile=compile,
               tokenizer=tokenizer)
     reqs = llm.requests(encoded, params)
@@ -541,8 +546,5 @@ def run_file(checkpoint: Path, prompts_file: Path, output: Path | None, params: 
             bar.update()
         llm.run(reqs, progress)
     lines = "".join(json.dumps({"prompt": p, "text": q.text}) + "\n" for (p, _), q in zip(prompts, reqs))
-    if output:
-        Path(output).write_text(lines)
-    else:
-        sys.stdout.write(lines)
+    (Path(output).write_text if output else sys.stdout.write)(lines)
     log(f"{len(reqs)} requests, {llm.tokens_out} tokens in {llm.seconds:.2f} s: {llm.tokens_out / llm.seconds:.1f} tok/s")

@@ -17,10 +17,16 @@ p at the last position. Every draw is argmax(probs / Exponential(1)), never torc
 import torch
 
 import gdkernels
-from common import Sampling, Step, UsageError, check_graphs, check_memory, draw, logits_to_probs, sample, synchronize
+from common import (Sampling, Step, UsageError, check_graphs, check_memory, draw, logits_to_probs, prefill_attention,
+                    sample, synchronize)
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
+
+
+# Where a verification of K + 1 tokens costs more than a step (the CPU), prompt lookup stops proposing after
+# LOOKUP_PATIENCE rounds in a row that accepted nothing, and tries again every LOOKUP_RETRY steps (BENCHMARKS.md).
+LOOKUP_PATIENCE, LOOKUP_RETRY = 2, 8
 
 
 def draft_steps(draft: Transformer, token: torch.Tensor, pos: torch.Tensor, draft_tokens: torch.Tensor,
@@ -55,23 +61,27 @@ def verify(target: Transformer, draft: Transformer, token: torch.Tensor, pos: to
     hold it (otherwise the first draft step would have to read two tokens, a slower shape). When
     fewer are accepted, that cache entry lies beyond the next position and is written again."""
     K = draft_tokens.shape[1]
-    offsets = torch.arange(K + 1, device=pos.device)
-    logits = target(torch.cat([token, draft_tokens], dim=1), pos + offsets)[0]  # [K+1, V]
+    logits = target(torch.cat([token, draft_tokens], dim=1), pos + torch.arange(K + 1, device=pos.device))[0]
     draft(draft_tokens[:, K - 1:], pos + K)  # (its logits unused)
-    d = draft_tokens[0]  # [K]
+    accept(logits, draft_tokens[0], draft_probs[0], token, pos, result, s)
+
+
+def accept(logits: torch.Tensor, d: torch.Tensor, q: torch.Tensor, token: torch.Tensor, pos: torch.Tensor,
+           result: torch.Tensor, s: Sampling) -> None:
+    """The acceptance of proposals d [K] given the target's logits [K+1, V] at pos..pos+K and the proposals'
+    distributions q [K, V] (one-hot for a deterministic draft); fills result, advances token and pos (verify)."""
+    K = d.shape[0]
+    offsets = torch.arange(K + 1, device=pos.device)
     if s.temperature == 0:
         best = logits.argmax(-1)  # [K+1]
-        accept = d == best[:K]
-        n = accept.long().cumprod(0).sum(0, keepdim=True)  # [1]: accepted before the first mismatch
+        n = (d == best[:K]).long().cumprod(0).sum(0, keepdim=True)  # [1]: accepted before the first mismatch
         out = best  # accepted proposals equal the target's argmax; best[n] is the correction/bonus
     else:
         p = logits_to_probs(logits, s)  # [K+1, V]
-        q = draft_probs[0]  # [K, V]
         p_d = p[:K].gather(-1, d[:, None])[:, 0]
         q_d = q.gather(-1, d[:, None])[:, 0]
         # u < p/q without a division (q_d > 0: d was drawn from q); p >= q always accepts.
-        accept = torch.rand(K, device=p.device) * q_d < p_d
-        n = accept.long().cumprod(0).sum(0, keepdim=True)
+        n = (torch.rand(K, device=p.device) * q_d < p_d).long().cumprod(0).sum(0, keepdim=True)
         # Row i < K: the residual max(0, p - q) for a rejection at i; row K: the bonus from p.
         resid = torch.cat([(p[:K] - q).clamp_min(0), p[K:]], dim=0)
         # An all-zero residual means p == q there, when rejection has probability 0; guard against
@@ -85,42 +95,74 @@ def verify(target: Transformer, draft: Transformer, token: torch.Tensor, pos: to
     result.copy_(torch.cat([n, out]))
 
 
-class SpeculativeGenerator:
-    """Batch-1 speculative decoding of `target` with `draft`, on static device buffers."""
+def propose(history: torch.Tensor, pos: torch.Tensor, K: int, N: int) -> torch.Tensor:
+    """Prompt lookup's proposal, on the device: history [L] the tokens so far (up to pos [1]) -> the K tokens
+    [K] that followed the latest earlier occurrence of the last n tokens, for the longest n <= N that occurs,
+    repeating from there past pos. None does: the first K (a guess: verification keeps what the target agrees with)."""
+    at, start = torch.arange(history.shape[0], device=pos.device), torch.zeros_like(pos)
+    for n in range(1, N + 1):  # (a longer match, where there is one, overrides)
+        last = history[(pos - n + 1 + at[:n]).clamp(min=0)]  # [n]
+        hit = (history.unfold(0, n, 1) == last).all(-1) & (at[n - 1:] < pos) & (pos >= n - 1)  # [L-n+1]
+        end = torch.where(hit, at[n - 1:], -1).amax()  # where the latest occurrence ends
+        start = torch.where(end >= 0, end + 1, start)
+    return history[start + at[:K] % (pos + 1 - start)]  # (past pos: from start again, a period of the pattern)
 
-    def __init__(self, target: Transformer, draft: Transformer, sampling: Sampling, k: int,
-                 mode: str = "eager"):
+
+def lookup_verify(target: Transformer, token: torch.Tensor, pos: torch.Tensor, history: torch.Tensor,
+                  result: torch.Tensor, s: Sampling, ngram: int) -> None:
+    """A prompt-lookup round, in place: propose() from history [1, L], then verify's check of the K proposals
+    (K + 2 = result's width) against a deterministic draft (accepted with the target's probability of each,
+    else a draw from the target without it); the new tokens also go into history."""
+    K, start = result.shape[0] - 2, pos.clone()
+    d = propose(history[0], pos, K, ngram)
+    logits = target(torch.cat([token, d[None]], dim=1), pos + torch.arange(K + 1, device=pos.device))[0]
+    q = torch.zeros_like(logits[:K], dtype=torch.float).scatter_(1, d[:, None], 1.0)  # [K, V]: one-hot
+    accept(logits, d, q, token, pos, result, s)
+    history[0].index_copy_(0, (start + 1 + torch.arange(K + 1, device=pos.device)).clamp(max=history.shape[1] - 1),
+                           result[1:])
+
+
+class SpeculativeGenerator:
+    """Batch-1 speculative decoding of `target` with `draft`, on static device buffers; draft=None: prompt
+    lookup (the proposals are n-grams of the prompt and output so far, up to `ngram` tokens long)."""
+
+    def __init__(self, target: Transformer, draft: Transformer | None, sampling: Sampling, k: int,
+                 mode: str = "eager", ngram: int = 3):
         if draft is target:
             raise ValueError("the draft must be a separate model (it has its own KV cache); "
                              "use copy.deepcopy to draft with the target itself")
-        if draft.args.vocab_size != target.args.vocab_size:
+        if draft is not None and draft.args.vocab_size != target.args.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the "
                              f"target's ({target.args.vocab_size})")
-        if k < 1:
-            raise ValueError(f"k must be >= 1 (got {k})")
-        self.target, self.draft, self.sampling, self.k = target, draft, sampling, k
+        if k < 1 or ngram < 1:
+            raise ValueError(f"k and ngram must be >= 1 (got {k}, {ngram})")
+        self.target, self.draft, self.sampling, self.k, self.ngram = target, draft, sampling, k, ngram
         self.device = target.tok_embeddings.weight.device
         self.mode = mode
         if mode != "eager":
             gdkernels.register_fallbacks()
         # graphs: one graph for the K draft steps, one for the verification (common.Step: warm-up timed apart)
-        self.draft_fn, self.verify_fn = (Step(f, mode, self.device) for f in (draft_steps, verify))
+        self.draft_fn, self.verify_fn = (Step(f, mode, self.device) for f in (
+            draft_steps, verify if draft is not None else lookup_verify))
+        self.plain_fn = Step(lookup_verify, mode, self.device, dynamic=False)  # prompt lookup proposing nothing
         dev, V = self.device, target.args.vocab_size
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.draft_tokens = torch.zeros(1, k, dtype=torch.long, device=dev)
         self.draft_probs = torch.zeros(1, k, V, dtype=torch.float32, device=dev)
         self.result = torch.zeros(k + 2, dtype=torch.long, device=dev)
-        self.draft_fn.static(self.token, self.pos, self.draft_tokens, self.draft_probs, self.result)
+        self.plain_result = torch.zeros(2, dtype=torch.long, device=dev)
+        self.history = torch.zeros(1, 0, dtype=torch.long, device=dev)  # prompt lookup's tokens so far (reserve)
+        self.draft_fn.static(self.token, self.pos, self.draft_tokens, self.draft_probs, self.result, self.plain_result)
         self.reset_stats()
 
     @property
     def warm(self) -> bool:
-        return self.draft_fn.warm() and self.verify_fn.warm()
+        return (self.draft_fn if self.draft is not None else self.plain_fn).warm() and self.verify_fn.warm()
 
     @property
     def compile_s(self) -> float:
-        return self.draft_fn.compile_s + self.verify_fn.compile_s
+        return self.draft_fn.compile_s + self.verify_fn.compile_s + self.plain_fn.compile_s
 
     def draft_loop(self) -> None:
         """The K draft steps of a round (one graph replay in mode graphs), on the static buffers."""
@@ -128,7 +170,11 @@ class SpeculativeGenerator:
                       self.sampling)
 
     def verify_round(self) -> None:
-        """The target's verification of the proposals (one graph replay in mode graphs)."""
+        """The target's verification of the proposals (one graph replay in mode graphs); prompt lookup: the
+        proposal too."""
+        if self.draft is None:
+            return self.verify_fn(self.target, self.token, self.pos, self.history, self.result, self.sampling,
+                                  self.ngram)
         self.verify_fn(self.target, self.draft, self.token, self.pos, self.draft_tokens, self.draft_probs,
                        self.result, self.sampling)
 
@@ -137,15 +183,31 @@ class SpeculativeGenerator:
         Runs a round's worth of positions from `start`, which a later round rewrites."""
         while not self.warm:  # (warm, compiled and recorded, even after a short generation)
             self.pos.fill_(start)
-            self.draft_loop()
-            self.verify_round()
+            self.round()
+            if self.draft is None:
+                self.round(plain=True)
         self.pos.fill_(start)
         random = self.sampling.temperature > 0
-        return {"draft_loop": check_graphs(self.draft_loop, self.device, 4, "the draft loop", random=random),
-                "verify": check_graphs(self.verify_round, self.device, 1, "verification", random=random)}
+        out = {"verify": check_graphs(self.verify_round, self.device, 1, "verification", random=random)}
+        first, what = (self.draft_loop, "draft_loop") if self.draft is not None else (self.plain_step, "plain_step")
+        out[what] = check_graphs(first, self.device, 4, what.replace("_", " "), random=random)
+        return out
+
+    def plain_step(self) -> None:
+        self.plain_fn(self.target, self.token, self.pos, self.history, self.plain_result, self.sampling, 1)
+
+    def round(self, plain: bool = False) -> list[int]:
+        """A round -> [n accepted, the n + 1 new tokens, ...]; plain (prompt lookup): one step, proposing nothing."""
+        if plain:
+            self.plain_step()
+            return self.plain_result.tolist()
+        if self.draft is not None:
+            self.draft_loop()
+        self.verify_round()
+        return self.result.tolist()
 
     def reset_stats(self) -> None:
-        self.rounds = 0
+        self.rounds = self.plain_steps = 0  # (plain steps: prompt lookup's rounds that proposed nothing)
         self.histogram = [0] * (self.k + 1)  # rounds that accepted 0..K proposals
         self.round_tokens = 0  # tokens the rounds produced (n + 1 each), before truncation
 
@@ -155,7 +217,12 @@ class SpeculativeGenerator:
 
     def reserve(self, length: int) -> None:
         self.target.setup_caches(1, length)
-        self.draft.setup_caches(1, length)
+        if self.draft is not None:
+            self.draft.setup_caches(1, length)
+        elif self.history.shape[1] < length:  # new buffers: the verification warms up (records) again
+            self.history = self.verify_fn.static(torch.zeros(1, length, dtype=torch.long, device=self.device))[0]
+            self.verify_fn.reset()
+            self.plain_fn.reset()
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids=frozenset()):
@@ -171,23 +238,29 @@ class SpeculativeGenerator:
         self.reserve(S + max_new_tokens + self.k + 1)
         idx = torch.tensor([prompt], dtype=torch.long, device=self.device)
         positions = torch.arange(S, device=self.device)
-        first = sample(self.target(idx, positions)[:, -1], self.sampling)  # [1]: the prefill
-        self.draft(idx, positions)  # fills the draft's cache
+        with prefill_attention():
+            first = sample(self.target(idx, positions)[:, -1], self.sampling)  # [1]: the prefill
+            if self.draft is not None:
+                self.draft(idx, positions)  # fills the draft's cache
+        if self.draft is None:
+            self.history[0, :S + 1] = torch.cat([idx[0], first])
         self.token[0, 0] = first[0]
         self.pos.fill_(S)
         t = int(first[0])  # a sync outside the rounds
         yield [t]
         if t in stop_ids:
             return
-        emitted = 1
+        emitted, misses = 1, 0  # misses: rounds in a row that accepted nothing
         while emitted < max_new_tokens:
-            self.draft_loop()
-            self.verify_round()
-            r = self.result.tolist()  # the one host sync of the round
+            # Prompt lookup stops proposing after LOOKUP_PATIENCE empty rounds, trying again every LOOKUP_RETRY steps
+            plain = self.draft is None and misses >= LOOKUP_PATIENCE and misses % LOOKUP_RETRY != 0
+            r = self.round(plain)  # the one host sync of the round
             n = r[0]
-            self.rounds += 1
-            self.histogram[n] += 1
-            self.round_tokens += n + 1
+            misses = 0 if n else misses + 1
+            self.plain_steps += plain
+            self.rounds += not plain
+            self.histogram[n] += not plain
+            self.round_tokens += (n + 1) * (not plain)
             new = r[1:n + 2][:max_new_tokens - emitted]
             stop = next((j for j, t in enumerate(new) if t in stop_ids), None)
             if stop is not None:

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gdkernels  # noqa: E402
 from bench import PRESETS, Timed, capture, launches_per_call, random_model  # noqa: E402 (generate.py's, through bench)
-from serve import LLM, Request, SamplingParams, default_buckets, serve_step  # noqa: E402
+from serve import TOP_LOGPROBS, LLM, Request, SamplingParams, default_buckets, serve_step  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -69,7 +69,7 @@ def buffers(n):
     z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=CUDA)  # noqa: E731
     top_k = torch.full((n,), 1 << 30, device=CUDA)  # (clamped to the vocabulary: off)
     return (z(n, 1), z(n, 1), z(n, 64), z(n, 64, dtype=torch.float), z(1), z(n, dtype=torch.float), top_k,
-            torch.full((n,), float("inf"), device=CUDA))
+            torch.full((n,), float("inf"), device=CUDA), z(n, 64, TOP_LOGPROBS, dtype=torch.float), z(n, 64, TOP_LOGPROBS))
 
 
 def part_pools(model, out):

@@ -374,6 +374,7 @@ def test_one_graph_replay_per_token(model, graphed):
 
 def _warm_eager(model):
     gen = make_generator(model, "eager")
+    gen.reserve(1, 64)  # (room for the checks' steps after the 2 tokens, whatever cache the model had)
     tokens_of(gen, 2)
     return gen
 
@@ -444,6 +445,26 @@ def test_speculative_graphs_equal_plain_greedy_and_draft_loop_is_one_replay(mode
     assert counts == {"draft_loop": one, "verify": one}
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=1.0, top_k=50)])
+def test_prompt_lookup_graphs_equal_plain_greedy_and_a_round_is_one_replay(model32, sampling):
+    """Prompt lookup (no draft): the proposal and the verification of K + 1 tokens replay as one graph with
+    nothing outside it but the RNG's kernels, and so does a step that proposes nothing; greedy, the tokens
+    equal plain greedy decoding."""
+    from speculative import SpeculativeGenerator
+
+    torch._dynamo.reset()
+    target = with_kernels(model32)
+    gen = SpeculativeGenerator(target, None, sampling, 4, "graphs")
+    prompt = PROMPT[0] * 3  # (something to look up)
+    spec = [t for chunk in gen.generate(prompt, 60) for t in chunk]
+    if sampling is GREEDY:
+        assert spec == tokens_of(make_generator(target, "eager"), 60, [prompt])
+    counts = check_graphs(gen, len(prompt) + 1)
+    rng = RNG_KERNELS_PER_REPLAY if sampling.temperature > 0 else 0
+    one = {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": rng}
+    assert counts == {"verify": one, "plain_step": one}
+
+
 def test_sampling_graphs_add_only_the_rng_seed_kernels(fast):
     """At temperature > 0 each replay is still one graph launch; outside it run exactly the two
     kernels with which PyTorch gives the graph's RNG a fresh seed and offset (RNG_KERNELS_PER_REPLAY),
@@ -474,7 +495,8 @@ def test_generate_cli_check_graphs(tmp_path, capsys):
     for extra in (["--temperature", "0"], ["--temperature", "1", "--seed", "3"],
                   ["--temperature", "0", "--no-kernels"],
                   ["--temperature", "0", "--prompt", long_prompt, "--max-new-tokens", "4"],
-                  ["--temperature", "0", "--draft-checkpoint", str(draft), "--speculate-k", "3"]):
+                  ["--temperature", "0", "--draft-checkpoint", str(draft), "--speculate-k", "3"],
+                  ["--temperature", "0", "--prompt-lookup", "3"]):
         argv = ["--checkpoint", str(ckpt), "--device", "cuda", "--max-new-tokens", "12", "--ignore-eos",
                 "--check-graphs", *extra]
         torch._dynamo.reset()  # a fresh compile, as each run of generate.py is (and no recompile limit)

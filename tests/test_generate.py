@@ -419,8 +419,16 @@ def test_cli_speculative_greedy_equals_plain_greedy(default_ckpt, capsys):
     # the draft is the target's own weights: every round accepts all 3 proposals (23 tokens after
     # the prefill's first: 6 rounds of 4, the last cut short)
     line = next(line for line in spec.stderr.splitlines() if line.startswith("speculative:"))
-    assert line.endswith("rounds accepting 0..3 proposals: [0, 0, 0, 6]"), line
+    assert line.endswith("rounds accepting 0..3 proposals: [0, 0, 0, 6]; steps proposing nothing: 0"), line
     assert_one_line_error(main(capsys, *common, "--speculate-k", "3"), "go together")
+    # prompt lookup (no draft) gives the same text; it goes without a draft
+    lookup = main(capsys, *common, "--prompt-lookup", "3")
+    assert lookup.returncode == 0 and lookup.stdout == plain.stdout, lookup.stderr
+    assert "prompt lookup, eager" in lookup.stderr
+    assert_one_line_error(main(capsys, *common, "--prompt-lookup", "2", "--draft-checkpoint", default_ckpt,
+                               "--speculate-k", "2"), "--prompt-lookup goes without --draft-checkpoint")
+    assert_one_line_error(main(capsys, *common, "--prompt-lookup", "0"), "--prompt-lookup must be >= 1")
+    assert_one_line_error(main(capsys, *common, "--prompt-lookup", "2", "--ngram", "0"), "--ngram must be >= 1")
 
 
 def test_decode_weight_bytes_counts_each_decode_step(tiny):

@@ -112,14 +112,17 @@ def test_requests_added_while_others_run_and_abort(tiny):
 
 def test_chunked_prefill_and_logprobs_equal_the_reference_forward(tiny):
     """Prompt log-probabilities from a prefill in chunks of 3 equal the one-shot forward's log_softmax (tight
-    tolerance), and each generated token's log-probability equals the reference's at its position."""
+    tolerance), and each generated token's log-probability equals the reference's at its position; so do the top
+    alternatives (torch.topk of it), the prompt's from prefill and the generated tokens' from the decode step, also
+    beside a row that asks for none."""
     prompt = [(5 * i + 3) % 64 for i in range(17)]
-    p = params(6, (), prompt_logprobs=True, logprobs=True)
+    p = params(6, (), prompt_logprobs=True, logprobs=True, top_logprobs=3)
     outs = {}
     for budget in (3, 64):
         llm = LLM(model=tiny, max_batch=2, max_length=64, steps=4, prefill_budget=budget)
-        outs[budget] = r = llm.make_request(prompt, p)
-        llm.run([r])
+        outs[budget], other = llm.make_request(prompt, p), llm.make_request(prompt[:5], params(9, ()))
+        llm.run([outs[budget], other])
+        assert other.logprobs == other.top_logprobs == other.prompt_top_logprobs == [] and len(other.out) == 9
     a, b = outs[3], outs[64]
     assert a.out == b.out == alone(tiny, prompt, 6, stop=())
     assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(prompt)
@@ -127,9 +130,15 @@ def test_chunked_prefill_and_logprobs_equal_the_reference_forward(tiny):
     seq = torch.tensor([prompt + a.out])
     ref = tiny(seq, torch.arange(seq.shape[1]))[0].log_softmax(-1)  # [S, V]
     want = ref[:-1].gather(-1, seq[0, 1:, None])[:, 0]  # each token's, from the position before it
+    top = ref[:-1].topk(3)  # [S - 1, 3]: position j's likeliest, scoring token j + 1
     for r in (a, b):
         assert torch.allclose(torch.tensor(r.prompt_logprobs[1:]), want[:len(prompt) - 1], atol=1e-5, rtol=0)
         assert torch.allclose(torch.tensor(r.logprobs), want[len(prompt) - 1:], atol=1e-5, rtol=0)
+        alternatives = r.prompt_top_logprobs[1:] + r.top_logprobs
+        assert r.prompt_top_logprobs[0] is None and len(alternatives) == len(top.indices)
+        assert [[t for t, _ in alt] for alt in alternatives] == top.indices.tolist()
+        values = torch.tensor([[v for _, v in alt] for alt in alternatives])
+        assert torch.allclose(values, top.values, atol=1e-5, rtol=0)
 
 
 def test_mixed_settings_share_one_compiled_step_and_never_recompile(tiny):
@@ -254,6 +263,45 @@ def test_bad_requests_are_usage_errors(tiny):
         with pytest.raises(UsageError, match=message):
             llm.add_request(prompt, p)
     assert not llm.scheduler.live()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("stop", None), ("stop", "x"), ("temperature", "0.5"), ("temperature", None), ("temperature", float("nan")),
+    ("max_new_tokens", True), ("max_new_tokens", 2.0), ("top_k", 1.5), ("top_k", True), ("top_p", "x"),
+    ("top_logprobs", 6), ("top_logprobs", True), ("stop_ids", None), ("stop_ids", (True,))])
+def test_wrong_types_and_values_are_usage_errors_naming_the_field(field, value):
+    """Not a TypeError: a bool is not a number here, nor a string."""
+    from common import UsageError
+
+    with pytest.raises(UsageError, match=field):
+        SamplingParams(**{field: value}).check()
+
+
+def test_streamed_text_never_shrinks_with_stop_strings():
+    """text[:final] is all a stream may send: with stop strings it holds back what a stop string could still begin
+    in (longest - 1 characters), so a cut never takes back text sent; without stop strings, nothing is held."""
+    class Pieces:  # a stream decoder giving these texts, one a token
+        def __init__(self, pieces):
+            self.pieces = iter(pieces)
+
+        def push(self, token):
+            return next(self.pieces)
+
+        def flush(self):
+            return ""
+
+    pieces = ["hel", "lo x", "y", "z", " more a", "b, and on"]  # "ab" completes in the last piece
+    for stop, want in [(("xyz!", "ab"), "hello xyz more "), ((), "".join(pieces))]:
+        r = Request([1], SamplingParams(max_new_tokens=20, stop=stop), decoder=Pieces(pieces))
+        released, texts = [], []
+        for t in range(len(pieces)):
+            r.accept([t + 3], [0.0], [None])
+            released.append(r.text[:r.final])
+            texts.append(r.text)
+        assert r.text == want and r.finish_reason == ("stop" if stop else None)
+        assert all(want.startswith(s) for s in released) and released[-1] == want
+        assert released == (texts if not stop else ["", "hell", "hello", "hello ", "hello xyz mor", want])
+        assert stop == () or not all(want.startswith(t) for t in texts)  # (sending all the text would take some back)
 
 
 def test_sampled_outputs_keep_their_budgets(tiny):
