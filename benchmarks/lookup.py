@@ -86,12 +86,13 @@ def main() -> None:
     p.add_argument("--checkpoint", type=Path, help="default: the default model")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--json", type=Path, help="append the records here")
+    p.add_argument("--only", default="", help="the prompts whose name contains this")
     a = p.parse_args()
     ks = [int(k) for k in a.ks.split(",")]
     print("| prompt | plain tok/s | " + " | ".join(f"K={k}: tok/s, tokens a round, speed-up" for k in ks) + " |")
     print("|---|---|" + "---|" * len(ks))
     records = []
-    for name, prompt in PROMPTS.items():
+    for name, prompt in [(n, p) for n, p in PROMPTS.items() if a.only in n]:
         plain = run(prompt, 0, a)  # (the first run of a length builds the plain step ahead of time, once)
         plain = run(prompt, 0, a)
         rows = [run(prompt, k, a) for k in ks]
