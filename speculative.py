@@ -25,8 +25,8 @@ from tokenizer import load_tokenizer
 
 
 # Where a verification of K + 1 tokens costs more than a step (the CPU), prompt lookup stops proposing after
-# LOOKUP_PATIENCE rounds in a row that accepted less than half their K, and tries again every LOOKUP_RETRY steps.
-LOOKUP_PATIENCE, LOOKUP_RETRY = 2, 16
+# LOOKUP_PATIENCE rounds in a row that accepted nothing, and tries again every LOOKUP_RETRY steps.
+LOOKUP_PATIENCE, LOOKUP_RETRY = 2, 8
 
 
 def draft_steps(draft: Transformer, token: torch.Tensor, pos: torch.Tensor, draft_tokens: torch.Tensor,
@@ -250,9 +250,9 @@ class SpeculativeGenerator:
         yield [t]
         if t in stop_ids:
             return
-        emitted, misses = 1, 0  # misses: rounds in a row that accepted less than half their proposals
+        emitted, misses = 1, 0  # misses: rounds (and plain steps) in a row that accepted nothing
         while emitted < max_new_tokens:
-            # Prompt lookup stops proposing after LOOKUP_PATIENCE poor rounds: plain steps, back to back, until the
+            # Prompt lookup stops proposing after LOOKUP_PATIENCE empty rounds: plain steps, back to back, until the
             # next LOOKUP_RETRY-th, read back at once from history (at positions S + emitted on)
             if self.draft is None and misses >= LOOKUP_PATIENCE and misses % LOOKUP_RETRY:
                 steps = min(LOOKUP_RETRY - misses % LOOKUP_RETRY, max_new_tokens - emitted)
@@ -263,7 +263,7 @@ class SpeculativeGenerator:
             else:
                 r = self.round()  # the one host sync of the round
                 n = r[0]
-                misses = 0 if 2 * n >= self.k else misses + 1
+                misses = 0 if n else misses + 1
                 self.rounds += 1
                 self.histogram[n] += 1
                 self.round_tokens += n + 1
