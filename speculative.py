@@ -116,7 +116,7 @@ def lookup_verify(target: Transformer, token: torch.Tensor, pos: torch.Tensor, h
     K, start = result.shape[0] - 2, pos.clone()
     d = propose(history[0], pos, K, ngram)
     logits = target(torch.cat([token, d[None]], dim=1), pos + torch.arange(K + 1, device=pos.device))[0]
-    q = torch.zeros_like(logits[:K], dtype=torch.float).scatter_(1, d[:, None], 1.0)  # [K, V]: one-hot
+    q = None if s.temperature == 0 else torch.zeros_like(logits[:K], dtype=torch.float).scatter_(1, d[:, None], 1.0)
     accept(logits, d, q, token, pos, result, s)
     history[0].index_copy_(0, (start + 1 + torch.arange(K + 1, device=pos.device)).clamp(max=history.shape[1] - 1),
                            result[1:])
