@@ -185,7 +185,7 @@ class SpeculativeGenerator:
             self.pos.fill_(start)
             self.round()
             if self.draft is None:
-                self.round(plain=True)
+                self.plain_step()
         self.pos.fill_(start)
         random = self.sampling.temperature > 0
         out = {"verify": check_graphs(self.verify_round, self.device, 1, "verification", random=random)}
@@ -196,11 +196,8 @@ class SpeculativeGenerator:
     def plain_step(self) -> None:
         self.plain_fn(self.target, self.token, self.pos, self.history, self.plain_result, self.sampling, 1)
 
-    def round(self, plain: bool = False) -> list[int]:
-        """A round -> [n accepted, the n + 1 new tokens, ...]; plain (prompt lookup): one step, proposing nothing."""
-        if plain:
-            self.plain_step()
-            return self.plain_result.tolist()
+    def round(self) -> list[int]:
+        """A round -> [n accepted, the n + 1 new tokens, ...]."""
         if self.draft is not None:
             self.draft_loop()
         self.verify_round()
