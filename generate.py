@@ -26,6 +26,7 @@ from common import (DTYPES, GraphCheckError, Sampling, Step, UsageError, cache_l
                     decode_mode, default_device, default_dtype, no_recompiles, prefill_attention, sample, synchronize,
                     weight_bytes_per_step)
 from common import check_graphs as common_check_graphs
+from gdkernels import aot
 from gdkernels.aot import AotStep
 from model import Transformer, read_config
 from quantize import load, prepare_default
@@ -309,14 +310,21 @@ def encode_prompt(tokenizer, messages_or_text, args, context: int) -> list[int]:
     return ids
 
 
-def positions(args, prompt: list[int] | None, context: int) -> int:
+def positions(args, prompt: list[int] | None, config, mode: str, dtype) -> int:
     """Positions the cache holds: the prompt and its output (--interactive: INTERACTIVE_CACHE to start, a
-    speculative chat the whole context), rounded up (common.cache_length)."""
-    if args.interactive:
-        return context if speculating(args) else INTERACTIVE_CACHE
+    speculative chat the whole context), rounded up (fit)."""
+    if args.interactive and speculating(args):
+        return config.max_seq_len
     # (--check-graphs decodes CHECK_GRAPHS_ROOM steps, however few tokens are asked for)
-    return cache_length(len(prompt) + room(args) + args.check_graphs * max(0, CHECK_GRAPHS_ROOM - args.max_new_tokens),
-                        context)
+    need = INTERACTIVE_CACHE if args.interactive else \
+        len(prompt) + room(args) + args.check_graphs * max(0, CHECK_GRAPHS_ROOM - args.max_new_tokens)
+    return fit(need, config, mode, dtype)
+
+
+def fit(need: int, config, mode: str, dtype) -> int:
+    """A cache length for `need` positions: rounded up to 64 (common.cache_length), or the fixed length of the
+    CPU's step built ahead of time, which one build serves whatever the length (gdkernels/aot.py)."""
+    return aot.cache_length(need, config, dtype) if mode.startswith("aot") else cache_length(need, config.max_seq_len)
 
 
 def load_generator(args, checkpoint: Path, tokenizer, context: int, sampling: Sampling, device, dtype, mode: str,
@@ -326,7 +334,7 @@ def load_generator(args, checkpoint: Path, tokenizer, context: int, sampling: Sa
     t0 = time.perf_counter()
     prompt = None if args.interactive else encode_prompt(
         tokenizer, [{"role": "user", "content": args.prompt}] if args.chat else args.prompt, args, context)
-    length = positions(args, prompt, context)
+    length = positions(args, prompt, read_config(checkpoint)["args"], mode, dtype)
     if tp.world()[1] > 1:  # (each rank holds 1/n of the weights and of the cache: no memory check)
         model, swapped = tp.load(checkpoint, device, dtype, use_kernels)
     else:
@@ -358,7 +366,7 @@ def chat(args, gen, tokenizer, stop_ids, kernels: bool, context: int) -> None:
         ids = encode_prompt(tokenizer, history, args, context)
         need, have = len(ids) + room(args), gen.buffers[2].shape[1] if isinstance(gen, Generator) else context
         if need > have:  # (the whole conversation is prefilled)
-            gen.reserve(1, max(cache_length(need, context), min(context, 2 * have)))
+            gen.reserve(1, max(fit(need, gen.model.args, gen.mode, gen.model.rope_cos.dtype), min(context, 2 * have)))
             log(f"cache: {gen.buffers[2].shape[1]} positions")
         history.append({"role": "assistant",
                         "content": stream(gen, tokenizer, ids, args.max_new_tokens, stop_ids, kernels)})

@@ -206,6 +206,15 @@ class Attention(nn.Module):
         """qkv [B, S, (H + 2 Hkv) D], the new tokens' q, k, v -> [B, S, H D]: RoPE, the cache
         write, and attention over the cache (gdkernels/ replaces this step for decode)."""
         B, S, _ = qkv.shape
+        q, k, v = self.rope_and_cache(qkv, input_pos, rope_cos, rope_sin)
+        mask = mask.unsqueeze(-3)  # [1 or B, 1, S, L]
+        # grouped-query attention without repeating K and V (enable_gqa)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return y.transpose(1, 2).reshape(B, S, -1)
+
+    def rope_and_cache(self, qkv, input_pos, rope_cos, rope_sin):
+        """qkv -> q [B, H, S, D] with RoPE, and the cache's k, v [B, Hkv, L, D] with the new tokens written in."""
+        B, S, _ = qkv.shape
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
@@ -216,10 +225,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H or Hkv, S, D]
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, Hkv, L, D]: the whole cache
-        mask = mask.unsqueeze(-3)  # [1 or B, 1, S, L]
-        # grouped-query attention without repeating K and V (enable_gqa)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return y.transpose(1, 2).reshape(B, S, -1)
+        return q, k, v
 
 
 class KVCache(nn.Module):

@@ -38,6 +38,7 @@ from tqdm import tqdm
 import gdkernels
 from common import (Sampling, Step, UsageError, cache_length, check_memory, decode_mode, default_device,
                     default_dtype, no_recompiles, prefill_attention, sample_rows)
+from gdkernels.aot import AotStep
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -171,8 +172,9 @@ class Runner:
         # Per bucket, views of the largest buffers, made once: a graph replays on fixed addresses.
         self.views = {b: (self.token[:b], self.pos[:b], self.out[:b], self.logp[:b], self.col, self.temperature[:b],
                           self.top_k[:b], self.top_p[:b], self.top[:b], self.top_ids[:b]) for b in self.buckets}
-        self.step = Step(serve_step, mode, self.device, dynamic=False)
-        if mode != "eager":
+        fn = AotStep(serve_step, build=mode == "aot") if mode.startswith("aot") else serve_step  # (CPU: cached on disk)
+        self.step = Step(fn, mode, self.device, dynamic=False)
+        if mode in ("compile", "graphs"):
             gdkernels.register_fallbacks()
         for views in self.views.values():
             self.step.static(*views)

@@ -16,8 +16,8 @@ On CUDA (BENCHMARKS.md has each one's gain in the whole decode step):
                    weights are re-laid once for it (the file's layout is dropped: each weight is held
                    once), and more rows (prefill) dequantize that layout for F.linear
   KernelAttention  one new token: RoPE, the cache write and attention in one kernel (attention.py)
-On the CPU: Int8Cpu and Int4Cpu, cpu.cpp's AVX2 matmuls for up to CPU_MAX_ROWS rows, and aot.py's decode step
-compiled ahead of time (generate.py uses it).
+On the CPU: Int8Cpu and Int4Cpu, cpu.cpp's AVX2 matmuls for up to CPU_MAX_ROWS rows; CpuAttention, reading
+each query's keys up to its position only; and aot.py's decode step compiled ahead of time (generate.py uses it).
 """
 import os
 
@@ -69,7 +69,10 @@ def apply(model: Transformer, fuse: bool = True, attend: bool = True) -> list[st
                 swap(layer, FusedBlock, "block -> norms, SwiGLU, residuals fused into the GEMVs")
             if attend and not model.args.qk_norm and type(layer.attention) is Attention:
                 swap(layer.attention, KernelAttention, "decode attention -> attention.py")
-    elif device.type == "cpu" and any(isinstance(m, (Int8Linear, Int4Linear)) for m in linears) and cpu.available():
+    elif device.type == "cpu" and cpu.available():
+        for layer in model.layers:
+            if type(layer.attention) is Attention and layer.attention.head_dim % 8 == 0:
+                swap(layer.attention, CpuAttention, "attention -> cpu.cpp (each query reads up to its position)")
         for m in linears:
             if isinstance(m, Int4Linear) and m.weight.shape[1] % 32 == 0:
                 swap(m, Int4Cpu, f"int4 linear -> cpu.cpp (up to {CPU_MAX_ROWS} rows)")
@@ -178,6 +181,17 @@ def _rows(x):
     return x.numel() // x.shape[-1]
 
 
+class CpuAttention(Attention):
+    """Attention.attend reading each query's keys up to its position (the reference reads the whole cache,
+    masked): the ahead-of-time step, built for one cache length, costs what its position costs."""
+
+    def attend(self, qkv, input_pos, rope_cos, rope_sin, mask):
+        B, S, _ = qkv.shape
+        q, k, v = self.rope_and_cache(qkv, input_pos, rope_cos, rope_sin)
+        y = cpu.attention(q.float().contiguous(), k, v, input_pos.contiguous())
+        return y.to(qkv.dtype).transpose(1, 2).reshape(B, S, -1)
+
+
 class Int8Cpu(Int8Linear):
     def convert(self, device):
         self.scales = nn.Parameter(self.scales.float(), requires_grad=False)  # the kernel's dtype
@@ -225,7 +239,7 @@ def register_fallbacks() -> None:
         lowering.make_fallback, lowering.tag_to_layout_constraint, lowering.lowerings  # noqa: B018 (present?)
     except (ImportError, AttributeError):
         return
-    for name in ("gemv", "int4_gemv", "decode_attention", "int4_linear", "int8_linear"):
+    for name in ("gemv", "int4_gemv", "decode_attention", "int4_linear", "int8_linear", "attention"):
         try:
             op = getattr(torch.ops.graphdecode, name).default
         except (AttributeError, RuntimeError):  # not defined in this process

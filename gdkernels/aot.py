@@ -1,5 +1,9 @@
 """The CPU's decode step compiled ahead of time: torch.export + AOTInductor, cached on disk.
 
+One build serves every prompt and output length: the cache has a fixed length (cache_length: the
+model's context where its cache is small enough), and cpu.cpp's attention reads each row's keys up to
+its position only, so a short generation in a long cache costs what it costs in a short one.
+
 torch.compile traces the model again in every new process (~11 s for the default model, ~85 s
 cold); AotStep compiles once, into a package in $GRAPHDECODE_CACHE/aot/ (by default
 ~/.cache/graphdecode/aot/) keyed by what the compiled code depends on (the model's architecture and
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import common
 from common import cache_dir
 
 HERE = Path(__file__).resolve().parent
@@ -26,47 +31,69 @@ HERE = Path(__file__).resolve().parent
 SOURCES = [HERE.parent / "model.py", HERE.parent / "quantize.py", HERE / "__init__.py", HERE / "cpu.py",
            HERE / "cpu.cpp"]
 OPTIONS = {"cpp.min_chunk_size": 65536}  # (Inductor on the CPU: see generate.Generator)
+CACHE_BYTES = 2 << 30  # the fixed-length cache is halved while it would take more than this
+
+
+def cache_length(need: int, args, dtype: torch.dtype) -> int:
+    """Positions the cache holds for the step built ahead of time, the same whatever `need` (a prompt and its
+    output): the model's context, halved while the cache passes CACHE_BYTES and the half still holds need.
+    Without cpu.cpp's attention (which reads up to each position only) the step would read the whole
+    cache: common.cache_length's rounding then."""
+    from . import cpu
+
+    if not cpu.available():
+        return common.cache_length(need, args.max_seq_len)
+    length, per_position = args.max_seq_len, 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype.itemsize
+    while length // 2 >= need and length * per_position > CACHE_BYTES:
+        length //= 2
+    return length
 
 
 class _Step(torch.nn.Module):
-    def __init__(self, step, model, s):
-        super().__init__()
-        self.step, self.model, self.s = step, model, s
+    """step(model, *args) as a module of the tensors among args (what export traces); the rest are constants."""
 
-    def forward(self, token, pos, tokens):
-        self.step(self.model, token, pos, tokens, self.s)
+    def __init__(self, step, model, args):
+        super().__init__()
+        self.step, self.model = step, model
+        self.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
+
+    def forward(self, *tensors):
+        it = iter(tensors)
+        self.step(self.model, *(next(it) if c is None else c for c in self.constants))
 
 
 class AotStep:
-    """step(model, token, pos, tokens, sampling) -- generate.decode_one_token -- compiled ahead of time
-    on its first call. With build=False a missing package means the eager step; if exporting or
-    compiling fails, torch.compile, with a note."""
+    """step(model, *args) -- generate.decode_one_token, serve.serve_step -- compiled ahead of time on its first
+    call for each set of shapes (the engine's buckets), non-tensor args built in. With build=False a missing
+    package means the eager step; if exporting or compiling fails, torch.compile, with a note."""
 
     def __init__(self, step, build: bool = True):
-        self.step, self.build, self.runner = step, build, None
+        self.step, self.build, self.runners = step, build, {}
         self.ran = None  # which step ran, in words (generate.py's stats say it)
 
-    def __call__(self, model, token, pos, tokens, s):
-        if self.runner is None:
-            self.runner = self._load_or_build(model, token, pos, tokens, s)
-        self.runner(model, token, pos, tokens, s)
+    def __call__(self, model, *args):
+        shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+        if shapes not in self.runners:
+            self.runners[shapes] = self._load_or_build(model, args)
+        self.runners[shapes](model, *args)
 
-    def key(self, model, token, tokens, s) -> str:
+    def key(self, model, *args) -> str:
         sources = [Path(inspect.getfile(self.step)), *SOURCES]
         h = hashlib.sha256(b"".join(f.read_bytes() for f in sources))
         state = [(n, list(t.shape), str(t.dtype)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
-        h.update(json.dumps([model.args.to_dict(), state, list(token.shape), list(tokens.shape), repr(s),
+        h.update(json.dumps([model.args.to_dict(), state, [list(a.shape) if isinstance(a, torch.Tensor) else repr(a)
+                                                           for a in args],
                              torch.__version__, torch.backends.cpu.get_cpu_capability()]).encode())
         return h.hexdigest()[:20]
 
-    def _load_or_build(self, model, token, pos, tokens, s):
-        path = cache_dir() / "aot" / f"decode-{self.key(model, token, tokens, s)}.pt2"
+    def _load_or_build(self, model, args):
+        path = cache_dir() / "aot" / f"{self.step.__name__}-{self.key(model, *args)}.pt2"
         if not path.is_file() and not self.build:
-            self.ran = "eager (--compile builds a step ahead of time for this model, batch and cache length, ~80 s)"
+            self.ran = "eager (--compile builds a step ahead of time once for this model, batch and sampling, ~40-80 s)"
             return self.step
         try:
             if not path.is_file():
-                self._build(model, token, pos, tokens, s, path)
+                self._build(model, args, path)
             # PyTorch's C++ loader: torch._inductor.aoti_load_package would first import Inductor,
             # 2.6 s of every start; this takes milliseconds.
             loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
@@ -80,20 +107,21 @@ class AotStep:
             self.ran = "torch.compile (building ahead of time failed)"
             return torch.compile(self.step, fullgraph=True, options=OPTIONS)
         self.ran = "compiled ahead of time"
-        return lambda model, token, pos, tokens, s: loader.boxed_run([token, pos, tokens])
+        return lambda model, *args: loader.boxed_run([a for a in args if isinstance(a, torch.Tensor)])
 
-    def _build(self, model, token, pos, tokens, s, path: Path):
+    def _build(self, model, args, path: Path):
         with warnings.catch_warnings():  # torch's own pytree deprecation (LeafSpec) inside export: not the user's
             warnings.simplefilter("ignore", FutureWarning)
-            self._export_and_compile(model, token, pos, tokens, s, path)
+            self._export_and_compile(model, args, path)
 
-    def _export_and_compile(self, model, token, pos, tokens, s, path: Path):
+    def _export_and_compile(self, model, args, path: Path):
         from . import register_fallbacks
 
-        print(f"compiling the decode step ahead of time, once for this model, batch and cache length "
-              f"(~80 s for the default model) into {path.parent}", file=sys.stderr, flush=True)
+        print(f"building the decode step once for this model, batch and sampling (~40-80 s; any prompt and "
+              f"output length reuses it), cached in {path.parent}", file=sys.stderr, flush=True)
         register_fallbacks()
-        exported = torch.export.export(_Step(self.step, model, s), (token, pos, tokens))  # (fake tensors)
+        module = _Step(self.step, model, args)
+        exported = torch.export.export(module, tuple(a for a in args if isinstance(a, torch.Tensor)))
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".pt2")  # renamed when complete
         os.close(fd)

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -176,12 +177,100 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
+// Attention over a static cache that reads each query's keys up to its position only (the decode
+// step then costs what its positions cost, not what the cache holds: one build serves every length).
+// q [B, H, S, D] float32; k, v [B, Hkv, L, D] float32 or bf16 (a cache's first B rows); pos [S] or
+// [B, S] int64, each < L: query s of row b sees keys 0..pos. Returns y [B, H, S, D] float32.
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+  else return bf16x8(reinterpret_cast<const uint16_t*>(p));
+}
+
+template <typename T>
+void attend(const float* q, const T* k, const T* v, const int64_t* pos, float* y, int64_t B, int64_t H,
+            int64_t Hkv, int64_t S, int64_t L, int64_t D, bool per_row, int64_t work) {
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+#pragma omp parallel for schedule(dynamic, 1) collapse(2) if (work >= 131072)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<float> p(L);
+      const int64_t kvh = h / (H / Hkv);
+      const T* kh = k + (b * Hkv + kvh) * L * D;
+      const T* vh = v + (b * Hkv + kvh) * L * D;
+      for (int64_t s = 0; s < S; ++s) {
+        const float* qs = q + ((b * H + h) * S + s) * D;
+        const int64_t n = pos[per_row ? b * S + s : s] + 1;
+        int64_t t = 0;
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
+        for (; t + 8 <= n; t += 8) {  // 8 keys at a time: 8 independent sums, reduced together
+          __m256 acc[8];
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(qs + d);
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qd, load8(kh + (t + j) * D + d), acc[j]);
+          }
+          const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+          const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+          const __m256 dots = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                                          _mm256_permute2f128_ps(u0, u1, 0x31)), _mm256_set1_ps(scale));
+          _mm256_storeu_ps(p.data() + t, dots);
+          top8 = _mm256_max_ps(top8, dots);
+        }
+        float top = -INFINITY, total = 0.f;
+        for (int j = 0; j < 8; ++j) top = std::max(top, top8[j]);
+        for (; t < n; ++t) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), load8(kh + t * D + d), acc);
+          top = std::max(top, p[t] = hsum(acc) * scale);
+        }
+        for (t = 0; t < n; ++t) total += (p[t] = std::exp(p[t] - top));
+        float* ys = y + ((b * H + h) * S + s) * D;  // sum of p[t] v[t], accumulated in place
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ys + d, _mm256_setzero_ps());
+        for (t = 0; t < n; ++t) {
+          const __m256 pt = _mm256_set1_ps(p[t] / total);
+          for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(ys + d, _mm256_fmadd_ps(pt, load8(vh + t * D + d), _mm256_loadu_ps(ys + d)));
+        }
+      }
+    }
+  }
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pos) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "attention: q must be contiguous float32 [B, H, S, D]");
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3);
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() && k.is_contiguous() &&
+              v.is_contiguous() && k.size(0) == B && k.size(3) == D && D % 8 == 0 && H % k.size(1) == 0 &&
+              (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "attention: k and v must be contiguous float32 or bf16 [B, Hkv, L, D], D a multiple of 8");
+  const bool per_row = pos.dim() == 2;
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.size(-1) == S && (!per_row || pos.size(0) == B),
+              "attention: pos must be contiguous int64 [S] or [B, S]");
+  const int64_t Hkv = k.size(1), L = k.size(2);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < L, "attention: a position is outside the cache");
+  at::Tensor y = at::empty(q.sizes(), q.options());
+  const int64_t work = B * H * S * (pp[pos.numel() - 1] + 1) * D;
+  if (k.scalar_type() == at::kFloat)
+    attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), pp, y.data_ptr<float>(), B, H, Hkv, S, L, D,
+           per_row, work);
+  else
+    attend(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+           reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), pp, y.data_ptr<float>(), B, H, Hkv, S, L, D,
+           per_row, work);
+  return y;
+}
+
 TORCH_LIBRARY(graphdecode, m) {
   m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor pos) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(graphdecode, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int8_linear", &int8_linear);
+  m.impl("attention", &attention);
 }

@@ -1,13 +1,15 @@
-"""The CPU decode matmuls for int4 and int8 weights (cpu.cpp), built with the system C++ compiler on
-first use.
+"""The CPU decode matmuls for int4 and int8 weights and attention over a static cache (cpu.cpp), built
+with the system C++ compiler on first use.
 
 `int4_linear(x, weight, scales, zeros)` (weight in the file layout: uint8 [N, K/2], column 2j in
 the low nibble) and `int8_linear(x, weight, scales)` multiply float32 rows by the quantized
 weights in integer instructions (AVX2), with x carried in two int8 parts per block of 32 columns
-(~1/32000 of the block's largest value: closer than bf16). On the default model's shapes int4 runs
-at ~2.2x PyTorch's `_weight_int4pack_mm_for_cpu` (BENCHMARKS.md). `available()` builds the
+(~1/32000 of the block's largest value: closer than bf16); on the default model's shapes int4 runs
+at ~2.2x PyTorch's `_weight_int4pack_mm_for_cpu` (BENCHMARKS.md). `attention(q, k, v, pos)` reads
+each query's keys up to its position only: a step costs what its position costs, not what the cache
+holds, and one ahead-of-time build (aot.py) serves every length. `available()` builds the
 library once into common.cache_dir() / "cpu_kernels" (~15 s; keyed by the source, torch version
-and flags), loads it and registers the ops (graphdecode::int4_linear, graphdecode::int8_linear) for
+and flags), loads it and registers the ops (graphdecode::int4_linear, int8_linear, attention) for
 torch.compile; it returns False, after saying why on stderr once, on a CPU without AVX2 or without a
 compiler, and callers then use PyTorch's ops.
 """
@@ -38,6 +40,7 @@ def available() -> bool:
                 torch.ops.load_library(str(_build()))
                 torch.library.register_fake("graphdecode::int4_linear")(_linear_fake)
                 torch.library.register_fake("graphdecode::int8_linear")(_linear_fake)
+                torch.library.register_fake("graphdecode::attention")(lambda q, *kv_pos: torch.empty_like(q))
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 why = f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         if why is not None:
@@ -103,6 +106,13 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zer
     (block_params)."""
     _check()
     return torch.ops.graphdecode.int4_linear(x, weight, scales, zeros)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """q [B, H, S, D] float32, k and v a cache's first B rows [B, Hkv, L, D] (float32 or bf16), pos [S] or
+    [B, S] -> [B, H, S, D] float32: each query over the keys up to its position, reading no others."""
+    _check()
+    return torch.ops.graphdecode.attention(q, k, v, pos)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

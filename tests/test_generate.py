@@ -103,7 +103,7 @@ def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
     assert cpu.available()  # (else the model has no graphdecode op on the CPU)
     qmodel = quantize_model(tiny, "int4", 32)
     assert gdkernels.apply(qmodel)
-    ops = [getattr(torch.ops.graphdecode, n).default for n in ("int4_linear", "int8_linear", "gemv")]
+    ops = [getattr(torch.ops.graphdecode, n).default for n in ("int4_linear", "int8_linear", "attention", "gemv")]
     for op in ops:  # as in a fresh process, whatever other tests compiled before
         lowering.lowerings.pop(op, None)
         lowering._maybe_layout_constraints.pop(op, None)
@@ -170,27 +170,43 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tmp_path, monkeypatch, ca
     for m in (one, other):
         assert gdkernels.apply(m)
 
-    def aot(model, sampling, mode="aot", seed=None):
-        if seed is not None:
-            torch.manual_seed(seed)
+    def aot(model, sampling, mode="aot", prompt=(1, 2, 3), new=40):
         gen = Generator(model, sampling, mode)
-        out = [t for chunk in gen.generate([[1, 2, 3]], 40) for t in chunk[0]]
+        gen.reserve(1, generate.fit(len(prompt) + new, args, mode, torch.float32))  # (as the CLI does)
+        out = [t for chunk in gen.generate([list(prompt)], new) for t in chunk[0]]
         return out, gen
 
     greedy = Sampling(temperature=0)
     # A missing package with aot-cached (generate.py's CPU default): eager decode, and a hint.
     out, gen = aot(one, greedy, "aot-cached")
-    assert out == run_gen(one, greedy) and gen.step.fn.runner is generate.decode_one_token
+    assert out == run_gen(one, greedy) and list(gen.step.fn.runners.values()) == [generate.decode_one_token]
     assert gen.step.fn.ran.startswith("eager (--compile builds a step") and not list(tmp_path.iterdir())
     out, gen = aot(one, greedy)  # builds the package
-    assert "compiling the decode step ahead of time" in capsys.readouterr().err
-    assert out == run_gen(one, greedy) and gen.step.fn.runner is not generate.decode_one_token
+    assert "building the decode step once" in capsys.readouterr().err
+    assert out == run_gen(one, greedy) and generate.decode_one_token not in gen.step.fn.runners.values()
     assert len(list((tmp_path / "aot").glob("*.pt2"))) == 1
     # Another model of the same shapes loads the package (it holds no weights) and follows its own.
     out, gen = aot(other, greedy, "aot-cached")
     assert out == run_gen(other, greedy) != run_gen(one, greedy)
-    assert gen.step.fn.runner is not generate.decode_one_token and len(list((tmp_path / "aot").glob("*.pt2"))) == 1
-    assert "compiling" not in capsys.readouterr().err
+    assert generate.decode_one_token not in gen.step.fn.runners.values() and len(list((tmp_path / "aot").glob("*.pt2"))) == 1
+    # Other prompt and output lengths reuse it: one build for every length (the cache's length is fixed, and
+    # cpu.cpp's attention reads up to each position only).
+    for prompt, new in (((5, 6, 7, 8, 9, 10, 11), 12), ((4,), 60)):
+        out, gen = aot(one, greedy, "aot-cached", prompt, new)
+        assert gen.model.max_seq_length == 64 and gen.step.fn.ran == "compiled ahead of time"
+        assert out == run_gen(one, greedy, prompt, new)
+    assert len(list((tmp_path / "aot").glob("*.pt2"))) == 1 and "building" not in capsys.readouterr().err
+
+
+def test_ahead_of_time_cache_length_is_the_context_or_a_few_fixed_sizes(monkeypatch):
+    """The CPU step built ahead of time has one cache length whatever the prompt and output: the context, or
+    (a cache over aot.CACHE_BYTES) the context halved as often as still holds what is needed."""
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
+                     max_seq_len=8192)  # 256 bytes a position in float32
+    assert {gdkernels.aot.cache_length(n, args, torch.float32) for n in (1, 100, 5000, 8192)} == {8192}
+    monkeypatch.setattr(gdkernels.aot, "CACHE_BYTES", 1024 * 256)
+    assert [gdkernels.aot.cache_length(n, args, torch.float32) for n in (1, 1024, 1025, 5000)] == [1024, 1024, 2048, 8192]
+    assert gdkernels.aot.cache_length(1500, args, torch.bfloat16) == 2048  # (2048 x 128 bytes: in the budget)
 
 
 def test_ahead_of_time_key_follows_the_sources_the_cpu_step_runs(tiny, tmp_path, monkeypatch):
@@ -267,7 +283,7 @@ def test_cli_generates_greedy_text(default_ckpt):
     ids = len(load_tokenizer(default_ckpt).encode("The capital of France is"))
     assert re.fullmatch(rf"prefill {ids} tokens in [0-9.]+ s \([0-9]+ tok/s; time to first token\); decode 15 tokens "
                         r"in [0-9.]+ s: [0-9.]+ tok/s, [0-9.]+ GB/s of weights; 16 tokens in all; peak memory [0-9.]+ GiB; "
-                        r"decode: eager, kernels off", stats), stats
+                        r"decode: eager, kernels on", stats), stats
 
 
 @pytest.mark.parametrize("args, needle", [

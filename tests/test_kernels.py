@@ -7,7 +7,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import gdkernels
 from gdkernels import attention, cpu, gemv, int4
 
 # Triton's CPU interpreter runs the kernels in numpy, which warns where the GPU computes silently: padded
@@ -636,6 +638,44 @@ def test_cpu_int8_kernel_matches_float64(N, K, rows):
     assert rel(cpu.int8_linear(x, q.cpu(), scales), x.double() @ W.T) < 2.5e-4
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu.int8_linear(x[:, :K - 16].contiguous(), q.cpu()[:, :K - 16].contiguous(), scales)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_reads_up_to_each_position_only(dtype):
+    """cpu.attention equals masked SDPA over the whole cache, for one position a query ([S]) or a row's own
+    ([B, S]), grouped heads, 8 keys at a time and a tail; keys past a query's position are never read:
+    NaN there changes nothing. Its module, CpuAttention, equals the reference in a forward."""
+    import copy
+
+    from model import ModelArgs, Transformer
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, S, L, D = 3, 8, 2, 5, 48, 16
+    q = torch.randn(B, H, S, D, generator=g)
+    k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dtype) for _ in range(2))
+    for pos in (torch.tensor([0, 7, 8, 20, 30]), torch.tensor([[3, 4, 5, 6, 7], [9, 10, 16, 17, 25], [0, 1, 2, 3, 47]])):
+        mask = (torch.arange(L) <= pos[..., None]).unsqueeze(-3)
+        ref = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        unread = [t.clone() for t in (k, v)]
+        for t in unread:
+            t[..., int(pos.max()) + 1:, :] = float("nan")
+        for kk, vv in ((k, v), unread):
+            assert (cpu.attention(q, kk, vv, pos) - ref).abs().max() < 2e-6
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu.attention(q, k, v, torch.tensor([0, 1, 2, 3, L]))
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, intermediate_size=128,
+                                  max_seq_len=64)).to(dtype).eval().requires_grad_(False)
+    model.setup_caches(2, 64)
+    fast = copy.deepcopy(model)
+    assert gdkernels.apply(fast) == ["2 x attention -> cpu.cpp (each query reads up to its position)"]
+    with torch.no_grad():
+        idx = torch.randint(0, 64, (2, 20), generator=g)
+        for m in (model, fast):  # (prefill, then a step at each row's own position)
+            m(idx, torch.arange(20))
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        token, pos = torch.tensor([[5], [6]]), torch.tensor([[20], [13]])
+        assert (model(token, pos) - fast(token, pos)).abs().max() < tol
 
 
 @needs_cpu_kernels
