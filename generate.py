@@ -27,7 +27,6 @@ from common import (DTYPES, GraphCheckError, Sampling, Step, UsageError, cache_l
                     weight_bytes_per_step)
 from common import check_graphs as common_check_graphs
 from gdkernels import aot
-from gdkernels.aot import AotStep
 from model import Transformer, read_config
 from quantize import load, prepare_default
 from speculative import SpeculativeGenerator, load_draft
@@ -77,7 +76,7 @@ class Generator:
         self.buffers = None
 
     def make_step(self) -> Step:  # (aot-cached: the ahead-of-time step only if built before)
-        fn = AotStep(decode_one_token, build=self.mode == "aot") if self.mode.startswith("aot") else decode_one_token
+        fn = aot.AotStep(decode_one_token, build=self.mode == "aot") if self.mode.startswith("aot") else decode_one_token
         return Step(fn, self.mode, self.device)
 
     @property
@@ -149,9 +148,8 @@ class Generator:
 # -- graph verification (--check-graphs: common.check_graphs) -------------------------------------
 
 def check_graphs(gen, start: int | None = None, steps: int = 8) -> dict:
-    """Profile `steps` decode steps from position `start` (which later tokens rewrite; None: from where the
-    buffers are), warmed up first if the generation ended before warm-up did, and raise GraphCheckError unless
-    each is one graph replay with no kernel outside it but the RNG's. A SpeculativeGenerator: its own check."""
+    """Profile `steps` decode steps from position `start` (None: where the buffers are), warmed up first if need be;
+    GraphCheckError unless each is one graph replay, no kernel outside but the RNG's. Speculative: its own check."""
     if not isinstance(gen, Generator):
         return gen.check_graphs(start)
     token, pos, tokens = gen.buffers
@@ -312,18 +310,13 @@ def encode_prompt(tokenizer, messages_or_text, args, context: int) -> list[int]:
 
 def positions(args, prompt: list[int] | None, config, mode: str, dtype) -> int:
     """Positions the cache holds: the prompt and its output (--interactive: INTERACTIVE_CACHE to start, a
-    speculative chat the whole context), rounded up (fit)."""
+    speculative chat the whole context), rounded up to 64 (common.cache_length), or the one length of the CPU's
+    step built ahead of time, which serves every prompt and output length (gdkernels/aot.py)."""
     if args.interactive and speculating(args):
         return config.max_seq_len
     # (--check-graphs decodes CHECK_GRAPHS_ROOM steps, however few tokens are asked for)
     need = INTERACTIVE_CACHE if args.interactive else \
         len(prompt) + room(args) + args.check_graphs * max(0, CHECK_GRAPHS_ROOM - args.max_new_tokens)
-    return fit(need, config, mode, dtype)
-
-
-def fit(need: int, config, mode: str, dtype) -> int:
-    """A cache length for `need` positions: rounded up to 64 (common.cache_length), or the fixed length of the
-    CPU's step built ahead of time, which one build serves whatever the length (gdkernels/aot.py)."""
     return aot.cache_length(need, config, dtype) if mode.startswith("aot") else cache_length(need, config.max_seq_len)
 
 
@@ -366,7 +359,7 @@ def chat(args, gen, tokenizer, stop_ids, kernels: bool, context: int) -> None:
         ids = encode_prompt(tokenizer, history, args, context)
         need, have = len(ids) + room(args), gen.buffers[2].shape[1] if isinstance(gen, Generator) else context
         if need > have:  # (the whole conversation is prefilled)
-            gen.reserve(1, max(fit(need, gen.model.args, gen.mode, gen.model.rope_cos.dtype), min(context, 2 * have)))
+            gen.reserve(1, max(cache_length(need, context), min(context, 2 * have)))  # (aot: doubles a fixed length)
             log(f"cache: {gen.buffers[2].shape[1]} positions")
         history.append({"role": "assistant",
                         "content": stream(gen, tokenizer, ids, args.max_new_tokens, stop_ids, kernels)})
@@ -425,9 +418,8 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
 
 
 def decode_weight_bytes(gen) -> int:
-    """Bytes of weights the decode steps of gen's last generate read (a Generator or a SpeculativeGenerator,
-    the prefill apart): the model once a step it ran (up to K - 1 past a stop), or per round the target once
-    and any draft K + 1 times."""
+    """Bytes of weights gen's last decode read (the prefill apart): the model once a step it ran (up to K - 1 past a
+    stop), or per round the target once and any draft K + 1 times."""
     if isinstance(gen, Generator):
         return gen.decode_steps * weight_bytes_per_step(gen.model)
     draft = 0 if gen.draft is None else (gen.k + 1) * weight_bytes_per_step(gen.draft)

@@ -5,7 +5,7 @@
 
 In reading order:
   SamplingParams  a request's settings: its sampling (per row data in the graph), budget, stops, logprobs
-  Request         one prompt, its settings and its output so far (stop tokens and strings found here)
+  Request         one prompt, its settings and its output so far (stops found here)
   serve_step()    one decode step of a bucket on static buffers, each row with its own sampling setting
   Runner          the device side: cache rows, static buffers, one compiled step per bucket; no policy
   Scheduler       who runs: waiting prompts in chunks within a token budget, then every decoding row; no tensors
@@ -19,8 +19,9 @@ after the decoding ones (Runner.rows_from); a round decodes rows 0..n-1 padded t
 padding row writes past what its row holds, where nobody reads (masked; each position is written before it is read).
 
 Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, so CUDAGraph
-Trees records every bucket into one memory pool. Temperature, top-k and top-p are per-row tensors among the static
-buffers: one graph a bucket serves every mix of settings. A recompile after warm-up is an error (no_recompiles).
+Trees records every bucket into one memory pool (the CPU with cpu.cpp's attention: built ahead of time once, for a
+fixed cache length). Temperature, top-k and top-p are per-row tensors among the static buffers: one graph a bucket
+serves every mix of settings. A recompile after warm-up is an error (no_recompiles).
 """
 import contextlib
 import json
@@ -38,7 +39,7 @@ from tqdm import tqdm
 import gdkernels
 from common import (Sampling, Step, UsageError, cache_length, check_memory, decode_mode, default_device,
                     default_dtype, no_recompiles, prefill_attention, sample_rows)
-from gdkernels.aot import AotStep
+from gdkernels import aot
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -123,10 +124,9 @@ class Request:
 
 
 def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_k, top_p, top, top_ids) -> None:
-    """One decode step of a bucket, on static buffers: token [b, 1] the last tokens, pos [b, 1] their positions
-    (each row its own), out, logp [b, K] a round's tokens, log-probabilities, top, top_ids [b, K, TOP_LOGPROBS] the
-    likeliest tokens', col [1] the step within the round, temperature, top_k, top_p [b] each row's sampling. The
-    next tokens go to `token` and out[:, col] (on-device feedback: no host between steps)."""
+    """One decode step of a bucket, on static buffers: token [b, 1] the last tokens, pos [b, 1] their positions, out,
+    logp [b, K] a round's tokens and logprobs, top, top_ids [b, K, TOP_LOGPROBS] the likeliest, col [1] the step, and
+    temperature, top_k, top_p [b] each row's sampling. Next tokens: `token`, out[:, col] (no host between steps)."""
     logits = model(token, pos)[:, -1].float()  # [b, V]
     nxt = sample_rows(logits, temperature, top_k, top_p)[:, None]  # [b, 1]
     token.copy_(nxt)
@@ -162,8 +162,10 @@ class Runner:
         self.buckets = sorted(buckets or default_buckets(max_batch))
         if self.buckets[0] < 1 or self.buckets[-1] != max_batch:
             raise UsageError(f"buckets {self.buckets} must be >= 1 and end at max_batch {max_batch}")
-        model.setup_caches(max_batch, length)
-        self.length = length  # (the cache may hold more, from an earlier user of the model)
+        # (the cache may hold more: an earlier user's, or the fixed length of the CPU's steps built ahead of time)
+        fixed = mode.startswith("aot") and aot.cache_length(length, model.args, model.tok_embeddings.weight.dtype, max_batch)
+        model.setup_caches(max_batch, fixed or length)
+        self.length = length
         new = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=self.device)  # noqa: E731
         self.token, self.pos, self.out, self.col = new(max_batch, 1), new(max_batch, 1), new(max_batch, steps), new(1)
         self.logp, self.temperature = new(max_batch, steps, dtype=torch.float), new(max_batch, dtype=torch.float)
@@ -172,7 +174,7 @@ class Runner:
         # Per bucket, views of the largest buffers, made once: a graph replays on fixed addresses.
         self.views = {b: (self.token[:b], self.pos[:b], self.out[:b], self.logp[:b], self.col, self.temperature[:b],
                           self.top_k[:b], self.top_p[:b], self.top[:b], self.top_ids[:b]) for b in self.buckets}
-        fn = AotStep(serve_step, build=mode == "aot") if mode.startswith("aot") else serve_step  # (CPU: cached on disk)
+        fn = aot.AotStep(serve_step, build=mode == "aot") if mode.startswith("aot") else serve_step  # (cached on disk)
         self.step = Step(fn, mode, self.device, dynamic=False)
         if mode in ("compile", "graphs"):
             gdkernels.register_fallbacks()
@@ -190,6 +192,8 @@ class Runner:
                 self.step(self.model, *self.views[b], key=b)
             if progress is not None and self.mode != "eager":
                 progress(b, self.step.compile_s)
+
+    how = property(lambda self: f"{self.mode} ({self.step.fn.ran})" if self.mode.startswith("aot") else self.mode)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -216,9 +220,8 @@ class Runner:
         for _ in range(self.steps):
             self.step(self.model, *self.views[b], key=b)
         out, logp = self.out[:len(rows)].tolist(), self.logp[:len(rows)].tolist()
-        tops = [[None] * self.steps] * len(rows)  # (alternatives read back only if a row asks)
-        if any(r.params.top_logprobs for r in rows):
-            tops = [pairs(*t) for t in zip(self.top[:len(rows)].cpu(), self.top_ids[:len(rows)].cpu())]
+        tops = [pairs(*t) for t in zip(self.top[:len(rows)].cpu(), self.top_ids[:len(rows)].cpu())] \
+            if any(r.params.top_logprobs for r in rows) else [[None] * self.steps] * len(rows)  # (read if asked)
         return list(zip(rows, out, logp, tops))
 
     @contextlib.contextmanager
@@ -235,9 +238,8 @@ class Runner:
 
     @torch.no_grad()
     def prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple]:
-        """(request, stop): prompt[request.prefilled:stop] into the request's row (new ones: the first free rows,
-        after the decoding ones), all in one forward -> per chunk (the first token or None, its log-probability and
-        alternatives, the chunk's prompt log-probabilities and alternatives or None). Complete ones decode next."""
+        """(request, stop): prompt[request.prefilled:stop] into its row (new ones: the first free rows), in one
+        forward -> per chunk (first token or None, its logprob and top ones, the prompt's or None). Complete: decode."""
         for r, _ in chunks:
             if r not in self.rows:
                 self.rows.append(r)
@@ -293,10 +295,9 @@ class Runner:
 
 
 class Scheduler:
-    """Who runs, between rounds; it never touches a tensor. Waiting requests join in arrival order while rows
-    are free: a round first prefills the next prompt chunks that fit one forward of `budget` tokens (padded: the
-    rows times the longest chunk), a prompt longer than that in chunks over rounds (first in line until done),
-    then decodes every decoding row. Rows already decoding wait at most one budget's forward between rounds."""
+    """Who runs, between rounds; it never touches a tensor. Waiting requests join in arrival order while rows are free:
+    a round first prefills the next prompt chunks that fit one forward of `budget` tokens (padded: rows x the longest
+    chunk; a longer prompt in chunks over rounds, first in line until done), then decodes every decoding row."""
 
     def __init__(self, max_batch: int, budget: int):
         self.max_batch, self.budget = max_batch, budget
@@ -359,17 +360,14 @@ class LLM:
                 gdkernels.apply(model)
         self.model, self.device = model, model.tok_embeddings.weight.device
         self.tokenizer = tokenizer or (load_tokenizer(checkpoint) if checkpoint else None)
-        self.runner = Runner(model, max_batch, min(max_length, model.args.max_seq_len), buckets,
-                             decode_mode(self.device, compile), steps)
+        self.runner = Runner(model, max_batch, min(max_length, model.args.max_seq_len), buckets, decode_mode(
+            self.device, compile, aot=any(isinstance(m, gdkernels.CpuAttention) for m in model.modules())), steps)
         self.scheduler = Scheduler(max_batch, prefill_budget)
         self.inbox = queue.SimpleQueue()  # submit()'s requests, for the loop's thread
         self.tokens_out, self.seconds = 0, 0.0  # generated tokens of the last run(), and its seconds
-        self.warm = False
 
-    def warm_up(self, progress=None) -> None:
-        if not self.warm:
-            self.runner.warm_up(progress)
-            self.warm = True
+    def warm_up(self, progress=None) -> None:  # (a second call finds every bucket warm)
+        self.runner.warm_up(progress)
 
     def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> Request:
         """A request for the next step (checked here: errors are UsageErrors, nothing is queued)."""
@@ -466,9 +464,9 @@ class LLM:
         return r.outbox.get(timeout=timeout)
 
     def loop(self, stop: threading.Event, idle: float = 0.01) -> None:
-        """The engine loop, for one background thread, until `stop` is set: steps while there is work, and
-        waits for submit()'s requests while there is none. When it ends (stopped, or a step raised), every live
-        request ends as "abort" with a last (no tokens, finished): no receive() waits for ever."""
+        """The engine loop, for one background thread, until `stop` is set: steps while there is work, else waits for
+        submit()'s. At its end (stopped, or a step raised) every live request ends "abort" with a last (no tokens,
+        finished): no receive() waits for ever."""
         try:
             while not stop.is_set():
                 if not self.scheduler.live():
@@ -535,9 +533,9 @@ def run_file(checkpoint: Path, prompts_file: Path, output: Path | None, params: 
               tokenizer=tokenizer)
     reqs = llm.requests(encoded, params)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    llm.warm_up(lambda b, sec: log(f"engine: bucket {b} compiled and warm ({sec:.1f} s)"))
+    llm.warm_up(lambda b, sec: log(f"engine: bucket {b} warm ({sec:.1f} s)"))
     r = llm.runner
-    log(f"engine: {r.mode}, buckets {r.buckets}, {r.steps} decode steps a round, {r.length} positions a row, "
+    log(f"engine: {r.how}, buckets {r.buckets}, {r.steps} decode steps a round, {r.length} positions a row, "
         f"warm-up {r.step.compile_s:.1f} s")
     start, tokens = time.perf_counter(), 0
     with tqdm(total=len(reqs), unit="req", file=sys.stderr, disable=None) as bar:

@@ -110,8 +110,8 @@ class Server:
 
     def run_engine(self) -> None:
         start, r = time.perf_counter(), self.llm.runner
-        self.llm.warm_up(lambda b, s: log(f"engine: bucket {b} compiled and warm ({s:.1f} s)"))
-        log(f"engine: {r.mode}, buckets {r.buckets}, {r.steps} decode steps a round, {r.length} positions a row; "
+        self.llm.warm_up(lambda b, s: log(f"engine: bucket {b} warm ({s:.1f} s)"))
+        log(f"engine: {r.how}, buckets {r.buckets}, {r.steps} decode steps a round, {r.length} positions a row; "
             f"ready in {time.perf_counter() - start:.1f} s")
         self.ready.set()
         self.llm.loop(self.stop)
@@ -287,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16, help="KV-cache rows: requests decoded at once (default: 16)")
     p.add_argument("--max-waiting", type=int, help="requests waiting for a row, then 429 (default: 4x --max-batch)")
     p.add_argument("--max-length", type=int, default=1024, help="positions a row holds, a prompt and its output "
-                   "(default: %(default)s or the model's context if less; eager decode reads them all)")
+                   "(default: %(default)s or the model's context if less)")
+    p.add_argument("--compile", action="store_true", help="the CPU: build each bucket's step ahead of time, once "
+                   "(~1 min a bucket, cached); without it a step built before is used, else eager decode")
     p.add_argument("--device", choices=["cuda", "cpu"], help="(default: cuda if available)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="(default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--no-kernels", action="store_true", help="run the plain model.py, without the kernels package")
@@ -301,7 +303,8 @@ def load(args) -> Server:
         raise UsageError(f"--max-waiting must be >= 0 (got {max_waiting})")
     device = default_device(args.device)
     checkpoint = args.checkpoint or prepare_default(device)  # (the CPU: its int4 form, as generate.py)
-    llm = LLM(checkpoint, device, args.dtype, args.max_batch, args.max_length, kernels=not args.no_kernels)
+    llm = LLM(checkpoint, device, args.dtype, args.max_batch, args.max_length, kernels=not args.no_kernels,
+              compile=args.compile or None)
     return Server(llm, Path(checkpoint).name, max_waiting)
 
 

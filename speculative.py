@@ -88,7 +88,7 @@ def accept(logits: torch.Tensor, d: torch.Tensor, q: torch.Tensor, token: torch.
         # rounding anyway by falling back to p.
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p)
         drawn = draw(resid)  # [K+1]: a candidate at every row; only row n is used
-        out = torch.where(offsets < n, torch.cat([d, d[:1]]), drawn)
+        out = torch.where(offsets < n, torch.cat([d, drawn[K:]]), drawn)  # (K = 0: a plain step's draw)
     seq = torch.cat([token[0], out])  # [K+2]: the token at pos, then pos+1..pos+K+1
     token.copy_(seq.gather(0, n + 1).view(1, 1))
     pos.add_(n + 1)

@@ -28,22 +28,23 @@ from common import cache_dir
 
 HERE = Path(__file__).resolve().parent
 # What the compiled step runs, besides the step function's own file
-SOURCES = [HERE.parent / "model.py", HERE.parent / "quantize.py", HERE / "__init__.py", HERE / "cpu.py",
-           HERE / "cpu.cpp"]
+SOURCES = [HERE.parent / "model.py", HERE.parent / "quantize.py", HERE.parent / "common.py", HERE / "__init__.py",
+           HERE / "cpu.py", HERE / "cpu.cpp"]
 OPTIONS = {"cpp.min_chunk_size": 65536}  # (Inductor on the CPU: see generate.Generator)
 CACHE_BYTES = 2 << 30  # the fixed-length cache is halved while it would take more than this
 
 
-def cache_length(need: int, args, dtype: torch.dtype) -> int:
+def cache_length(need: int, args, dtype: torch.dtype, rows: int = 1) -> int:
     """Positions the cache holds for the step built ahead of time, the same whatever `need` (a prompt and its
-    output): the model's context, halved while the cache passes CACHE_BYTES and the half still holds need.
+    output): the model's context, halved while the cache (of `rows` rows) passes CACHE_BYTES and the half still
+    holds need.
     Without cpu.cpp's attention (which reads up to each position only) the step would read the whole
     cache: common.cache_length's rounding then."""
     from . import cpu
 
     if not cpu.available():
         return common.cache_length(need, args.max_seq_len)
-    length, per_position = args.max_seq_len, 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype.itemsize
+    length, per_position = args.max_seq_len, 2 * rows * args.n_layers * args.n_kv_heads * args.head_dim * dtype.itemsize
     while length // 2 >= need and length * per_position > CACHE_BYTES:
         length //= 2
     return length

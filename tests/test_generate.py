@@ -172,7 +172,7 @@ def test_ahead_of_time_step_equals_eager_and_is_reused(tmp_path, monkeypatch, ca
 
     def aot(model, sampling, mode="aot", prompt=(1, 2, 3), new=40):
         gen = Generator(model, sampling, mode)
-        gen.reserve(1, generate.fit(len(prompt) + new, args, mode, torch.float32))  # (as the CLI does)
+        gen.reserve(1, gdkernels.aot.cache_length(len(prompt) + new, args, torch.float32))  # (as the CLI does)
         out = [t for chunk in gen.generate([list(prompt)], new) for t in chunk[0]]
         return out, gen
 

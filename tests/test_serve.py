@@ -83,6 +83,27 @@ def test_compiled_buckets_equal_eager_and_do_not_recompile(tiny, monkeypatch):
     assert [r.out for r in reqs] == ref
 
 
+@pytest.mark.slow
+def test_cpu_buckets_built_ahead_of_time_once_equal_eager(tiny, tmp_path, monkeypatch):
+    """On the CPU with the kernels (cpu.cpp's attention) --compile builds each bucket's step ahead of time, once, for
+    a fixed cache length whatever max_length; a later engine (the default, aot-cached) loads it: no new build. Each
+    output equals the request's alone. (One bucket: each build takes ~20 s.)"""
+    import copy
+
+    import gdkernels.aot
+
+    monkeypatch.setattr(gdkernels.aot, "cache_dir", lambda: tmp_path)
+    model = copy.deepcopy(tiny)
+    assert gdkernels.apply(model) == ["2 x attention -> cpu.cpp (each query reads up to its position)"]
+    prompts, budgets = workload(5, seed=3)
+    ref = [alone(model, p, n) for p, n in zip(prompts, budgets)]
+    for compile, max_length in ((True, 64), (None, 128)):
+        got, llm = engine(model, prompts, budgets, max_batch=2, max_length=max_length, buckets=[2], compile=compile)
+        assert got == ref and llm.runner.how == f"aot{'' if compile else '-cached'} (compiled ahead of time)"
+        assert llm.runner.length == max_length and model.max_seq_length == 512  # (the context: a small cache)
+        assert len(list((tmp_path / "aot").glob("serve_step-*.pt2"))) == 1
+
+
 def test_requests_added_while_others_run_and_abort(tiny):
     """The online API: requests join between steps, each output equal to its output alone; a long prompt goes
     in in chunks while the others decode (each gets its K tokens at every step meanwhile); an aborted request's

@@ -342,6 +342,11 @@ def test_prompt_lookup_greedy_equals_plain_greedy(target, prompt, k):
     assert got == expected
     assert gen.round_tokens == sum((n + 1) * c for n, c in enumerate(gen.histogram))
     assert gen.plain_steps > 0  # (rounds in a row accepted nothing: steps that propose nothing ran too)
+    # sampling's acceptance, and its steps that propose nothing, at top-k 1: greedy's tokens again
+    top1 = Sampling(temperature=1.0, top_k=1)
+    torch.manual_seed(7)
+    got, gen = spec(target, None, top1, k, 40, prompt=prompt)
+    assert got == expected and gen.plain_steps > 0
 
 
 def test_prompt_lookup_accepts_runs_and_stops_inside_them(target):
