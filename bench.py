@@ -293,8 +293,9 @@ class Timed:
 
     def __init__(self, runner: Runner):
         self.events, self.rounds, self.prefills = [], [], 0
-        for name in ("prefill", "move", "step"):
+        for name in ("prefill", "move"):
             setattr(runner, name, self.wrap(name, getattr(runner, name)))
+        runner.step.fn = self.wrap("step", runner.step.fn)  # (the Step stays: its warm-up state with it)
         decode, K = runner.decode, runner.steps
 
         def counted():

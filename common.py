@@ -236,11 +236,25 @@ def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return probs
 
 
-def draw(probs: torch.Tensor) -> torch.Tensor:
+def draw(probs: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
     """probs [..., V] (need not be normalised) -> one draw per row [...]. argmax(p / E) with
     E ~ Exponential(1) draws from p (the exponential race) without torch.multinomial, which syncs
-    with the host."""
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+    with the host. noise: E given (seeded_noise), else drawn from PyTorch's generator."""
+    return (probs / (torch.empty_like(probs).exponential_(1) if noise is None else noise)).argmax(-1)
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:  # a 32-bit integer hash (h in [0, 2^32) as int64: no overflow)
+    for _ in range(2):
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def seeded_noise(seed: torch.Tensor, pos: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exponential(1) noise [B, vocab] for draw(), a hash of each row's seed [B] and position [B] (or [B, 1]) and of
+    the token: a seeded request draws the same tokens whatever else its batch holds, with no generator state."""
+    h = _mix((seed.view(-1, 1) + _mix(pos.view(-1, 1) & 0xFFFFFFFF)) & 0xFFFFFFFF)
+    u = ((_mix(h ^ torch.arange(vocab, device=seed.device)) >> 8).float() + 0.5) / 2 ** 24  # uniform in (0, 1)
+    return -u.log()
 
 
 def sample(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -266,9 +280,12 @@ def row_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     return torch.zeros_like(p).scatter_(-1, order, p / p.sum(-1, keepdim=True))
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> token ids [B], each row by its own setting (row_probs); temperature 0: argmax."""
-    sampled = draw(row_probs(logits, torch.where(temperature > 0, temperature, 1.0), top_k, top_p))
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                seed: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B], each row by its own setting (row_probs); temperature 0: argmax. With each
+    row's seed and position [B]: the noise hashed from them (seeded_noise), else PyTorch's generator's."""
+    noise = None if seed is None else seeded_noise(seed, pos, logits.shape[-1])
+    sampled = draw(row_probs(logits, torch.where(temperature > 0, temperature, 1.0), top_k, top_p), noise)
     return torch.where(temperature > 0, sampled, logits.argmax(-1))
 
 

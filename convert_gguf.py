@@ -78,11 +78,10 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _rope_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict | None:
     """Llama 3 rope_scaling parameters that reproduce the stored factors exactly, or fail.
 
-    The factors (llama.cpp's rope_freqs.weight) divide the RoPE inverse frequencies: 1 for short
-    wavelengths, `factor` for long ones, interpolated between. Only ratios are determined by the
-    factors (scaling the original context and both frequency factors together changes nothing), so
-    the original context is fixed at Llama 3's 8192 and the two thresholds are fitted from the smooth
-    band; the fit must recompute the stored factors."""
+    The factors (llama.cpp's rope_freqs.weight) divide the RoPE inverse frequencies: 1 for short wavelengths,
+    `factor` for long ones, interpolated between. Only ratios are determined by the factors (scaling the original
+    context and both frequency factors together changes nothing), so the original context is fixed at Llama 3's
+    8192 and the two thresholds are fitted from the smooth band; the fit must recompute the stored factors."""
     factors = np.asarray(factors, dtype=np.float64).reshape(-1)
     if factors.shape[0] != head_dim // 2 or not np.all(np.isfinite(factors)):
         raise ConversionError(f"rope_freqs.weight has {factors.shape[0]} values, expected {head_dim // 2}")
@@ -429,10 +428,9 @@ def _byte_level_tokenizer(tokens: list[str], merges: list[str], kind: str):
 def _sentencepiece_tokenizer(tokens: list[str], types: list[int], scores: list[float], meta: dict):
     """SentencePiece-style BPE with byte fallback (tokenizer.ggml.model == "llama").
 
-    llama.cpp's SPM tokenizer repeatedly merges the adjacent pair whose concatenation is the
-    highest-scoring vocabulary piece. The equivalent Hugging Face BPE model has one merge per
-    way of splitting a piece into two pieces, ranked by the merged piece's score.
-    """
+    llama.cpp's SPM tokenizer repeatedly merges the adjacent pair whose concatenation is the highest-scoring
+    vocabulary piece. The equivalent Hugging Face BPE model has one merge per way of splitting a piece into two
+    pieces, ranked by the merged piece's score."""
     vocab = _vocab_dict(tokens)
     mergeable = {t: i for t, i in vocab.items() if types[i] in (TT.NORMAL, TT.USER_DEFINED, TT.UNUSED)}
     ranked = []

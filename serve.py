@@ -18,10 +18,9 @@ prefilling rows move down one). Joining prompts are prefilled together, padded t
 after the decoding ones (Runner.rows_from); a round decodes rows 0..n-1 padded to the smallest bucket b >= n. A
 padding row writes past what its row holds, where nobody reads (masked; each position is written before it is read).
 
-Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, so CUDAGraph
-Trees records every bucket into one memory pool (the CPU with cpu.cpp's attention: built ahead of time once, for a
-fixed cache length). Temperature, top-k and top-p are per-row tensors among the static buffers: one graph a bucket
-serves every mix of settings. A recompile after warm-up is an error (no_recompiles).
+Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, into CUDAGraph
+Trees' one memory pool (the CPU: built ahead of time once). Temperature, top-k, top-p and the seed are per-row tensors
+in the static buffers: one graph a bucket serves every mix of settings. A recompile after warm-up is an error.
 """
 import contextlib
 import json
@@ -56,6 +55,7 @@ class SamplingParams(Sampling):
     logprobs: bool = False  # keep each generated token's log-probability (the model's, before temperature)
     prompt_logprobs: bool = False  # and each prompt token's (the first has none)
     top_logprobs: int = 0  # and with each, the N <= TOP_LOGPROBS likeliest tokens there: [(id, log-probability)]
+    seed: int | None = None  # the same seed, prompt and settings: the same tokens, whatever the batch (None: random)
 
     def check(self) -> None:  # (a wrong type is a UsageError too; a bool is not an integer here)
         super().check()
@@ -63,6 +63,8 @@ class SamplingParams(Sampling):
             raise UsageError(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
         if type(self.top_logprobs) is not int or not 0 <= self.top_logprobs <= TOP_LOGPROBS:
             raise UsageError(f"top_logprobs must be an integer in [0, {TOP_LOGPROBS}] (got {self.top_logprobs!r})")
+        if self.seed is not None and type(self.seed) is not int:
+            raise UsageError(f"seed must be an integer (got {self.seed!r})")
         if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in self.stop):
             raise UsageError(f"stop must be a sequence of non-empty strings (got {self.stop!r})")
         if not isinstance(self.stop_ids, (tuple, list)) or not all(type(t) is int for t in self.stop_ids):
@@ -123,12 +125,12 @@ class Request:
         return self.out[first:]
 
 
-def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_k, top_p, top, top_ids) -> None:
+def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_k, top_p, seed, top, top_ids) -> None:
     """One decode step of a bucket, on static buffers: token [b, 1] the last tokens, pos [b, 1] their positions, out,
     logp [b, K] a round's tokens and logprobs, top, top_ids [b, K, TOP_LOGPROBS] the likeliest, col [1] the step, and
-    temperature, top_k, top_p [b] each row's sampling. Next tokens: `token`, out[:, col] (no host between steps)."""
+    temperature, top_k, top_p, seed [b] each row's sampling. Next tokens: `token`, out[:, col] (no host between)."""
     logits = model(token, pos)[:, -1].float()  # [b, V]
-    nxt = sample_rows(logits, temperature, top_k, top_p)[:, None]  # [b, 1]
+    nxt = sample_rows(logits, temperature, top_k, top_p, seed, pos)[:, None]  # [b, 1]
     token.copy_(nxt)
     lp = logits.log_softmax(-1)
     values, ids = lp.topk(TOP_LOGPROBS, -1)  # [b, TOP_LOGPROBS]
@@ -146,9 +148,9 @@ def default_buckets(max_batch: int) -> list[int]:  # 1, 2, 4, 8, ... and max_bat
     return sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
 
 
-def row_settings(s: list[SamplingParams], vocab: int) -> list[list[float]]:  # temperature, top_k, top_p (off: V, inf)
+def row_settings(s: list[SamplingParams], vocab: int) -> list[list[float]]:  # temperature, top_k, top_p (off: V, inf), seed
     return [[p.temperature for p in s], [p.top_k or vocab for p in s],
-            [p.top_p if p.top_p is not None and p.top_p < 1 else float("inf") for p in s]]
+            [p.top_p if p.top_p is not None and p.top_p < 1 else float("inf") for p in s], [p.seed or 0 for p in s]]
 
 
 class Runner:
@@ -162,18 +164,18 @@ class Runner:
         self.buckets = sorted(buckets or default_buckets(max_batch))
         if self.buckets[0] < 1 or self.buckets[-1] != max_batch:
             raise UsageError(f"buckets {self.buckets} must be >= 1 and end at max_batch {max_batch}")
-        # (the cache may hold more: an earlier user's, or the fixed length of the CPU's steps built ahead of time)
         fixed = mode.startswith("aot") and aot.cache_length(length, model.args, model.tok_embeddings.weight.dtype, max_batch)
-        model.setup_caches(max_batch, fixed or length)
+        model.setup_caches(max_batch, fixed or length)  # (it may hold more: an earlier user's, or the CPU's fixed length)
         self.length = length
         new = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=self.device)  # noqa: E731
         self.token, self.pos, self.out, self.col = new(max_batch, 1), new(max_batch, 1), new(max_batch, steps), new(1)
         self.logp, self.temperature = new(max_batch, steps, dtype=torch.float), new(max_batch, dtype=torch.float)
-        self.top_k, self.top_p = new(max_batch), new(max_batch, dtype=torch.float)
+        self.top_k, self.top_p, self.seed = new(max_batch), new(max_batch, dtype=torch.float), new(max_batch)
         self.top, self.top_ids = (new(max_batch, steps, TOP_LOGPROBS, dtype=d) for d in (torch.float, torch.long))
         # Per bucket, views of the largest buffers, made once: a graph replays on fixed addresses.
         self.views = {b: (self.token[:b], self.pos[:b], self.out[:b], self.logp[:b], self.col, self.temperature[:b],
-                          self.top_k[:b], self.top_p[:b], self.top[:b], self.top_ids[:b]) for b in self.buckets}
+                          self.top_k[:b], self.top_p[:b], self.seed[:b], self.top[:b], self.top_ids[:b])
+                      for b in self.buckets}
         fn = aot.AotStep(serve_step, build=mode == "aot") if mode.startswith("aot") else serve_step  # (cached on disk)
         self.step = Step(fn, mode, self.device, dynamic=False)
         if mode in ("compile", "graphs"):
@@ -184,8 +186,7 @@ class Runner:
         self.decoding = 0
 
     def warm_up(self, progress=None) -> None:
-        """Compile (and on CUDA record) every bucket's step, largest first, so the smaller buckets' graphs are
-        recorded into the memory the largest one's left in the shared pool. progress(bucket, seconds so far)."""
+        """Compile (CUDA: record) each bucket's step, largest first (the others' graphs reuse its pool); progress(b, s)."""
         for b in reversed(self.buckets):
             while not self.step.warm(b):
                 self.write([], b)
@@ -199,21 +200,19 @@ class Runner:
         return next(b for b in self.buckets if b >= n)
 
     def write(self, rows: list[Request], b: int) -> None:
-        """A round's inputs for bucket b: each row's last token, position and sampling; padding rows (greedy)
-        write at the first position their row does not hold yet (a prefilling row's next, else 0)."""
+        """A round's inputs for bucket b; padding rows (greedy) write where their row holds nothing yet (or at 0)."""
         pad = [r.prefilled if r.prefilled < len(r.prompt) else 0 for r in self.rows[len(rows):b]]
         pad += [0] * (b - len(rows) - len(pad))
         settings = row_settings([r.params for r in rows] + [SamplingParams(temperature=0)] * len(pad), self.vocab)
         host = torch.tensor([[r.out[-1] for r in rows] + [0] * len(pad), [r.pos for r in rows] + pad, *settings],
                             dtype=torch.float64).to(self.device)  # (one copy; token ids and positions exact in it)
-        for buffer, values in zip(self.views[b][:2] + self.views[b][5:8], host):
+        for buffer, values in zip(self.views[b][:2] + self.views[b][5:9], host):
             buffer.copy_(values.view(buffer.shape))
         self.col.zero_()
 
     @torch.no_grad()
     def decode(self) -> list[tuple[Request, list[int], list[float], list]]:
-        """One round: K steps of the smallest bucket that holds the decoding rows -> each row's K new tokens, their
-        log-probabilities and alternatives. The host writes the inputs once, launches K steps, reads back once."""
+        """A round: K steps of the least bucket holding the decoding rows -> their tokens, logprobs, alternatives."""
         rows = self.rows[:self.decoding]
         b = self.bucket(len(rows))
         self.write(rows, b)
@@ -258,7 +257,8 @@ class Runner:
         ends = torch.tensor([stop - r.prefilled - 1 for r, stop in chunks], device=self.device)
         final = logits[torch.arange(len(chunks), device=self.device), ends].float()  # [m, V]
         settings = torch.tensor(row_settings([r.params for r, _ in chunks], self.vocab), device=self.device)
-        tokens, logp = sample_rows(final, settings[0], settings[1].long(), settings[2]), final.log_softmax(-1)
+        at = ends + torch.tensor([r.prefilled for r, _ in chunks], device=self.device)  # (each chunk's last position)
+        tokens, logp = sample_rows(final, *settings[:3], settings[3].long(), at), final.log_softmax(-1)
         firsts = zip(tokens.tolist(), logp.gather(-1, tokens[:, None])[:, 0].tolist(), pairs(*logp.topk(TOP_LOGPROBS)))
         results = []
         for i, ((r, stop), (t, lp, top)) in enumerate(zip(chunks, firsts)):
@@ -385,7 +385,8 @@ class LLM:
             raise UsageError("stop strings need the engine's tokenizer")
         eos = () if params.ignore_eos or self.tokenizer is None else self.tokenizer.eos_ids
         decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
-        return Request(list(prompt), params, stop_ids=frozenset(eos) | frozenset(params.stop_ids), decoder=decoder)
+        seeded = replace(params, seed=int(torch.randint(2 ** 32, ())) if params.seed is None else params.seed % 2 ** 32)
+        return Request(list(prompt), seeded, stop_ids=frozenset(eos) | frozenset(params.stop_ids), decoder=decoder)
 
     def abort(self, r: Request) -> None:
         """Stop r (from any thread): the next step frees its row and reports it finished ("abort")."""
@@ -537,11 +538,10 @@ def run_file(checkpoint: Path, prompts_file: Path, output: Path | None, params: 
     r = llm.runner
     log(f"engine: {r.how}, buckets {r.buckets}, {r.steps} decode steps a round, {r.length} positions a row, "
         f"warm-up {r.step.compile_s:.1f} s")
-    start, tokens = time.perf_counter(), 0
+    start = time.perf_counter()
     with tqdm(total=len(reqs), unit="req", file=sys.stderr, disable=None) as bar:
         def progress(q: Request):
-            nonlocal tokens
-            tokens += len(q.out)
+            tokens = sum(len(x.out) for x in reqs)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tok/s", refresh=False)
             bar.update()
         llm.run(reqs, progress)

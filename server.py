@@ -8,7 +8,7 @@ The engine loop runs in one background thread after its warm-up (until then /hea
 never touch tensors: they check a request (strict pydantic models; errors in OpenAI's body) and submit() its prompts;
 the engine's thread hands each read-back to the event loop. Beyond the rows and --max-waiting: 429. A client gone
 mid-stream has its requests aborted. Streamed text stops at Request.final (a stop string is never half sent). `n` > 1
-is n requests; `seed` is accepted but not applied (all rows draw from one generator: only greedy output repeats).
+is n requests (with a `seed`, choice i draws with seed + i: the same request, the same choices, whatever the batch).
 """
 import argparse
 import asyncio
@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated, Literal
@@ -172,7 +173,8 @@ class Server:
 
         def outbox(i: int) -> SimpleNamespace:  # its put((new ids, finished)), on the engine's thread: arrive(i, ...)
             return SimpleNamespace(put=functools.partial(loop.call_soon_threadsafe, arrive, i))
-        each = [(ids, p) for ids, p in zip(prompts, params) for _ in range(body.n)]
+        each = [(ids, p if body.seed is None else replace(p, seed=body.seed + i)) for ids, p in zip(prompts, params)
+                for i in range(body.n)]
         self.live += len(each)
         return [self.llm.submit(ids, p, outbox(i)) for i, (ids, p) in enumerate(each)], inbox
 

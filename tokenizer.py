@@ -85,11 +85,10 @@ LLAMA2_TEMPLATE = (
 class StreamDecoder:
     """Incremental detokenizer: push(id) returns the newly completed text.
 
-    It emits decode(context + pending ids) minus decode(context), so position-dependent rendering
-    (SentencePiece drops the first piece's "▁" space) is the same in both. The context is the last
-    emission's tokens, extended while they show no visible character (a context decoding to "" would
-    make SentencePiece strip the next piece's space too). Text ending in U+FFFD, an incomplete UTF-8
-    character (an emoji split over byte tokens), is held back."""
+    It emits decode(context + pending ids) minus decode(context), so position-dependent rendering (SentencePiece
+    drops the first piece's "▁" space) is the same in both. The context is the last emission's tokens, extended
+    while they show no visible character (a context decoding to "" would make SentencePiece strip the next piece's
+    space too). Text ending in U+FFFD, an incomplete UTF-8 character (an emoji split over byte tokens), is held back."""
 
     def __init__(self, tokenizer: "Tokenizer"):
         self._tok = tokenizer

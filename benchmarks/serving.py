@@ -65,11 +65,12 @@ class Bucket:
 
 
 def buffers(n):
-    """serve_step's buffers for n greedy rows (top-k and top-p off)."""
+    """serve_step's buffers for n greedy rows (top-k and top-p off, seed 0)."""
     z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=CUDA)  # noqa: E731
     top_k = torch.full((n,), 1 << 30, device=CUDA)  # (clamped to the vocabulary: off)
     return (z(n, 1), z(n, 1), z(n, 64), z(n, 64, dtype=torch.float), z(1), z(n, dtype=torch.float), top_k,
-            torch.full((n,), float("inf"), device=CUDA), z(n, 64, TOP_LOGPROBS, dtype=torch.float), z(n, 64, TOP_LOGPROBS))
+            torch.full((n,), float("inf"), device=CUDA), z(n), z(n, 64, TOP_LOGPROBS, dtype=torch.float),
+            z(n, 64, TOP_LOGPROBS))
 
 
 def part_pools(model, out):

@@ -4,6 +4,7 @@ counts between buckets, with padding rows, and over K-step rounds; the CLI's --p
 import json
 import random
 import subprocess
+from dataclasses import replace
 
 import pytest
 import torch
@@ -188,6 +189,29 @@ def test_mixed_settings_share_one_compiled_step_and_never_recompile(tiny):
     for i in (0, 3):
         assert first[i] == alone(tiny, prompts[i], budgets[i], stop=())
     assert all(len(o) == n for o, n in zip(first, budgets))
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_its_batch(tiny):
+    """SamplingParams.seed: the same request alone, among others and in another round's rows draws the same tokens;
+    another seed others. The noise hashed from (seed, position, token) is Exponential(1): draws follow p."""
+    from common import draw, seeded_noise
+
+    llm = LLM(model=tiny, max_batch=4, max_length=64, steps=3)
+    mine = params(20, (), temperature=1.0, top_k=None, seed=1234)
+
+    def run(prompts, first_params):
+        reqs = [llm.make_request(p, first_params if i == 0 else params(20, (), temperature=0.9)) for i, p in
+                enumerate(prompts)]
+        llm.run(reqs)
+        return reqs[0].out
+
+    alone_ = run([[5, 6, 7]], mine)
+    assert run([[5, 6, 7], [1, 2], [9] * 10, [3]], mine) == alone_ == run([[5, 6, 7], [4, 4, 4]], mine)
+    assert run([[5, 6, 7]], replace(mine, seed=99)) != alone_
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    for seed, pos in ((torch.arange(20000), torch.full((20000,), 7)), (torch.full((20000,), 3), torch.arange(20000))):
+        counts = torch.bincount(draw(p.expand(20000, 4), seeded_noise(seed, pos, 4)), minlength=4)
+        assert ((counts / 20000 - p).abs() < 0.015).all(), counts
 
 
 def test_row_probs_equal_logits_to_probs_for_each_rows_setting():
@@ -494,7 +518,7 @@ def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps, kernels, mo
     assert llm.runner.mode == "graphs"
     assert got == ref
     runner = llm.runner
-    for b in runner.buckets:  # a round: K graph replays; outside them each replay's RNG seeding, the five inputs'
-        # copies (token, position, temperature, top-k, top-p) and col's reset
+    for b in runner.buckets:  # a round: K graph replays; outside them the six inputs' copies (token, position,
+        # temperature, top-k, top-p, seed) and col's reset; no RNG seeding (the noise is hashed from each row's seed)
         runner.rows, runner.decoding = [Request([1], params(5), out=[3]) for _ in range(b)], b
-        check_graphs(runner.decode, runner.device, 3, f"bucket {b}'s round", graphs=steps, outside=6, random=True)
+        check_graphs(runner.decode, runner.device, 3, f"bucket {b}'s round", graphs=steps, outside=7)
