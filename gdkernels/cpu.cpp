@@ -194,7 +194,9 @@ void attend(const float* q, const T* k, const T* v, const int64_t* pos, float* y
 #pragma omp parallel for schedule(dynamic, 1) collapse(2) if (work >= 131072)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
-      std::vector<float> p(L);
+      int64_t longest = 0;  // the row's most keys a query reads: the scores' room
+      for (int64_t s = 0; s < S; ++s) longest = std::max(longest, pos[per_row ? b * S + s : s] + 1);
+      std::vector<float> p(longest);
       const int64_t kvh = h / (H / Hkv);
       const T* kh = k + (b * Hkv + kvh) * L * D;
       const T* vh = v + (b * Hkv + kvh) * L * D;
