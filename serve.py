@@ -257,8 +257,8 @@ class Runner:
         ends = torch.tensor([stop - r.prefilled - 1 for r, stop in chunks], device=self.device)
         final = logits[torch.arange(len(chunks), device=self.device), ends].float()  # [m, V]
         settings = torch.tensor(row_settings([r.params for r, _ in chunks], self.vocab), device=self.device)
-        at = ends + torch.tensor([r.prefilled for r, _ in chunks], device=self.device)  # (each chunk's last position)
-        tokens, logp = sample_rows(final, *settings[:3], settings[3].long(), at), final.log_softmax(-1)
+        at, (t, k, p, seed) = torch.tensor([stop - 1 for _, stop in chunks], device=self.device), settings  # (last positions)
+        tokens, logp = sample_rows(final, t, k.long(), p, seed.long(), at), final.log_softmax(-1)
         firsts = zip(tokens.tolist(), logp.gather(-1, tokens[:, None])[:, 0].tolist(), pairs(*logp.topk(TOP_LOGPROBS)))
         results = []
         for i, ((r, stop), (t, lp, top)) in enumerate(zip(chunks, firsts)):
