@@ -7,7 +7,7 @@
     src.description                    # "gguf:FILE (arch, file type)"
 
 Weights stay in the memory-mapped file and are dequantized one tensor at a time by gguf-py.
-Architectures: llama (Llama 2/3, Mistral, SmolLM2, TinyLlama), qwen2, qwen3. The embedded
+Architectures: llama (Llama 2/3, Mistral, Mixtral, SmolLM2, TinyLlama), qwen2, qwen3, qwen3moe. The embedded
 vocabulary is rebuilt as a Hugging Face tokenizer.json with the pre-tokenizer `tokenizer.ggml.pre` names.
 """
 import contextlib
@@ -28,7 +28,7 @@ from common import ConversionError
 from tokenizer import LLAMA3_PATTERN
 
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 # tokenizer.ggml.pre value -> pre-tokenizer kind (byte-level BPE vocabularies only).
 _PRE_TOKENIZERS = {"default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "llama-bpe": "llama3", "llama3": "llama3",
@@ -170,8 +170,6 @@ class GGUFSource:
 
     def _model_args(self) -> dict:
         a, name = self.arch, self.path.name
-        if self._int(f"{a}.expert_count", required=False, default=0):
-            raise ConversionError(f"{name}: mixture-of-experts models are not supported")
         dim = self._int(f"{a}.embedding_length")
         n_layers = self._int(f"{a}.block_count")
         n_heads = self._int(f"{a}.attention.head_count")
@@ -215,7 +213,12 @@ class GGUFSource:
         if "rope_freqs.weight" in self._tensors:
             factors = self._dequantize("rope_freqs.weight", self._tensors["rope_freqs.weight"])
             rope_scaling = _rope_scaling_from_factors(factors, head_dim, theta)
-        return dict(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        experts = {}  # a mixture of experts': stacked expert tensors (ffn_gate_exps, ...), a router (ffn_gate_inp)
+        if n_experts := self._int(f"{a}.expert_count", required=False, default=0):
+            experts = dict(n_experts=n_experts, n_active_experts=self._int(f"{a}.expert_used_count"),
+                           expert_size=self._int(f"{a}.expert_feed_forward_length", required=False, default=ffn),
+                           norm_topk=bool(self._value(f"{a}.expert_weights_norm", default=True)))
+        return experts | dict(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                     intermediate_size=ffn, vocab_size=vocab_size, norm_eps=eps, rope_theta=theta,
                     rope_scaling=rope_scaling, max_seq_len=max_seq_len,
                     tie_embeddings="output.weight" not in self._tensors,
@@ -252,10 +255,17 @@ class GGUFSource:
         if m["qk_norm"]:
             layer += [("attention.q_norm.weight", "attn_q_norm.weight", (hd,), None),
                       ("attention.k_norm.weight", "attn_k_norm.weight", (hd,), None)]
-        layer += [("ffn_norm.weight", "ffn_norm.weight", (dim,), None),
-                  ("feed_forward.w1.weight", "ffn_gate.weight", (ffn, dim), None),
-                  ("feed_forward.w3.weight", "ffn_up.weight", (ffn, dim), None),
-                  ("feed_forward.w2.weight", "ffn_down.weight", (dim, ffn), None)]
+        layer.append(("ffn_norm.weight", "ffn_norm.weight", (dim,), None))
+        if E := m.get("n_experts"):
+            ffn = m["expert_size"]
+            layer += [("feed_forward.gate.weight", "ffn_gate_inp.weight", (E, dim), None),
+                      ("feed_forward.w1", "ffn_gate_exps.weight", (E, ffn, dim), None),
+                      ("feed_forward.w3", "ffn_up_exps.weight", (E, ffn, dim), None),
+                      ("feed_forward.w2", "ffn_down_exps.weight", (E, dim, ffn), None)]
+        else:
+            layer += [("feed_forward.w1.weight", "ffn_gate.weight", (ffn, dim), None),
+                      ("feed_forward.w3.weight", "ffn_up.weight", (ffn, dim), None),
+                      ("feed_forward.w2.weight", "ffn_down.weight", (dim, ffn), None)]
         plan = [("tok_embeddings.weight", "token_embd.weight", (vocab, dim), None)]
         plan += [(f"layers.{i}.{ours}", f"blk.{i}.{theirs}", shape, heads)
                  for i in range(m["n_layers"]) for ours, theirs, shape, heads in layer]

@@ -54,7 +54,7 @@ def fetch_default_gguf() -> Path:
 
 # -- Hugging Face config and weight names -------------------------------------------------------
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
 def hf_config_to_args(cfg: dict) -> dict:
@@ -92,7 +92,15 @@ def hf_config_to_args(cfg: dict) -> dict:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2's config has no attention_bias key: its q, k, v always carry a bias.
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3")
+            qk_norm=model_type.startswith("qwen3"))
+        if model_type in ("mixtral", "qwen3_moe"):
+            if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+                raise ConversionError("dense layers among the experts' (mlp_only_layers, decoder_sparse_step) "
+                                      "are not supported")
+            args.update(n_experts=cfg.get("num_local_experts") or cfg["num_experts"],
+                        n_active_experts=cfg["num_experts_per_tok"], norm_topk=model_type == "mixtral" or
+                        bool(cfg.get("norm_topk_prob")), expert_size=cfg.get("moe_intermediate_size") or
+                        cfg["intermediate_size"])
     except KeyError as e:
         raise ConversionError(f"config.json lacks {e.args[0]!r}") from None
     except TypeError as e:  # a null or a string where a number belongs
@@ -109,7 +117,11 @@ LAYER_WEIGHTS = {  # Hugging Face name after "model.layers.N." -> ours after "la
     "self_attn.o_proj.weight": "attention.wo.weight", "self_attn.q_norm.weight": "attention.q_norm.weight",
     "self_attn.k_norm.weight": "attention.k_norm.weight", "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight", "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "block_sparse_moe.gate.weight": "feed_forward.gate.weight", "mlp.gate.weight": "feed_forward.gate.weight",
 }
+# An expert's weights (Mixtral's, Qwen3-MoE's), stacked per layer into feed_forward.w1, w3 and w2 (parts 0, 1, 2).
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}
 # Hugging Face name -> ours, {} the layer index; with its inverse, a round trip is one line.
 WEIGHT_MAP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
               "lm_head.weight": "output.weight",
@@ -180,17 +192,31 @@ class HFSource:
         self.description = f"{src.name} ({self.hf_config['model_type']}, hugging face)"
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        tied = self.model_args["tie_embeddings"]
+        tied, n_experts, experts = self.model_args["tie_embeddings"], self.model_args.get("n_experts", 0), {}
         for name, tensor in read_hf_tensors(self.files):
+            if (m := EXPERT.fullmatch(name)) and int(m[2]) < n_experts and m[3] in EXPERT_PART:
+                layer = experts.setdefault(m[1], {})  # held (memory-mapped) until the layer's experts are in
+                layer[EXPERT_PART[m[3]], int(m[2])] = tensor
+                if len(layer) == 3 * n_experts:
+                    yield from stacked_experts(f"layers.{m[1]}.feed_forward", experts.pop(m[1]), n_experts)
+                continue
             ours = rename(name, WEIGHT_MAP)
             if name.endswith("rotary_emb.inv_freq") or (tied and ours == "output.weight"):
                 continue
             if ours is None:
                 raise ConversionError(f"unexpected weight {name!r} in {self.src}")
             yield ours, tensor
+        if experts:
+            raise ConversionError(f"{self.src}: layer {min(experts)} lacks some of its experts' weights")
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return {n: (self.src / n).read_bytes() for n in self.TOKENIZER_FILES if (self.src / n).is_file()}
+
+
+def stacked_experts(prefix: str, parts: dict, n: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's experts {(part, expert): weight} -> w1, w3 (gate, up) [E, I, dim] and w2 [E, dim, I]."""
+    for part, name in enumerate(("w1", "w3", "w2")):
+        yield f"{prefix}.{name}", torch.stack([parts[part, e] for e in range(n)])
 
 
 def read_source(source: str) -> "HFSource":
@@ -270,7 +296,7 @@ def check_complete(args: dict, shapes: dict) -> None:
     q, kv, ffn = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.intermediate_size
     for i in range(a.n_layers):
         for name, rows in (("attention.wq", q), ("attention.wk", kv), ("attention.wv", kv),
-                           ("feed_forward.w1", ffn), ("feed_forward.w3", ffn)):
+                           *[("feed_forward.w1", ffn), ("feed_forward.w3", ffn)] * (not a.n_experts)):
             expected[f"layers.{i}.{name}.weight"] = [rows, a.dim]
             if a.attention_bias and name.startswith("attention"):
                 expected[f"layers.{i}.{name}.bias"] = [rows]

@@ -3,7 +3,7 @@ CUDA-graphed (generate.py). Nothing here knows about custom kernels: gdkernels/ 
 modules after loading, and this file is what they must agree with.
 
 Read top to bottom: ModelArgs (the config), Transformer (embedding, layers, head, caches,
-checkpoint loading), TransformerBlock, Attention, KVCache, FeedForward, RMSNorm, RoPE.
+checkpoint loading), TransformerBlock, Attention, KVCache, FeedForward, MoEFeedForward, RMSNorm, RoPE.
 
 Shapes: B batch, S new tokens this call, L cache length (max_seq_length), H query heads,
 Hkv key/value heads, D head_dim. Q and K weight rows use the Hugging Face "rotate-half" layout,
@@ -36,6 +36,12 @@ class ModelArgs:
     tie_embeddings: bool = False  # output head shares the token embedding (SmolLM2, Llama 3.2 1B/3B)
     attention_bias: bool = False  # bias on q, k, v (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE (Qwen3)
+    # Mixture of experts (Mixtral, Qwen3-MoE) where n_experts > 0: each token's n_active_experts likeliest
+    # experts by the router, each a SwiGLU expert_size wide; norm_topk: their router weights renormalised to sum 1.
+    n_experts: int = 0
+    n_active_experts: int = 0
+    expert_size: int = 0
+    norm_topk: bool = True
 
     def __post_init__(self):
         # Derived fields are filled only when the checkpoint left them unset.
@@ -45,11 +51,9 @@ class ModelArgs:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) is not a multiple of n_kv_heads ({self.n_kv_heads})")
-        if self.rope_scaling is not None:
-            missing = {"factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings"} - set(self.rope_scaling)
-            if missing:
-                raise ValueError(f"rope_scaling lacks {sorted(missing)}")
+        keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        if self.rope_scaling is not None and (missing := keys - set(self.rope_scaling)):
+            raise ValueError(f"rope_scaling lacks {sorted(missing)}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
@@ -178,7 +182,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoEFeedForward(args) if args.n_experts else FeedForward(args)
 
     def forward(self, x, input_pos, rope_cos, rope_sin, mask):
         h = x + self.attention(self.attention_norm(x), input_pos, rope_cos, rope_sin, mask)
@@ -272,6 +276,32 @@ class FeedForward(nn.Module):
     def forward(self, x):
         gate, up = self.w13(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
+
+
+class MoEFeedForward(nn.Module):
+    """Mixture of experts: the router's softmax picks each token's top-k experts, whose SwiGLU outputs are summed
+    with those weights. Experts are stacked: w1 (gate) and w3 (up) [E, expert_size, dim], w2 [E, dim, expert_size]."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.k, self.norm_topk = args.n_active_experts, args.norm_topk
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.w1, self.w3 = (nn.Parameter(torch.empty(args.n_experts, args.expert_size, args.dim)) for _ in "13")
+        self.w2 = nn.Parameter(torch.empty(args.n_experts, args.dim, args.expert_size))
+
+    def experts(self, name: str, index: torch.Tensor | None) -> torch.Tensor:  # (int8: quantize.Int8Experts)
+        return getattr(self, name)[index]  # w1, w3 or w2 of the experts index [T, k]: [T, k, ...]; None: [1, E, ...]
+
+    def forward(self, x):
+        shape, x = x.shape, x.flatten(0, -2)  # [T, dim]
+        weight, chosen = F.softmax(self.gate(x).float(), dim=-1).topk(self.k, dim=-1)  # [T, k]
+        weight = weight / weight.sum(-1, keepdim=True) if self.norm_topk else weight
+        index = chosen if len(x) * self.k < len(self.w2) else None  # few tokens (decode): the chosen experts'
+        if index is None:  # weights gathered; many: every expert on every token, weighted 0 where not chosen
+            weight = torch.zeros(len(x), len(self.w2), device=x.device).scatter(-1, chosen, weight)
+        gate, up = (torch.einsum("td,tkod->tko", x, self.experts(w, index)) for w in ("w1", "w3"))
+        y = torch.einsum("tki,tkoi->tko", F.silu(gate) * up, self.experts("w2", index))
+        return (weight.to(x.dtype).unsqueeze(-1) * y).sum(1).view(shape)
 
 
 class RMSNorm(nn.Module):

@@ -8,6 +8,8 @@ The formats, for a layer whose float weight W is [N, K] (every tensor per output
                  perplexity). With --calibration, GPTQ (Frantar et al. 2022) rounds each layer's columns in turn,
                  compensating every rounding error on the columns not yet rounded as the layer's inputs on that
                  text correlate (the default model at group size 128: perplexity 1.39x float -> 1.14x).
+  experts        Int8Experts (mixtures of experts, in both modes): stacked `w1`, `w3`, `w2` int8 [E, N, K], with
+                 `w1_scales`, `w3_scales`, `w2_scales` [E, N]; the router stays float.
   embedding      stays float: a lookup reads one row per token, so quantizing it saves memory, not time.
 A tied embedding becomes two tensors (the float table, the int8 head): configs say tie_embeddings=false. The output
 (default: DIR-int8 or DIR-int4-gG beside DIR) is written to a temporary directory and renamed into place once
@@ -31,7 +33,7 @@ from safetensors import safe_open
 
 from common import ConversionError, UsageError
 from convert_hf_checkpoint import prepare_default_model, staged, write_safetensors
-from model import ModelArgs, Transformer, read_config
+from model import ModelArgs, MoEFeedForward, Transformer, read_config
 
 SCALE_DTYPE = torch.bfloat16  # the kernels' dtype: scales are fitted to the values they will have
 BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
@@ -39,10 +41,6 @@ BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
 INT4_GROUPSIZES = (32, 64, 128, 256)
 INT4_DIMS = "int4 needs an input dim that is a multiple of 32 and an output dim that is a multiple of 16"
 CALIBRATION_WINDOW = 256  # tokens per calibration sequence
-
-
-class QuantizeError(Exception):
-    """Bad input: printed as one line, exit status 1."""
 
 
 # -- the quantized layers (the formats above): what quantize_checkpoint writes, in plain PyTorch ---------------
@@ -108,6 +106,19 @@ class Int4Linear(nn.Module):
         return F.linear(x, w.to(x.dtype), self.bias)
 
 
+class Int8Experts(MoEFeedForward):
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        for name in ("w1", "w3", "w2"):
+            shape = getattr(self, name).shape
+            setattr(self, name, _parameter(*shape, dtype=torch.int8))
+            setattr(self, f"{name}_scales", _parameter(*shape[:2], dtype=torch.get_default_dtype()))
+
+    def experts(self, name, index):  # dequantized: the experts' weights [T, k, N, K] (None: all, [1, E, N, K])
+        scales = getattr(self, f"{name}_scales")[index]
+        return getattr(self, name)[index].to(scales.dtype) * scales.unsqueeze(-1)
+
+
 def swap_linears(model: Transformer, quantization: dict) -> None:
     """Replace the blocks' nn.Linear layers by quantized ones of `quantization`'s mode (the head by Int8Linear),
     empty, ready to load a quantized state dict: Transformer.from_checkpoint's swap."""
@@ -121,8 +132,11 @@ def swap_linears(model: Transformer, quantization: dict) -> None:
         return Int8Linear(*dims, bias) if mode == "int8" else Int4Linear(*dims, groupsize, bias)
 
     for layer in model.layers:
-        for parent, name in ((layer.attention, "wqkv"), (layer.attention, "wo"),
-                             (layer.feed_forward, "w13"), (layer.feed_forward, "w2")):
+        moe, ffn = isinstance(layer.feed_forward, MoEFeedForward), layer.feed_forward
+        if moe:
+            layer.feed_forward = Int8Experts(model.args)
+        linears = [(layer.attention, "wqkv"), (layer.attention, "wo")] + [(ffn, "w13"), (ffn, "w2")] * (not moe)
+        for parent, name in linears:
             setattr(parent, name, quantized(getattr(parent, name), mode))
     model.output = quantized(model.output, "int8")
 
@@ -153,7 +167,7 @@ def quantize_int4(w: torch.Tensor, groupsize: int) -> tuple[torch.Tensor, torch.
     """Asymmetric, per group of `groupsize` columns (the last group shorter when groupsize does not divide K):
     (uint8 [N, K/2] two values a byte, scales [N, G], zeros [N, G]), the scales and zeros on the grid (_grid_fit)."""
     if w.shape[1] % 2:
-        raise QuantizeError(f"int4 needs an even input dim (got {w.shape[1]})")
+        raise ConversionError(f"int4 needs an even input dim (got {w.shape[1]})")
     pieces, fits, units = _group_fits(w, groupsize)
     levels, scales, zeros = zip(*(_grid_fit(piece, *fit, units) for piece, fit in zip(pieces, fits)))
     q = torch.cat([lv.flatten(1) for lv in levels], dim=1).to(torch.uint8)  # [N, K] in 0..15
@@ -275,9 +289,11 @@ def calibrate(model: Transformer, tokens: list[int]) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(model.layers):
         a, f = layer.attention, layer.feed_forward
         for module, names in ((a.wqkv, ("attention.wq", "attention.wk", "attention.wv")), (a.wo, ("attention.wo",)),
-                              (f.w13, ("feed_forward.w1", "feed_forward.w3")), (f.w2, ("feed_forward.w2",))):
+                              (getattr(f, "w13", None), ("feed_forward.w1", "feed_forward.w3")),
+                              (f.w2, ("feed_forward.w2",))):
             keys = [f"layers.{i}.{n}.weight" for n in names]
-            hooks.append(module.register_forward_hook(functools.partial(accumulate, keys)))
+            if isinstance(module, nn.Module):  # (not a mixture's stacked experts: int8 in every mode)
+                hooks.append(module.register_forward_hook(functools.partial(accumulate, keys)))
     device = model.tok_embeddings.weight.device
     try:
         model.setup_caches(1, length)
@@ -301,6 +317,10 @@ def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, gro
             if not tied:
                 continue
             name = "output.weight"  # the tied head, stored apart from now on: int8 below
+        if t.dim() == 3:  # a layer's stacked experts: int8 in every mode, a scale per expert and row
+            q, scales = quantize_int8(t.flatten(0, 1))
+            yield from ((name, q.view(t.shape)), (f"{name}_scales", scales.view(t.shape[:2])))
+            continue
         module, _, kind = name.rpartition(".")
         names = (name, module + ".scales", module + ".zeros")  # the quantizers' tensors, in order
         if kind != "weight" or not (module == "output" or module.endswith(BLOCK_LINEARS)):
@@ -310,9 +330,9 @@ def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, gro
         else:
             N, K = t.shape
             if K % 32 or N % 16:
-                raise QuantizeError(f"{name}: {INT4_DIMS} (got {N} x {K})")
+                raise ConversionError(f"{name}: {INT4_DIMS} (got {N} x {K})")
             if hessians is not None and name not in hessians:
-                raise QuantizeError(f"{name}: no calibration statistics for it (GPTQ)")
+                raise ConversionError(f"{name}: no calibration statistics for it (GPTQ)")
             yield from zip(names, quantize_int4(t, groupsize) if hessians is None
                            else gptq_int4(t, hessians[name], groupsize))
 
@@ -368,7 +388,7 @@ def prepare_default(device: torch.device) -> Path:
     try:
         checkpoint = prepare_default_model()
         return prepare_default_int4(checkpoint) if device.type == "cpu" else checkpoint
-    except (ConversionError, QuantizeError) as e:
+    except ConversionError as e:
         raise UsageError(f"could not prepare the default model: {e}") from None
 
 
@@ -384,25 +404,25 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
     """Write the quantized checkpoint (int4 by GPTQ on the text file `calibration`, if given)."""
     checkpoint = Path(checkpoint)
     if mode not in ("int8", "int4"):
-        raise QuantizeError(f"unknown mode {mode!r} (int8 or int4)")
+        raise ConversionError(f"unknown mode {mode!r} (int8 or int4)")
     if calibration is not None and mode != "int4":
-        raise QuantizeError("--calibration applies to --mode int4 (GPTQ); int8 rounds per channel")
+        raise ConversionError("--calibration applies to --mode int4 (GPTQ); int8 rounds per channel")
     groupsize = 32 if mode == "int4" and groupsize is None else groupsize
     try:
         config = read_config(checkpoint)
         new_config = quantized_config(config, mode, groupsize)
         check_quantization(new_config["quantization"])
     except (FileNotFoundError, ValueError) as e:
-        raise QuantizeError(str(e)) from None
+        raise ConversionError(str(e)) from None
     if config.get("quantization"):
-        raise QuantizeError(f"{checkpoint} is already quantized ({config['quantization']}); "
+        raise ConversionError(f"{checkpoint} is already quantized ({config['quantization']}); "
                             f"quantize its float checkpoint instead")
     weights = checkpoint / "model.safetensors"
     if not weights.is_file():
-        raise QuantizeError(f"{checkpoint}: no model.safetensors")
+        raise ConversionError(f"{checkpoint}: no model.safetensors")
     out = Path(out) if out else default_out(checkpoint, mode, groupsize)
     if out.exists() and not force:
-        raise QuantizeError(f"{out} already exists (use --force to replace it)")
+        raise ConversionError(f"{out} already exists (use --force to replace it)")
     start = time.time()
     hessians = calibration_hessians(checkpoint, Path(calibration)) if calibration is not None else None
     label = mode if mode == "int8" else f"int4, group size {groupsize}" + (", GPTQ" if hessians else "")
@@ -420,7 +440,7 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
         try:  # loads as the runtime will, or is not kept
             load(tmp, device="meta", dtype=torch.float32)
         except (ValueError, RuntimeError) as e:
-            raise QuantizeError(f"the quantized checkpoint does not load: {e}") from None
+            raise ConversionError(f"the quantized checkpoint does not load: {e}") from None
     size = (out / "model.safetensors").stat().st_size / 2**20
     print(f"wrote {out} ({size:.0f} MiB, {time.time() - start:.1f} s)", file=sys.stderr)
     return out
@@ -433,13 +453,13 @@ def calibration_hessians(checkpoint: Path, text_file: Path) -> dict[str, torch.T
     try:
         text = text_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise QuantizeError(f"--calibration {text_file}: cannot read it as text ({e})") from None
+        raise ConversionError(f"--calibration {text_file}: cannot read it as text ({e})") from None
     try:
         tokens = load_tokenizer(checkpoint).encode(text)
     except Exception as e:  # a missing or unusable tokenizer file
-        raise QuantizeError(f"--calibration needs the checkpoint's tokenizer: {e}") from None
+        raise ConversionError(f"--calibration needs the checkpoint's tokenizer: {e}") from None
     if len(tokens) < 2:
-        raise QuantizeError(f"--calibration {text_file}: no text to calibrate on")
+        raise ConversionError(f"--calibration {text_file}: no text to calibrate on")
     start = time.time()
     try:
         model = Transformer.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
@@ -452,7 +472,7 @@ def calibration_hessians(checkpoint: Path, text_file: Path) -> dict[str, torch.T
                   f"worse than rounding: give {2 * widest} or more)", file=sys.stderr)
         hessians = calibrate(model, tokens)
     except ValueError as e:  # an unreadable or mismatched checkpoint
-        raise QuantizeError(str(e)) from None
+        raise ConversionError(str(e)) from None
     print(f"calibrated in {time.time() - start:.1f} s", file=sys.stderr)
     return hessians
 
@@ -472,7 +492,7 @@ def main(argv=None) -> int:
         p.error("--groupsize applies to --mode int4 only (int8 has one scale per output channel)")
     try:
         print(quantize_checkpoint(args.checkpoint, args.mode, args.groupsize, args.out, args.calibration, args.force))
-    except (QuantizeError, OSError) as e:
+    except (ConversionError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -29,12 +29,17 @@ FAMILIES = {
     "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, rope_theta=1e6)),
     "qwen3_qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=24)),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    # Mixtures of experts: 8 experts, 2 a token; a 2-row decode gathers 4 experts' weights, prefill runs all 8.
+    "mixtral_moe": ("MixtralConfig", "MixtralForCausalLM", dict(num_key_value_heads=2, num_local_experts=8,
+                                                                num_experts_per_tok=2, sliding_window=None)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_key_value_heads=2, head_dim=24, num_experts=8,
+                                                                num_experts_per_tok=2, moe_intermediate_size=32)),
 }
 
 
-def make_hf_model(family: str, seed: int = 0):
+def make_hf_model(family: str, seed: int = 0, **overrides):
     config_cls, model_cls, extra = FAMILIES[family]
-    kwargs = {**BASE, **extra}
+    kwargs = {**BASE, **extra, **overrides}
     if "rope_theta" in kwargs:  # transformers 5 takes theta inside rope_parameters
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
     config = getattr(transformers, config_cls)(**kwargs)
