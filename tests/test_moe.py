@@ -21,10 +21,13 @@ VOCAB = 268  # test_gguf.py's tiny tokenizer's
 
 @pytest.fixture(scope="module", params=["mixtral_moe", "qwen3_moe"])
 def moe(request, tmp_path_factory):
-    """(transformers' model, our float32 checkpoint of it): 8 experts, 2 a token."""
+    """(transformers' model, our float32 checkpoint of it, converted from shards that split a layer's experts):
+    8 experts, 2 a token."""
     path = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model(request.param, seed=3, vocab_size=VOCAB)
-    return hf, conv.convert(str(save(hf, path / "hf")), path / "ours", dtype="fp32")
+    src = save(hf, path / "hf", max_shard_size="40KB")
+    assert len(list(src.glob("*.safetensors"))) > 4
+    return hf, conv.convert(str(src), path / "ours", dtype="fp32")
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
