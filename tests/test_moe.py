@@ -1,6 +1,6 @@
 """Mixtures of experts (model.MoEFeedForward; Mixtral and Qwen3-MoE, whose logits tests/test_convert_hf.py checks
 against transformers'): greedy tokens through generate.py against transformers' greedy, eager and compiled;
-int8 experts (quantize.py) within their measured error; the serving engine and prompt-lookup decoding unchanged;
+int8 experts (quantize.py) within their measured error; the serving engine and speculative decoding unchanged;
 a GGUF file's stacked experts (written with gguf-py) against the same model converted from safetensors."""
 import numpy as np
 import pytest
@@ -10,7 +10,7 @@ import convert_hf_checkpoint as conv
 from common import Sampling
 from generate import Generator
 from model import MoEFeedForward, Transformer
-from quantize import Int8Experts, Int8Linear, load, quantize_checkpoint
+from quantize import Int8Experts, Int8Linear, load, quantize_checkpoint, quantize_model
 from serve import LLM, SamplingParams
 from speculative import SpeculativeGenerator
 from test_convert_hf import make_hf_model, save
@@ -71,7 +71,7 @@ def test_int8_experts_are_close_to_float(moe, tmp_path):
         assert per_token.median() < (0.03 if mode == "int8" else 0.35), per_token
 
 
-def test_engine_and_prompt_lookup_are_unchanged(moe):
+def test_engine_and_speculative_decoding_are_unchanged(moe):
     _, ckpt = moe
     model = Transformer.from_checkpoint(ckpt, "cpu", torch.float32)
     prompts = [PROMPT, PROMPT[3:], [1, 2, 3, 1, 2, 3, 1, 2], PROMPT[::-1], [200] * 5]
@@ -80,8 +80,9 @@ def test_engine_and_prompt_lookup_are_unchanged(moe):
     reqs = [llm.make_request(p, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)) for p in prompts]
     llm.run(reqs)
     assert [r.out for r in reqs] == ref
-    for k in (2, 4):  # drafts from the context, verified by the MoE target in one forward of K + 1 tokens
-        gen = SpeculativeGenerator(model, None, GREEDY, k)
+    draft = quantize_model(model, "int8")  # (its experts int8 too)
+    for k, d in ((2, None), (4, None), (3, draft)):  # drafts from the context or a draft model, verified by the
+        gen = SpeculativeGenerator(model, d, GREEDY, k)  # MoE target in one forward of K + 1 tokens
         assert [t for c in gen.generate(prompts[2], 12) for t in c] == ref[2]
 
 
