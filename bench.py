@@ -29,7 +29,7 @@ import torch
 import gdkernels
 import tp
 from common import (DTYPES, Sampling, Step, UsageError, default_device, default_dtype, launches_per_call, no_recompiles,
-                    synchronize, weight_bytes_per_step)
+                    peak_memory, synchronize, weight_bytes_per_step)
 from generate import Generator, check_graphs, decode_one_token, decode_weight_bytes, prefill
 from model import ModelArgs, Transformer
 from quantize import load, quantize_model
@@ -117,12 +117,12 @@ def capture(step, reset, pool=None) -> torch.cuda.CUDAGraph:
 class ManualGraph:
     """decode_one_token captured by hand in one torch.cuda.CUDAGraph, the teaching version of what reduce-overhead
     automates: the step reads and writes only static buffers (token, pos, tokens, the KV cache), so 'copy-in' is
-    what prefill writes into them, and each replay runs every kernel of the step with no Python and no launch gaps."""
-    graph = None  # captured on the first call
+    what prefill writes into them, and each replay runs every kernel of the step with no Python and no launch gaps.
+    The first call captures (capture: reset puts the buffers and the CUDA generator back, so the warm-up changes
+    neither the tokens nor what a seeded sampler draws); each call replays the graph."""
+    graph = None
 
     def __call__(self, model, token, pos, tokens, s):
-        """The first call captures (capture(); reset puts the buffers and the CUDA generator back, so the warm-up
-        changes neither the tokens nor what a seeded sampler draws) and each call replays the graph."""
         if self.graph is None:
             saved, rng = [t.clone() for t in (token, pos, tokens)], torch.cuda.get_rng_state(token.device)
 
@@ -148,7 +148,7 @@ def kernel_table(gen: Generator, steps: int = 4, rows: int = 15) -> str:
     cuda = gen.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            gen._decode_step(*gen.buffers)
+            gen.decode_step()
         synchronize(gen.device)
     return prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                      row_limit=rows, max_name_column_width=70)
@@ -166,21 +166,20 @@ def warmed(model, mode: str, batch: int, prompt_tokens: int, new_tokens: int,
         token[:, 0] = prefill(model, prompt, gen.sampling)
         pos.fill_(prompt_tokens)
         while not gen.warm:
-            gen._decode_step(token, pos, tokens)
+            gen.decode_step()
     return gen
 
 
 def timed_decode(gen: Generator, prompt_tokens: int, new_tokens: int) -> list[float]:
     """Seconds of each of new_tokens decode steps from position prompt_tokens: CUDA events between steps on the
     GPU (no sync inside the run), the host clock around each step on the CPU."""
-    step = functools.partial(gen._decode_step, *gen.buffers)
-    gen.buffers[1].fill_(prompt_tokens)  # pos
+    gen.pos.fill_(prompt_tokens)
     if gen.device.type != "cuda":
-        return [seconds_per_call(step, gen.device, reps=1, warmup=0) for _ in range(new_tokens)]
+        return [seconds_per_call(gen.decode_step, gen.device, reps=1, warmup=0) for _ in range(new_tokens)]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(new_tokens + 1)]
     events[0].record()
     for i in range(new_tokens):
-        step()
+        gen.decode_step()
         events[i + 1].record()
     events[-1].synchronize()
     return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(new_tokens)]
@@ -202,12 +201,11 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
         torch.cuda.reset_peak_memory_stats(device)
         reserved_before = torch.cuda.memory_reserved(device)
     gen = warmed(model, mode, batch, prompt_tokens, new_tokens, sampling)
-    step = functools.partial(gen._decode_step, *gen.buffers)
-    counts = launches_per_call(step, device, 4) if device.type == "cuda" and mode != "eager" else {}
+    counts = launches_per_call(gen.decode_step, device, 4) if device.type == "cuda" and mode != "eager" else {}
     if check:
         check_graphs(gen)
     if show_kernels:
-        print(f"-- {mode} B={batch}: kernels of 4 decode steps\n{kernel_table(gen)}", file=sys.stderr)
+        tp.say(f"-- {mode} B={batch}: kernels of 4 decode steps\n{kernel_table(gen)}", file=sys.stderr)
     runs = []
     with no_recompiles(gen.mode):  # (eager and manual trace nothing: no check)
         for _ in range(repeat):
@@ -222,18 +220,10 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
               "tok_s": batch * new_tokens / total, "tok_s_runs": runs, "step_ms_median": statistics.median(ms),
               "step_ms_p99": percentile(ms, 0.99), "gb_s": gb_s, "ceiling_gb_s": ceiling,
               "pct_of_ceiling": 100 * gb_s / ceiling, "compile_s": gen.compile_s, **counts,
-              "peak_mem_gb": peak_memory_gb(device)}
+              "peak_mem_gb": peak_memory(device) / 1e9}
     if device.type == "cuda":
         record["warmup_reserved_gb"] = (torch.cuda.memory_reserved(device) - reserved_before) / 1e9
     return record
-
-
-def peak_memory_gb(device) -> float:
-    """Peak GPU memory allocated, or on the CPU the process's peak resident size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 @torch.no_grad()
@@ -264,12 +254,12 @@ def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_
     record = {"mode": f"speculative-{mode}", "batch_size": 1, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
               "speculate_k": k, "temperature": sampling.temperature, "tok_s": n / decode_s, "rounds": gen.rounds,
               "acceptance_histogram": gen.histogram, "mean_tokens_per_round": gen.mean_tokens_per_round,
-              "compile_s": compile_s, "gb_s": gb_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory_gb(device)}
+              "compile_s": compile_s, "gb_s": gb_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory(device) / 1e9}
     # Both timed from just after the prompt: the last round may have run up to the end of the cache.
     gen.pos.fill_(prompt_tokens + 1)
     loop_s = seconds_per_call(gen.draft_loop, device)
     single = warmed(draft, mode, 1, prompt_tokens, 0, sampling)  # (reserve keeps the draft's longer cache)
-    step_s = seconds_per_call(functools.partial(single._decode_step, *single.buffers), device)  # <= 24 steps: fits
+    step_s = seconds_per_call(single.decode_step, device)  # (<= 24 steps: they fit)
     record.update(draft_loop_ms=loop_s * 1e3, draft_step_ms=step_s * 1e3, draft_loop_vs_k_steps=loop_s / (k * step_s))
     if device.type == "cuda":
         counts = launches_per_call(gen.draft_loop, device, 4)
@@ -369,7 +359,7 @@ def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, l
                         "itl_ms_p50": 1e3 * percentile(itl, 0.5), "itl_ms_p99": 1e3 * percentile(itl, 0.99),
                         "step_ms_median": 1e3 * percentile(quiet, 0.5), "ttft_s_p50": percentile(ttft, 0.5),
                         "ttft_s_p99": percentile(ttft, 0.99), "padded_row_share": padding / (rows + padding),
-                        "compile_s": warmup_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory_gb(device),
+                        "compile_s": warmup_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory(device) / 1e9,
                         "rounds": len(timed.rounds), "prefills": timed.prefills - prefills_before})
         if device.type == "cuda":
             records[-1].update(host_overhead=seconds / timed.gpu_s(),
@@ -437,7 +427,7 @@ def main(argv=None) -> int:
     try:
         return run(p.parse_args(argv))
     except UsageError as e:  # bad input: one line, exit status 1
-        print(f"error: {e}", file=sys.stderr)
+        tp.say(f"error: {e}", file=sys.stderr)
         return 1
 
 
@@ -445,13 +435,35 @@ def run(a) -> int:
     """Check the flags (UsageError), make or load the model and draft, then measure, print and keep each record."""
     device = default_device(a.device)
     dtype = default_dtype(a.dtype, device)
+    modes, batches, budgets = check_flags(a, device)
+    use_kernels = not a.no_kernels and gdkernels.enabled()
+    if tp.world()[1] > 1:  # torchrun --nproc-per-node N bench.py: each rank times its share (tp.py); rank 0 reports
+        device = tp.join(PRESETS[a.model], device, seed=0)
+    model, name, draft, swapped = make_models(a, device, dtype, use_kernels, "compile" in modes or None)
+    sampling = Sampling(temperature=a.temperature, top_k=None)
+    ceiling = copy_bandwidth(device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    tp.say(f"{name} on {gpu}, {dtype}, torch {torch.__version__}; copy ceiling {ceiling:.0f} GB/s; kernels: "
+           + ("; ".join(swapped) or "none" if use_kernels else "off"), file=sys.stderr)
+    records = []
+    keep = functools.partial(keep_record, records, a.json, device, gpu=gpu, torch=torch.__version__, model=name,
+                             dtype=str(dtype).removeprefix("torch."), kernels=use_kernels)
+    if a.serving:
+        measure_serving(a, model, modes, budgets, sampling, ceiling, keep)
+    else:
+        measure_decode(a, model, draft, modes, batches, sampling, ceiling, keep)
+    print_table(records)
+    return 0
+
+
+def check_flags(a, device) -> tuple[list[str], list[int], list[int]]:
+    """The flags' values and combinations (UsageError) -> the modes, batch sizes and prefill budgets to measure."""
     allowed = ["eager", "compile", "graphs", "manual"] if device.type == "cuda" else ["eager", "compile"]
     if a.serving is not None and device.type == "cuda":
         allowed = ["eager", "graphs"]  # (the engine's buckets are graphed or eager)
     modes = a.modes.split(",") if a.modes else allowed
     if not set(modes) <= set(allowed):
         raise UsageError(f"mode not run {'by --serving ' if a.serving else ''}on {device.type}: {','.join(modes)}")
-    batches = [int(b) for b in a.batch_sizes.split(",")]
     if a.repeat < 1:
         raise UsageError(f"--repeat must be at least 1 (got {a.repeat})")
     budgets = [int(b) for b in a.prefill_budget.split(",") if b.strip().isdigit()]
@@ -462,20 +474,23 @@ def run(a) -> int:
     if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
             (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
         raise UsageError("--speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint")
-    use_kernels = not a.no_kernels and gdkernels.enabled()
-    n = tp.world()[1]  # torchrun --nproc-per-node N bench.py: each rank times its share (tp.py); rank 0 reports
-    if n > 1:
-        if a.quantize or a.speculate_k or a.checkpoint or a.serving:
-            raise UsageError("under torchrun bench.py times a preset's float model")
-        device = tp.join(PRESETS[a.model], device, seed=0)
+    if tp.world()[1] > 1 and (a.quantize or a.speculate_k or a.checkpoint or a.serving):
+        raise UsageError("under torchrun bench.py times a preset's float model")
+    return modes, [int(b) for b in a.batch_sizes.split(",")], budgets
+
+
+def make_models(a, device, dtype, use_kernels: bool, compiled: bool | None):
+    """The model (a checkpoint, or the preset's shape with random weights; under torchrun the rank's share) and any
+    draft, quantized and with the kernels as asked (compiled: gdkernels.apply's) -> (model, name, draft, swapped)."""
+    n = tp.world()[1]
     torch.manual_seed(0)
     name = a.checkpoint.name if a.checkpoint else a.model + (f" tp{n}" if n > 1 else "")
     model = load(a.checkpoint, device, dtype) if a.checkpoint else random_model(PRESETS[a.model], device, dtype)
     draft = None  # made from the float target, before --quantize applies to the target
     if a.draft_quantize:
-        draft, draft_name = quantized(model, a.draft_quantize), a.draft_quantize
+        draft = quantized(model, a.draft_quantize)
     elif a.draft_checkpoint:
-        draft, draft_name = load(a.draft_checkpoint, device=device, dtype=dtype), a.draft_checkpoint.name
+        draft = load(a.draft_checkpoint, device=device, dtype=dtype)
         if draft.args.vocab_size != model.args.vocab_size:
             raise UsageError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
                              f"({model.args.vocab_size})")
@@ -484,69 +499,68 @@ def run(a) -> int:
                          f"{model.args.max_seq_len} positions")
     if a.quantize:
         model, name = quantized(model, a.quantize), f"{name} {a.quantize}"
-    swapped = gdkernels.apply(model, fuse=n == 1) if use_kernels else []
+    swapped = gdkernels.apply(model, fuse=n == 1, compiled=compiled) if use_kernels else []
     if n > 1:  # (after the kernels: the all-reduce wraps whichever wo and w2 run)
         tp.reduce_outputs(model)
     if use_kernels and draft is not None:
-        gdkernels.apply(draft)
-    sampling = Sampling(temperature=a.temperature, top_k=None)
-    ceiling = copy_bandwidth(device)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name} on {gpu}, {dtype}, torch {torch.__version__}; copy ceiling {ceiling:.0f} GB/s; kernels: "
-          + ("; ".join(swapped) or "none" if use_kernels else "off"), file=sys.stderr)
-    records = []
+        gdkernels.apply(draft, compiled=compiled)
+    return model, name, draft, swapped
 
-    def keep(r):
-        r.update(gpu=gpu, torch=torch.__version__, model=name, dtype=str(dtype).removeprefix("torch."),
-                 kernels=use_kernels, date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
-        records.append(r)
-        if a.json:  # one record at a time, so a run cut short keeps what it measured
-            old = json.loads(a.json.read_text()) if a.json.exists() else []
-            a.json.write_text(json.dumps(old + [r], indent=1) + "\n")
-        if device.type == "cuda":
-            torch._dynamo.reset()  # a fresh compile per configuration, as a user would see
 
-    for mode in modes if a.serving else []:
+def keep_record(records: list, path: Path | None, device, r: dict, **fields) -> None:
+    """r with the run's fields, kept and (rank 0) added to path's JSON list at once; then on CUDA a fresh compile."""
+    r.update(fields, date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
+    records.append(r)
+    if path and tp.world()[0] == 0:
+        old = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(old + [r], indent=1) + "\n")
+    if device.type == "cuda":
+        torch._dynamo.reset()
+
+
+def measure_serving(a, model, modes, budgets, sampling, ceiling, keep) -> None:
+    for mode in modes:
         for r in bench_serving(model, mode, a.serving, a.max_batch, a.stop_check_interval, a.serving_length, sampling,
                                ceiling, budgets, a.serving_alone):
             alone = f", {r['tok_s'] / r['alone_tok_s']:.1f}x one by one ({r['alone_tok_s']:.1f})" if "alone" in r else ""
-            print(f"  serve-{mode} {a.serving} requests, {a.max_batch} rows, prefill budget {r['prefill_budget']}: "
-                  f"{r['tok_s']:8.1f} tok/s = {r['share_of_bound']:.0%} of {r['bound_tok_s']:.0f}{alone}; inter-token "
-                  f"p50/p99 {r['itl_ms_p50']:.2f}/{r['itl_ms_p99']:.2f} ms (step {r['step_ms_median']:.2f}); first "
-                  f"token p50/p99 {r['ttft_s_p50']:.2f}/{r['ttft_s_p99']:.2f} s; padding {r['padded_row_share']:.1%}; "
-                  + (f"GPU time in prefill {r['prefill_gpu_share']:.0%}; " if "prefill_gpu_share" in r else "") +
-                  f"bucket-1 step {r['bucket1_step_ms']:.2f} ms, Generator's {r['generator_step_ms']:.2f}; "
-                  f"warm-up {r['compile_s']:.1f} s", file=sys.stderr, flush=True)
+            tp.say(f"  serve-{mode} {a.serving} requests, {a.max_batch} rows, prefill budget {r['prefill_budget']}: "
+                   f"{r['tok_s']:8.1f} tok/s = {r['share_of_bound']:.0%} of {r['bound_tok_s']:.0f}{alone}; inter-token "
+                   f"p50/p99 {r['itl_ms_p50']:.2f}/{r['itl_ms_p99']:.2f} ms (step {r['step_ms_median']:.2f}); first "
+                   f"token p50/p99 {r['ttft_s_p50']:.2f}/{r['ttft_s_p99']:.2f} s; padding {r['padded_row_share']:.1%}; "
+                   + (f"GPU time in prefill {r['prefill_gpu_share']:.0%}; " if "prefill_gpu_share" in r else "") +
+                   f"bucket-1 step {r['bucket1_step_ms']:.2f} ms, Generator's {r['generator_step_ms']:.2f}; "
+                   f"warm-up {r['compile_s']:.1f} s", file=sys.stderr)
             keep(r)
-    for mode in modes if not a.serving else []:
+
+
+def measure_decode(a, model, draft, modes, batches, sampling, ceiling, keep) -> None:
+    for mode in modes:
         for batch in batches:
             r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
                           a.check_graphs and mode in ("graphs", "manual"), a.kernels, sampling, a.repeat)
             runs = f"  (runs: {', '.join(f'{t:.1f}' for t in r['tok_s_runs'])} tok/s)" if a.repeat > 1 else ""
-            print(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
-                  f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
-                  f"first call {r['compile_s']:.1f} s{runs}", file=sys.stderr, flush=True)
+            tp.say(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
+                   f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
+                   f"first call {r['compile_s']:.1f} s{runs}", file=sys.stderr)
             keep(r)
         if draft is not None and mode != "manual":  # (no hand-captured speculative loop)
             r = bench_speculative(model, draft, a.speculate_k, mode, a.prompt_tokens, a.new_tokens, sampling, ceiling)
-            r["draft"] = draft_name
-            print(f"  speculative-{mode} K={a.speculate_k} {r['tok_s']:8.1f} tok/s  "
-                  f"{r['mean_tokens_per_round']:.2f} tokens/round  accepted {r['acceptance_histogram']}  "
-                  f"draft loop {r['draft_loop_ms']:.2f} ms = {r['draft_loop_vs_k_steps']:.2f}x K draft steps "
-                  f"({r['draft_step_ms']:.2f} ms each)", file=sys.stderr, flush=True)
+            r["draft"] = a.draft_quantize or a.draft_checkpoint.name
+            tp.say(f"  speculative-{mode} K={a.speculate_k} {r['tok_s']:8.1f} tok/s  "
+                   f"{r['mean_tokens_per_round']:.2f} tokens/round  accepted {r['acceptance_histogram']}  "
+                   f"draft loop {r['draft_loop_ms']:.2f} ms = {r['draft_loop_vs_k_steps']:.2f}x K draft steps "
+                   f"({r['draft_step_ms']:.2f} ms each)", file=sys.stderr)
             keep(r)
-    print_table(records)
-    return 0
 
 
 def print_table(records):
     cols = ["model", "mode", "batch_size", "tok_s", "step_ms_median", "step_ms_p99", "gb_s", "pct_of_ceiling",
             "compile_s", "peak_mem_gb", "graph_launches_per_step", "kernels_outside_graphs_per_step"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
+    tp.say("| " + " | ".join(cols) + " |")
+    tp.say("|" + "---|" * len(cols))
     for r in records:
         cells = [f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
-        print("| " + " | ".join(cells) + " |")
+        tp.say("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

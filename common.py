@@ -13,6 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CPU_OPTIONS = {"cpp.min_chunk_size": 65536}  # Inductor on the CPU: decode's small loops not handed to OpenMP threads
 
 
 def cache_dir() -> Path:
@@ -69,14 +70,14 @@ def no_recompiles(mode: str):
 class Step:
     """A decode step on static buffers as `mode` runs it, the one place Generator, the engine's Runner and the
     speculative generator get it from: "eager"; "compile", Inductor's kernels launched one by one (on the CPU
-    not handing decode's small loops to OpenMP threads); "graphs", those kernels replayed as CUDA graphs; "aot"
-    and "manual": fn is gdkernels' ahead-of-time step or bench.py's graph captured by hand already. The
-    buffers it mutates are marked static (a graph replays on fixed addresses), and the first calls per key (an
-    input shape: a bucket) are timed apart as warm-up (compile; CUDAGraph Trees: a warm-up run, the recording,
-    a first replay). dynamic=False: one static compilation per shape (the engine's buckets), never a dynamic
-    one. check_graphs() verifies what runs after warm-up."""
+    with CPU_OPTIONS); "graphs", those kernels replayed as CUDA graphs; "aot" and "manual": fn is gdkernels'
+    ahead-of-time step or bench.py's graph captured by hand already. The buffers it mutates are marked static (a
+    graph replays on fixed addresses), and the first calls per key (an input shape: a bucket) are timed apart as
+    warm-up (compile; CUDAGraph Trees: a warm-up run, the recording, a first replay). dynamic=False: one static
+    compilation per shape (the engine's buckets), never a dynamic one. check_graphs() verifies what runs after
+    warm-up."""
 
-    WARMUP = {"eager": 0, "compile": 1, "graphs": 3, "aot": 1, "aot-cached": 1, "manual": 1}
+    WARMUP_CALLS = {"eager": 0, "compile": 1, "graphs": 3, "aot": 1, "aot-cached": 1, "manual": 1}
 
     def __init__(self, fn, mode: str, device: torch.device, dynamic: bool | None = None):
         if mode == "graphs" and device.type != "cuda":
@@ -84,8 +85,8 @@ class Step:
         self.mode, self.device, self.fn = mode, device, fn
         if mode in ("compile", "graphs"):
             self.fn = torch.compile(fn, fullgraph=True, dynamic=dynamic, mode="reduce-overhead" if mode == "graphs"
-                                    else None, options={"cpp.min_chunk_size": 65536} if device.type == "cpu" else None)
-        self.calls: dict = {}  # key -> calls so far, up to WARMUP[mode]
+                                    else None, options=CPU_OPTIONS if device.type == "cpu" else None)
+        self.calls: dict = {}  # key -> calls so far, up to WARMUP_CALLS[mode]
         self.compile_s = 0.0
 
     def static(self, *tensors: torch.Tensor) -> tuple:
@@ -95,7 +96,7 @@ class Step:
         return tensors
 
     def warm(self, key=None) -> bool:
-        return self.calls.get(key, 0) >= self.WARMUP[self.mode]
+        return self.calls.get(key, 0) >= self.WARMUP_CALLS[self.mode]
 
     def reset(self) -> None:
         """New buffers: the steps warm up (compile, record) again."""
@@ -158,9 +159,8 @@ def check_graphs(fn, device, calls: int, what: str, graphs: int = 1, outside: in
 
 
 def prefill_attention():
-    """Within: PyTorch's attention without cuDNN's kernel. cuDNN builds a plan for each new shape (~50 ms on an
-    H100, torch 2.11), and prefill's shapes change with every prompt and chunk (the engine's 101 prefills of one
-    run: 10.5 -> 5.6 s; BENCHMARKS.md)."""
+    """Within: PyTorch's attention without cuDNN's kernel, which builds a plan for each new shape, and prefill's
+    shapes change with every prompt and chunk (BENCHMARKS.md)."""
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
@@ -173,6 +173,12 @@ def weight_bytes_per_step(model) -> int:
     if not model.args.tie_embeddings:
         tensors.pop("tok_embeddings.weight")
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def peak_memory(device: torch.device) -> int:  # bytes: the peak GPU memory allocated, or the peak resident size
+    import resource
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def synchronize(device: torch.device) -> None:

@@ -12,7 +12,6 @@ gdkernels.apply() swaps in the fast kernels after loading (--no-kernels: the pla
 """
 import argparse
 import contextlib
-import resource
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,8 @@ import gdkernels
 import serve
 import tp
 from common import (DTYPES, GraphCheckError, Sampling, Step, UsageError, cache_length, check_memory,
-                    decode_mode, default_device, default_dtype, no_recompiles, prefill_attention, sample, synchronize,
-                    weight_bytes_per_step)
+                    decode_mode, default_device, default_dtype, no_recompiles, peak_memory, prefill_attention, sample,
+                    synchronize, weight_bytes_per_step)
 from common import check_graphs as common_check_graphs
 from gdkernels import aot
 from model import Transformer, read_config
@@ -57,8 +56,8 @@ def decode_one_token(model: Transformer, token: torch.Tensor, pos: torch.Tensor,
 
 
 class Generator:
-    """Holds the model, its static decode buffers and the compiled step (common.Step: compiled or recorded,
-    warmed up, timed apart)."""
+    """Holds the model, its static decode buffers (token, pos, tokens: decode_one_token's, made by reserve) and the
+    compiled step (common.Step: compiled or recorded, warmed up, timed apart), which decode_step runs once."""
 
     def __init__(self, model: Transformer, sampling: Sampling, mode: str = "eager",
                  compile_prefill: bool = False, stop_check_interval: int = 8):
@@ -67,25 +66,18 @@ class Generator:
         self.stop_check_interval = stop_check_interval
         self.decode_steps = 0  # decode steps the last generate ran (up to K - 1 past a stop: GB/s counts them)
         self.mode = mode
-        if mode in ("compile", "graphs") or compile_prefill:  # (not at import: it imports Inductor, ~2 s)
-            gdkernels.register_fallbacks()
         if mode.startswith("aot") and self.device.type != "cpu":  # the CPU: gdkernels/aot.py
             raise ValueError(f"mode {mode!r} is for the CPU")
         self.step = self.make_step()
         self.prefill = torch.compile(prefill, dynamic=True) if compile_prefill else prefill
-        self.buffers = None
+        self.tokens = None  # (reserve)
 
     def make_step(self) -> Step:  # (aot-cached: the ahead-of-time step only if built before)
         fn = aot.AotStep(decode_one_token, build=self.mode == "aot") if self.mode.startswith("aot") else decode_one_token
         return Step(fn, self.mode, self.device)
 
-    @property
-    def warm(self) -> bool:
-        return self.step.warm()
-
-    @property
-    def compile_s(self) -> float:
-        return self.step.compile_s
+    warm = property(lambda self: self.step.warm())  # (its step compiled or recorded)
+    compile_s = property(lambda self: self.step.compile_s)
 
     def reserve(self, batch: int, length: int):
         """Static buffers for `batch` rows, allocated once per batch size at the longest length
@@ -93,15 +85,13 @@ class Generator:
         and write them on every replay. (The KV cache may hold more rows than `batch`.)"""
         self.model.setup_caches(batch, length)
         L = self.model.max_seq_length
-        if self.buffers is None or self.buffers[2].shape != (batch, L):
-            token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-            pos = torch.zeros(1, dtype=torch.long, device=self.device)
-            tokens = torch.zeros(batch, L, dtype=torch.long, device=self.device)
+        if self.tokens is None or self.tokens.shape != (batch, L):
+            new = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=self.device)  # noqa: E731
             if self.mode.startswith("aot"):  # new shapes: a step built for them (or loaded) at the next call
                 self.step = self.make_step()
-            self.buffers = self.step.static(token, pos, tokens)
+            self.token, self.pos, self.tokens = self.step.static(new(batch, 1), new(1), new(batch, L))
             self.step.reset()  # new buffers: compiled steps warm up again
-        return self.buffers
+        return self.token, self.pos, self.tokens
 
     @torch.no_grad()
     def generate(self, prompt: list[list[int]], max_new_tokens: int, stop_ids: set[int] = frozenset()):
@@ -137,12 +127,13 @@ class Generator:
             if all(stopped) or i >= steps:
                 return
             for _ in range(min(self.stop_check_interval, steps - i)):
-                self._decode_step(token, pos, tokens)
+                self.decode_step()
                 i += 1
             self.decode_steps = i
 
-    def _decode_step(self, token, pos, tokens):
-        self.step(self.model, token, pos, tokens, self.sampling)  # (its first calls compile: timed apart)
+    def decode_step(self) -> None:
+        """decode_one_token on the static buffers (its first calls compile: timed apart)."""
+        self.step(self.model, self.token, self.pos, self.tokens, self.sampling)
 
 
 # -- graph verification (--check-graphs: common.check_graphs) -------------------------------------
@@ -152,14 +143,12 @@ def check_graphs(gen, start: int | None = None, steps: int = 8) -> dict:
     GraphCheckError unless each is one graph replay, no kernel outside but the RNG's. Speculative: its own check."""
     if not isinstance(gen, Generator):
         return gen.check_graphs(start)
-    token, pos, tokens = gen.buffers
-    start = int(pos) if start is None else start
-    pos.fill_(start)
+    start = int(gen.pos) if start is None else start
+    gen.pos.fill_(start)
     while not gen.warm:
-        gen._decode_step(token, pos, tokens)
-    pos.fill_(start)
-    return common_check_graphs(lambda: gen._decode_step(token, pos, tokens), gen.device, steps, "decode",
-                               random=gen.sampling.temperature > 0)
+        gen.decode_step()
+    gen.pos.fill_(start)
+    return common_check_graphs(gen.decode_step, gen.device, steps, "decode", random=gen.sampling.temperature > 0)
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -213,7 +202,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (UsageError, FileNotFoundError, ValueError, GraphCheckError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        log(f"error: {e}")
         return 1
     except KeyboardInterrupt:
         return 130
@@ -328,17 +317,19 @@ def load_generator(args, checkpoint: Path, tokenizer, context: int, sampling: Sa
     prompt = None if args.interactive else encode_prompt(
         tokenizer, [{"role": "user", "content": args.prompt}] if args.chat else args.prompt, args, context)
     length = positions(args, prompt, read_config(checkpoint)["args"], mode, dtype)
+    compiled = mode in ("compile", "graphs") or args.compile_prefill  # (the kernels' ops registered with Inductor)
     if tp.world()[1] > 1:  # (each rank holds 1/n of the weights and of the cache: no memory check)
         model, swapped = tp.load(checkpoint, device, dtype, use_kernels)
     else:
         check_memory(read_config(checkpoint), checkpoint, 1, context if args.interactive else length, dtype, device)
         model = load(checkpoint, device=device, dtype=dtype)
-        swapped = gdkernels.apply(model) if use_kernels else []
+        swapped = gdkernels.apply(model, compiled=compiled) if use_kernels else []
     log(f"loaded {checkpoint} on {device} ({dtype}) in {time.perf_counter() - t0:.2f} s; decode {mode}, kernels: "
         + ("; ".join(swapped) or "none" if use_kernels else "off"))
     if speculating(args):
-        draft = args.draft_checkpoint and load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length,
-                                                     use_kernels)
+        draft = args.draft_checkpoint and load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length)
+        if draft and use_kernels:
+            gdkernels.apply(draft, compiled=compiled)
         gen = SpeculativeGenerator(model, draft or None, sampling, speculating(args), mode, args.ngram)
         gen.reserve(length)
     else:
@@ -351,16 +342,16 @@ def chat(args, gen, tokenizer, stop_ids, kernels: bool, context: int) -> None:
     """--interactive: a turn a line of stdin until EOF; the cache doubles when a turn needs more."""
     history = []
     while True:
-        print("\n> ", end="", file=sys.stderr, flush=True)  # stdout carries only generated text
+        tp.say("\n> ", end="", file=sys.stderr)  # stdout carries only generated text
         line = sys.stdin.readline()
         if not line:
             return
         history.append({"role": "user", "content": line.rstrip("\n")})
         ids = encode_prompt(tokenizer, history, args, context)
-        need, have = len(ids) + room(args), gen.buffers[2].shape[1] if isinstance(gen, Generator) else context
+        need, have = len(ids) + room(args), gen.tokens.shape[1] if isinstance(gen, Generator) else context
         if need > have:  # (the whole conversation is prefilled)
             gen.reserve(1, max(cache_length(need, context), min(context, 2 * have)))  # (aot: doubles a fixed length)
-            log(f"cache: {gen.buffers[2].shape[1]} positions")
+            log(f"cache: {gen.tokens.shape[1]} positions")
         history.append({"role": "assistant",
                         "content": stream(gen, tokenizer, ids, args.max_new_tokens, stop_ids, kernels)})
 
@@ -369,7 +360,7 @@ def one_shot(args, gen, tokenizer, prompt: list[int], stop_ids, kernels: bool) -
     """--prompt: --num-samples answers, then --profile and --check-graphs."""
     for i in range(args.num_samples):
         if args.num_samples > 1:
-            print(f"{chr(10) if i else ''}--- sample {i + 1} of {args.num_samples} ---", flush=True)
+            tp.say(f"{chr(10) if i else ''}--- sample {i + 1} of {args.num_samples} ---")
         stream(gen, tokenizer, prompt, args.max_new_tokens, stop_ids, kernels)
     if args.profile and isinstance(gen, Generator):
         profile(gen, prompt, args.profile)
@@ -398,19 +389,17 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
             n_new += len(chunk)
             text = "".join(decoder.push(t) for t in ids)
             pieces.append(text)
-            print(text, end="", flush=True)
+            tp.say(text, end="")
     pieces.append(decoder.flush())
-    print(pieces[-1], flush=True)
+    tp.say(pieces[-1])
     # The figures: the prefill (the time to the `first` tokens) and the decode after it, its compile apart.
     compile_s, first_s = gen.compile_s - compile_before, first_at - start
     dec_s = max(time.perf_counter() - first_at - compile_s, 1e-9)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     log(f"prefill {len(prompt)} tokens in {first_s:.3f} s ({len(prompt) / first_s:.0f} tok/s; time to first token); "
         f"decode {n_new - first} tokens in {dec_s:.2f} s: {(n_new - first) / dec_s:.1f} tok/s, "
         f"{decode_weight_bytes(gen) / dec_s / 1e9:.1f} GB/s of weights"
         + (f", compile {compile_s:.1f} s" if compile_s >= 0.05 else "")
-        + f"; {n_new} tokens in all; peak memory {peak / 2**30:.2f} GiB; decode: {decode_path(gen, kernels)}")
+        + f"; {n_new} tokens in all; peak memory {peak_memory(device) / 2**30:.2f} GiB; decode: {decode_path(gen, kernels)}")
     if speculative:
         log(f"speculative: {gen.rounds} rounds, {gen.mean_tokens_per_round:.2f} tokens per round, "
             f"rounds accepting 0..{gen.k} proposals: {gen.histogram}; steps proposing nothing: {gen.plain_steps}")
@@ -443,7 +432,7 @@ def profile(gen: Generator, prompt: list[int], path: Path) -> None:
 
 
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    tp.say(msg, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -178,8 +178,6 @@ class Runner:
                       for b in self.buckets}
         fn = aot.AotStep(serve_step, build=mode == "aot") if mode.startswith("aot") else serve_step  # (cached on disk)
         self.step = Step(fn, mode, self.device, dynamic=False)
-        if mode in ("compile", "graphs"):
-            gdkernels.register_fallbacks()
         for views in self.views.values():
             self.step.static(*views)
         self.rows: list[Request] = []
@@ -357,11 +355,11 @@ class LLM:
                          workspace=max_batch * config["args"].vocab_size * 64)  # (sampling's [rows, vocab] buffers)
             model = load(checkpoint, device=device, dtype=dtype)
             if kernels and gdkernels.enabled():
-                gdkernels.apply(model)
+                gdkernels.apply(model, compiled=compile)
         self.model, self.device = model, model.tok_embeddings.weight.device
         self.tokenizer = tokenizer or (load_tokenizer(checkpoint) if checkpoint else None)
         self.runner = Runner(model, max_batch, min(max_length, model.args.max_seq_len), buckets, decode_mode(
-            self.device, compile, aot=any(isinstance(m, gdkernels.CpuAttention) for m in model.modules())), steps)
+            self.device, compile, aot=getattr(model, "ahead_of_time", False)), steps)  # (gdkernels.apply sets it)
         self.scheduler = Scheduler(max_batch, prefill_budget)
         self.inbox = queue.SimpleQueue()  # submit()'s requests, for the loop's thread
         self.tokens_out, self.seconds = 0, 0.0  # generated tokens of the last run(), and its seconds

@@ -16,7 +16,6 @@ p at the last position. Every draw is argmax(probs / Exponential(1)), never torc
 """
 import torch
 
-import gdkernels
 from common import (Sampling, Step, UsageError, check_graphs, check_memory, draw, logits_to_probs, prefill_attention,
                     sample, synchronize)
 from model import Transformer, read_config
@@ -139,8 +138,6 @@ class SpeculativeGenerator:
         self.target, self.draft, self.sampling, self.k, self.ngram = target, draft, sampling, k, ngram
         self.device = target.tok_embeddings.weight.device
         self.mode = mode
-        if mode != "eager":
-            gdkernels.register_fallbacks()
         # graphs: one graph for the K draft steps, one for the verification (common.Step: warm-up timed apart)
         self.draft_fn, self.verify_fn = (Step(f, mode, self.device) for f in (
             draft_steps, verify if draft is not None else lookup_verify))
@@ -274,15 +271,12 @@ class SpeculativeGenerator:
         synchronize(self.device)
 
 
-def load_draft(path, target: Transformer, tokenizer, device, dtype, length: int, use_kernels: bool) -> Transformer:
-    """The draft checkpoint at `path`, checked to share the target's tokenizer, loaded (with the kernels)."""
+def load_draft(path, target: Transformer, tokenizer, device, dtype, length: int) -> Transformer:
+    """The draft checkpoint at `path`, checked to share the target's tokenizer, loaded."""
     config, draft_tokenizer = read_config(path), load_tokenizer(path)
     probe = "Speculative decoding: 12345, naïve café, 東京, 🚀\n  def f(x): return x"
     if (config["args"].vocab_size != target.args.vocab_size or draft_tokenizer.eos_ids != tokenizer.eos_ids
             or draft_tokenizer.encode(probe) != tokenizer.encode(probe)):
         raise UsageError(f"the draft {path} does not share the target's tokenizer")
     check_memory(config, path, 1, length, dtype, device)
-    draft = load(path, device=device, dtype=dtype)
-    if use_kernels:
-        gdkernels.apply(draft)
-    return draft
+    return load(path, device=device, dtype=dtype)

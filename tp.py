@@ -15,7 +15,6 @@ CUDA it is captured in the decode step's graph with the rest (NCCL supports capt
 """
 import functools
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,6 +125,11 @@ def reduce_outputs(model: Transformer) -> Transformer:
     return model
 
 
+def say(*args, file=None, end: str = "\n") -> None:  # print(), flushed, from rank 0 only: once, not once a rank
+    if world()[0] == 0:
+        print(*args, file=file, end=end, flush=True)
+
+
 def common_seed(seed: int | None, device: torch.device) -> int:
     """A seed every rank shares: the given one, or rank 0's random draw, broadcast."""
     if seed is None:
@@ -137,11 +141,8 @@ def common_seed(seed: int | None, device: torch.device) -> int:
 
 def join(args: ModelArgs, device: torch.device, seed: int | None = None) -> torch.device:
     """A CLI's start under torchrun: check that the model splits (an error before any rank waits for the others),
-    join the process group, silence all ranks but 0 (it speaks for all), seed them alike -> this rank's device."""
-    rank, n = world()
-    local_args(args, n)
+    join the process group, seed the ranks alike -> this rank's device. (Rank 0 speaks for all: say.)"""
+    local_args(args, world()[1])
     device = init(device)
-    if rank:
-        sys.stdout = sys.stderr = open(os.devnull, "w")
     torch.manual_seed(common_seed(seed, device))
     return device

@@ -2,11 +2,8 @@
 # The GPU runs behind BENCHMARKS.md's tables, on one H200, each part in one process per configuration.
 # Records (bench.py's JSON) go to $OUT (default benchmarks/records). Parts, in any order:
 #   tests    pytest -m cuda, the kernel tests on the GPU, and bench.py's smoke check (--check-graphs)
-#   ab       bench.py at the commit tagged before-two-layers (a copy in vendor/old) against this tree,
-#            the two interleaved per configuration: Llama-2-7B bf16 B=1,8, int8 and int4 g32 B=1
-#   anchor   gpt-fast (vendor/anchors, ../shared/anchors copied) against this tree's plain model
+#   decode   Llama-2-7B bf16 B=1,8, int8 and int4 g32 B=1, and bf16 B=1 --no-kernels (records: decode.json)
 #   gains    benchmarks/kernel_gains.py: the reference path, then each kernel, then all
-#   spec     speculative decoding, K=4, the target's int4 g32 copy as draft, old against new
 #   models   Llama-3.1-8B and SmolLM2-135M shapes, bf16 B=1
 #   serving  bench.py --serving: the engine (Llama-2-7B shape at 64 and 128 rows, three prefill budgets at
 #            64; SmolLM2's shape: its bucket-1 step against Generator's); benchmarks/serving.py: bucket pools and
@@ -17,28 +14,22 @@ OUT=${OUT:-benchmarks/records}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 B="--modes graphs --repeat 2"
-new() { python3 bench.py "$@" --json "$OUT/new.json"; }
-old() { (cd vendor/old && python3 bench.py "$@" --json "$OUT/old.json"); }
+bench() { python3 bench.py "$@" --json "$OUT/decode.json"; }
 for part in "$@"; do
   echo "== $part $(date -u +%H:%M:%S)"
   case $part in
     tests) python3 -m pytest -q -x -m cuda tests
            python3 -m pytest -q -x tests/test_kernels.py
            python3 bench.py --model smollm2-135m --modes graphs --batch-sizes 1,8 --new-tokens 32 --check-graphs ;;
-    ab) for q in "" "--quantize int8" "--quantize int4-g32"; do
-          bs=1; [ -z "$q" ] && bs=1,8
-          old --model llama-2-7b $B --batch-sizes $bs $q
-          new --model llama-2-7b $B --batch-sizes $bs $q
-        done ;;
-    anchor) python3 vendor/anchors/anchor_gptfast.py 7B compile | tee -a "$OUT/gptfast.jsonl"
-            new --model llama-2-7b $B --batch-sizes 1 --no-kernels ;;
+    decode) bench --model llama-2-7b $B --batch-sizes 1,8
+            bench --model llama-2-7b $B --batch-sizes 1 --quantize int8
+            bench --model llama-2-7b $B --batch-sizes 1 --quantize int4-g32
+            bench --model llama-2-7b $B --batch-sizes 1 --no-kernels ;;
     gains) for q in "" "--quantize int8" "--quantize int4-g32"; do
              python3 benchmarks/kernel_gains.py --model llama-2-7b $q --json "$OUT/gains.json"
            done ;;
-    spec) S="--model llama-2-7b --modes graphs --batch-sizes 1 --speculate-k 4 --draft-quantize int4-g32 --temperature 1"
-          old $S; new $S ;;
-    models) new --model llama-3.1-8b $B --batch-sizes 1
-            new --model smollm2-135m $B --batch-sizes 1 ;;
+    models) bench --model llama-3.1-8b $B --batch-sizes 1
+            bench --model smollm2-135m $B --batch-sizes 1 ;;
     serving) S="--serving 256 --modes graphs --json $OUT/serving.json"
              python3 bench.py --model llama-2-7b $S --max-batch 64 --prefill-budget 512,1024,2048 --serving-alone 0
              python3 bench.py --model llama-2-7b $S --max-batch 128 --serving-alone 0  # (256 rows: 128 GiB of KV)

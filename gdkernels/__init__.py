@@ -18,6 +18,8 @@ On CUDA (BENCHMARKS.md has each one's gain in the whole decode step):
   KernelAttention  one new token: RoPE, the cache write and attention in one kernel (attention.py)
 On the CPU: Int8Cpu and Int4Cpu, cpu.cpp's AVX2 matmuls for up to CPU_MAX_ROWS rows; CpuAttention, reading
 each query's keys up to its position only; and aot.py's decode step compiled ahead of time (generate.py uses it).
+Names: a kernel's file has a function named for the kernel, which checks and launches it (gemv.gemv, int4.gemv,
+attention.decode_attention), and the custom op the modules call, named for the operation (.matmul, .attention).
 """
 import os
 
@@ -30,8 +32,8 @@ from quantize import Int4Linear, Int8Linear, dequantize_int4
 
 from . import attention, cpu, gemv, int4
 
-CPU_MAX_ROWS = 160  # up to this many rows the CPU kernels beat dequantizing + F.linear (default model's prefill:
-# the same at ~190 tokens on a 2-core Xeon; BENCHMARKS.md)
+CPU_MAX_ROWS = 160  # up to this many rows the CPU kernels beat dequantizing + F.linear (BENCHMARKS.md); beyond,
+# F.linear's blocked matmul reuses each dequantized weight across the rows
 INT4_MAX_ROWS = 8  # up to this many rows of x, the one-row int4 GEMV once a row
 ATTENTION_MAX_BATCH = 256  # KernelAttention's counts cover this many rows
 
@@ -41,10 +43,12 @@ def enabled() -> bool:
     return os.environ.get("GRAPHDECODE_KERNELS", "1") != "0"
 
 
-def apply(model: Transformer, fuse: bool = True, attend: bool = True) -> list[str]:
-    """Swap the model's modules for the kernels' where this device runs them; returns a line per kind of
-    swap. fuse=False keeps the blocks' norms and residuals apart; attend=False keeps PyTorch's attention
-    (benchmarks/kernel_gains.py measures each)."""
+def apply(model: Transformer, fuse: bool = True, attend: bool = True, compiled: bool | None = None) -> list[str]:
+    """Swap the model's modules for the kernels' where this device runs them -> a line per kind of swap.
+    fuse=False keeps the blocks' norms and residuals apart (tp.py); attend=False, PyTorch's attention: it exists for
+    benchmarks/kernel_gains.py. compiled (None: on CUDA, where decode compiles by default): register the ops with
+    Inductor first (register_fallbacks). model.ahead_of_time: each query reads its keys up to its position only
+    (CpuAttention), so one step built ahead of time for a fixed cache length (aot.py) serves every length."""
     device = model.tok_embeddings.weight.device
     done = {}
 
@@ -65,7 +69,7 @@ def apply(model: Transformer, fuse: bool = True, attend: bool = True) -> list[st
             else:
                 swap(m, GemvLinear, "bf16 linear -> gemv.py GEMV")
         for layer in model.layers:
-            if fuse and type(layer) is TransformerBlock:
+            if fuse and type(layer) is TransformerBlock and not model.args.n_experts:
                 swap(layer, FusedBlock, "block -> norms, SwiGLU, residuals fused into the GEMVs")
             if attend and not model.args.qk_norm and type(layer.attention) is Attention:
                 swap(layer.attention, KernelAttention, "decode attention -> attention.py")
@@ -78,6 +82,9 @@ def apply(model: Transformer, fuse: bool = True, attend: bool = True) -> list[st
                 swap(m, Int4Cpu, f"int4 linear -> cpu.cpp (up to {CPU_MAX_ROWS} rows)")
             elif isinstance(m, Int8Linear) and m.weight.shape[1] % 32 == 0:
                 swap(m, Int8Cpu, f"int8 linear -> cpu.cpp (up to {CPU_MAX_ROWS} rows)")
+    model.ahead_of_time = any(type(m) is CpuAttention for m in model.modules())
+    if done and (compiled or compiled is None and device.type == "cuda"):
+        register_fallbacks()
     return [f"{n} x {what}" for what, n in done.items()]
 
 
@@ -131,6 +138,9 @@ class Int8Gemv(Fused, Int8Linear):
 
 
 class Int4Gemv(Fused, Int4Linear):
+    """A swapped int4 layer (Int4Cpu too) passes isinstance(m, Int4Linear) but holds the kernel's layout: no .weight,
+    .scales, .zeros (Int4Cpu: block_scales, block_zeros), so its state_dict() has other names and does not load back."""
+
     def convert(self, device):
         """The file's layout -> int4.py's (words, scale-and-zero codes), in place of it."""
         lay = int4.layout(self.weight, self.scales, self.zeros, self.groupsize)
@@ -214,7 +224,7 @@ class Int4Cpu(Int4Linear):
         self.block_zeros = nn.Parameter(block_zeros, requires_grad=False)
 
     def forward(self, x):
-        if _rows(x) > CPU_MAX_ROWS:  # prefill: dequantized, then F.linear (2x faster there)
+        if _rows(x) > CPU_MAX_ROWS:  # prefill: dequantized, then F.linear (CPU_MAX_ROWS says why)
             blocks = self.weight.shape[1] // 16
             w = dequantize_int4(self.weight, self.block_scales[:, :blocks].float(),
                                 self.block_zeros[:, :blocks].float(), 32)
@@ -226,12 +236,12 @@ class Int4Cpu(Int4Linear):
 
 
 def register_fallbacks() -> None:
-    """Before compiling a model with kernels: tell Inductor up front that the kernels' custom ops are fallbacks (calls of their own
-    implementation, with the layout constraint Inductor gives a custom op by default). Inductor does
-    that itself on meeting such an op, but torch 2.11 first formats a log line with the str() of each
-    argument, and through the residual that str() grows ~2x a layer: a 32-layer int4 model never
-    finished compiling. Registering first skips the line. Private Inductor functions: a torch without
-    them gets Inductor's own fallbacks (torch 2.13 formats that line lazily)."""
+    """Before compiling (apply(compiled=), aot.py; once is enough): tell Inductor that the kernels' custom ops are
+    fallbacks (calls of their own implementation, with the layout constraint Inductor gives a custom op by default).
+    Inductor does that itself on meeting such an op, but torch 2.11 first formats a log line with the str() of each
+    argument, and through the residual that str() grows ~2x a layer: a 32-layer int4 model never finished
+    compiling. Registering first skips the line. Private Inductor functions: a torch without them gets Inductor's
+    own fallbacks (torch 2.13 formats that line lazily: pytorch/pytorch#185951)."""
     try:
         from torch._inductor import lowering
         from torch._library.utils import get_layout_constraint_tag

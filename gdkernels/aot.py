@@ -30,7 +30,6 @@ HERE = Path(__file__).resolve().parent
 # What the compiled step runs, besides the step function's own file
 SOURCES = [HERE.parent / "model.py", HERE.parent / "quantize.py", HERE.parent / "common.py", HERE / "__init__.py",
            HERE / "cpu.py", HERE / "cpu.cpp"]
-OPTIONS = {"cpp.min_chunk_size": 65536}  # (Inductor on the CPU: see generate.Generator)
 CACHE_BYTES = 2 << 30  # the fixed-length cache is halved while it would take more than this
 
 
@@ -95,8 +94,7 @@ class AotStep:
         try:
             if not path.is_file():
                 self._build(model, args, path)
-            # PyTorch's C++ loader: torch._inductor.aoti_load_package would first import Inductor,
-            # 2.6 s of every start; this takes milliseconds.
+            # PyTorch's C++ loader: torch._inductor.aoti_load_package would first import Inductor at every start.
             loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
             constants = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             constants = {n: constants[n.removeprefix("model.")] for n in loader.get_constant_fqns()}
@@ -106,31 +104,28 @@ class AotStep:
                   f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); using torch.compile",
                   file=sys.stderr)
             self.ran = "torch.compile (building ahead of time failed)"
-            return torch.compile(self.step, fullgraph=True, options=OPTIONS)
+            return torch.compile(self.step, fullgraph=True, options=common.CPU_OPTIONS)
         self.ran = "compiled ahead of time"
         return lambda model, *args: loader.boxed_run([a for a in args if isinstance(a, torch.Tensor)])
 
     def _build(self, model, args, path: Path):
-        with warnings.catch_warnings():  # torch's own pytree deprecation (LeafSpec) inside export: not the user's
-            warnings.simplefilter("ignore", FutureWarning)
-            self._export_and_compile(model, args, path)
-
-    def _export_and_compile(self, model, args, path: Path):
         from . import register_fallbacks
 
         print(f"building the decode step once for this model, batch and sampling (~40-80 s; any prompt and "
               f"output length reuses it), cached in {path.parent}", file=sys.stderr, flush=True)
         register_fallbacks()
-        module = _Step(self.step, model, args)
-        exported = torch.export.export(module, tuple(a for a in args if isinstance(a, torch.Tensor)))
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".pt2")  # renamed when complete
         os.close(fd)
         try:
-            torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs={
-                **OPTIONS,
-                "fallback_random": True,  # sampling draws from PyTorch's generator: --seed holds
-                "aot_inductor.package_constants_in_so": False})  # the weights come from the model
+            with warnings.catch_warnings():  # torch's own pytree deprecation (LeafSpec) inside export: not the user's
+                warnings.simplefilter("ignore", FutureWarning)
+                exported = torch.export.export(_Step(self.step, model, args),
+                                               tuple(a for a in args if isinstance(a, torch.Tensor)))
+                torch._inductor.aoti_compile_and_package(exported, package_path=tmp, inductor_configs={
+                    **common.CPU_OPTIONS,
+                    "fallback_random": True,  # sampling draws from PyTorch's generator: --seed holds
+                    "aot_inductor.package_constants_in_so": False})  # the weights come from the model
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -23,7 +23,6 @@ Needs Triton, which CUDA builds of PyTorch ship and CPU builds do not (`triton` 
 """
 import functools
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -305,17 +304,18 @@ if triton is not None:
 # kernels, launched normally, which wait for everything before them).
 def pdl(x: torch.Tensor) -> bool:
     """Whether kernels on x's device are launched with PDL: not in Triton's interpreter, not while
-    torch.compile traces, and not if Inductor launches its own kernels with PDL (triton.enable_pdl),
-    which would break the rule above (its kernels would no longer wait for ours)."""
-    inductor = sys.modules.get("torch._inductor.config")  # (only if already imported: it is slow to import)
-    if inductor is not None and getattr(inductor.triton, "enable_pdl", False):
-        return False
+    torch.compile traces, and where _pdl_capable says so (decided once a device)."""
     return x.is_cuda and not emulate() and not torch.compiler.is_compiling() and _pdl_capable(x.device.index or 0)
 
 
 @functools.cache
 def _pdl_capable(device: int) -> bool:
-    """sm_90 or newer (NVIDIA), and a Triton with the launch option and the wait (3.6 and 3.9 have both)."""
+    """sm_90 or newer (NVIDIA), a Triton with the launch option and the wait (3.6 and 3.9 have both), and not
+    Inductor's own kernels with PDL (triton.enable_pdl: they would no longer wait for ours, as the rule above needs)."""
+    from torch._inductor import config as inductor
+
+    if inductor.triton.enable_pdl:
+        return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
         triton_has = "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
@@ -414,7 +414,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = No
 
 # Through a custom op, torch.compile treats the GEMV as a black box (still captured in the graph):
 # traced instead, it lowers the Triton kernel to Triton IR at each call site to learn which arguments
-# it writes (129 per decode step of a 7B model): cold first call 76-86 s on the H200 against 49 s.
+# it writes (129 per decode step of a 7B model), and the first call compiles for that much longer.
 @torch.library.custom_op("graphdecode::gemv", mutates_args=())
 def matmul(x: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor] = None,
            norm_weight: Optional[torch.Tensor] = None, eps: float = 0.0, residual: Optional[torch.Tensor] = None,

@@ -368,7 +368,7 @@ def test_one_graph_replay_per_token(model, graphed):
         tokens_of(gen, 5)
         assert check_graphs(gen, steps=8)["graph_launches_per_step"] == 1
     gen = _warm_eager(model)
-    eager = launches_per_call(lambda: gen._decode_step(*gen.buffers), gen.device, 4)
+    eager = launches_per_call(gen.decode_step, gen.device, 4)
     assert eager["graph_launches_per_step"] == 0 and eager["kernels_outside_graphs_per_step"] > 20
 
 
@@ -417,7 +417,7 @@ def test_kept_outputs_not_overwritten_by_replays(graphed):
     writes each token into its own slot of a static buffer; nothing aliases a graph output)."""
     gen = graphed.generate(PROMPT, 120)
     early = [list(next(gen)[0]) for _ in range(3)]
-    token, pos, tokens = graphed.buffers
+    tokens = graphed.tokens
     snapshot = tokens[0, : 8 + 1 + 16].clone()
     rest = [c[0] for c in gen]
     assert tokens[0, : 8 + 1 + 16].equal(snapshot)
@@ -472,7 +472,7 @@ def test_sampling_graphs_add_only_the_rng_seed_kernels(fast):
     gen = make_generator(fast, "graphs", Sampling(temperature=1.0, top_k=50))
     gen.reserve(1, 64)
     assert len(tokens_of(gen, 20)) == 20
-    gen.buffers[1].fill_(len(PROMPT[0]))
+    gen.pos.fill_(len(PROMPT[0]))
     counts = check_graphs(gen, steps=4)
     assert counts == {"graph_launches_per_step": 1, "kernels_outside_graphs_per_step": RNG_KERNELS_PER_REPLAY}
 

@@ -87,7 +87,7 @@ def test_batch_rows_stop_independently(tiny):
 
 
 def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
-    """Compiled decode registers the graphdecode ops as Inductor fallbacks first
+    """gdkernels.apply(compiled=True) registers the graphdecode ops as Inductor fallbacks before decode compiles
     (gdkernels.register_fallbacks), with the layout constraint Inductor itself would give them, so
     Inductor never takes its implicit-fallback path: on torch 2.11 that path formats the str() of
     every argument, which grows ~2x a layer through the residual (a 32-layer int4 model never
@@ -101,12 +101,12 @@ def test_custom_ops_are_registered_with_inductor_before_it_meets_them(tiny):
     from torch._library.utils import get_layout_constraint_tag
 
     assert cpu.available()  # (else the model has no graphdecode op on the CPU)
-    qmodel = quantize_model(tiny, "int4", 32)
-    assert gdkernels.apply(qmodel)
     ops = [getattr(torch.ops.graphdecode, n).default for n in ("int4_linear", "int8_linear", "attention", "gemv")]
     for op in ops:  # as in a fresh process, whatever other tests compiled before
         lowering.lowerings.pop(op, None)
         lowering._maybe_layout_constraints.pop(op, None)
+    qmodel = quantize_model(tiny, "int4", 32)
+    assert gdkernels.apply(qmodel, compiled=True)
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())

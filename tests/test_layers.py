@@ -144,7 +144,18 @@ def test_import_graph_has_no_cycle_and_only_bench_imports_generate():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
     scripts = {f"benchmarks/{p.name}": imports_of("__main__", p, modules) for p in (ROOT / "benchmarks").glob("*.py")}
     assert {name for name, deps in {**graph, **scripts}.items() if "generate" in deps} == {"bench"}
-    assert not {"gdkernels", "gdkernels.aot"} & (graph["model"] | graph["quantize"] | graph["common"])
+    assert not {"gdkernels", "gdkernels.aot"} & (graph["model"] | graph["quantize"] | graph["common"] |
+                                                 graph["speculative"])
+    for name in ("generate", "serve"):  # the decode steps: only the CLI's apply and the CPU's ahead-of-time step
+        assert kernel_names(modules[name]) <= {"apply", "enabled", "aot"}, name
+
+
+def kernel_names(path: Path) -> set[str]:
+    """The names a module uses of the kernels package: gdkernels.X, and X of `from gdkernels import X`."""
+    tree = ast.parse(path.read_text())
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "gdkernels"} | {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                                              and n.module == "gdkernels" for a in n.names}
 
 
 def test_the_import_graph_check_finds_a_cycle_through_a_function(tmp_path):
