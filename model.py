@@ -66,6 +66,19 @@ class ModelArgs:
         return asdict(self)
 
 
+def read_config(path: Path) -> dict:
+    """config.json of a checkpoint directory, with "args" parsed into ModelArgs."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json)")
+    try:
+        config = json.loads(file.read_text())
+        config["args"] = ModelArgs.from_dict(config["model"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{file}: invalid checkpoint config ({e})") from None
+    return config
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -115,30 +128,30 @@ class Transformer(nn.Module):
         return self.output(self.norm(x))
 
     @classmethod
-    def from_checkpoint(cls, path, device="cpu", dtype=torch.bfloat16, swap=None) -> "Transformer":
+    def from_checkpoint(cls, path, device="cpu", dtype=torch.bfloat16, swap=None, split=None) -> "Transformer":
         """Load a checkpoint directory (convert_hf_checkpoint.py's): built on the meta device (no memory, no
-        init), the weights memory-mapped, each cast and moved once and assigned in place of the meta ones.
-        swap(model, quantization) replaces the linear layers first: quantize.load passes quantize.swap_linears."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        init), each weight read from the memory-mapped file, cast and moved once, and assigned in place of the
+        meta one. swap(model, quantization) replaces the linear layers first: quantize.load passes
+        quantize.swap_linears. split (tp.py's): (args -> a share's args, (name, safetensors slice) -> its part)."""
+        from safetensors import SafetensorError, safe_open
 
         path = Path(path)
-        config = read_config(path)
-        weights = path / "model.safetensors"
+        config, weights = read_config(path), path / "model.safetensors"
+        share, part = split or ((lambda args: args), (lambda name, tensor_slice: tensor_slice[:]))
         if not weights.is_file():
             raise FileNotFoundError(f"{path}: no model.safetensors")
         with torch.device("meta"):
-            model = cls(config["args"])
-        if config.get("quantization"):
-            if swap is None:
-                raise ValueError(f"{path} is a quantized checkpoint: load it with quantize.load")
-            swap(model, config["quantization"])
+            model = cls(share(config["args"]))
+            if config.get("quantization"):
+                if swap is None:
+                    raise ValueError(f"{path} is a quantized checkpoint: load it with quantize.load")
+                swap(model, config["quantization"])
         try:
-            state = load_file(weights)  # memory-mapped: nothing is read until used
+            with safe_open(weights, framework="pt") as f:
+                state = {k: (v := part(k, f.get_slice(k))).to(device, dtype if v.is_floating_point() else v.dtype)
+                         for k in f.keys()}
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"{weights}: not a readable safetensors file ({e})") from None
-        state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
-                 for k, v in state.items()}
         try:
             model.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as e:
@@ -161,19 +174,6 @@ class Transformer(nn.Module):
                     names = [f"{base}.{w}.{suffix}" for w in parts]
                     if all(n in state for n in names):
                         state[f"{p}{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names])
-
-
-def read_config(path: Path) -> dict:
-    """config.json of a checkpoint directory, with "args" parsed into ModelArgs."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json)")
-    try:
-        config = json.loads(file.read_text())
-        config["args"] = ModelArgs.from_dict(config["model"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{file}: invalid checkpoint config ({e})") from None
-    return config
 
 
 class TransformerBlock(nn.Module):

@@ -141,9 +141,9 @@ def swap_linears(model: Transformer, quantization: dict) -> None:
     model.output = quantized(model.output, "int8")
 
 
-def load(path, device="cpu", dtype=torch.bfloat16) -> Transformer:
+def load(path, device="cpu", dtype=torch.bfloat16, split=None) -> Transformer:
     """Any checkpoint directory, float or quantized (Transformer.from_checkpoint with swap_linears)."""
-    return Transformer.from_checkpoint(path, device=device, dtype=dtype, swap=swap_linears)
+    return Transformer.from_checkpoint(path, device=device, dtype=dtype, swap=swap_linears, split=split)
 
 
 def int4_units(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,8 @@ def init(device: torch.device) -> torch.device:
 
 def local_args(args: ModelArgs, n: int) -> ModelArgs:
     """The config of one rank's share; an error unless the heads and the feed-forward width divide by n."""
+    if args.n_experts:
+        raise UsageError("tensor parallel does not split mixtures of experts")
     if args.n_heads % n or args.n_kv_heads % n or args.intermediate_size % n:
         raise UsageError(f"tensor parallel over {n} processes needs n_heads ({args.n_heads}), n_kv_heads "
                          f"({args.n_kv_heads}) and intermediate_size ({args.intermediate_size}) divisible by {n}")
@@ -81,34 +83,20 @@ def load(path, device, dtype=torch.bfloat16, kernels: bool = False) -> tuple[Tra
     """This rank's share of the checkpoint at `path` (float, int8, or int4 whose split falls on group
     boundaries), split as the module docstring says, and what gdkernels.apply swapped when `kernels`
     (fuse=False: a fused residual would be summed N times)."""
-    from safetensors import safe_open
-
-    from quantize import check_quantization, swap_linears
+    from quantize import check_quantization, load as load_checkpoint
 
     rank, n = world()
     config = read_config(Path(path))
-    args, quantization = config["args"], config.get("quantization")
-    local = local_args(args, n)
+    local, quantization = local_args(config["args"], n), config.get("quantization")
     if quantization:
         mode, groupsize = check_quantization(quantization)
         for width in (local.n_heads * local.head_dim, local.intermediate_size):  # wo's and w2's input columns
             if mode == "int4" and width % groupsize:
                 raise UsageError(f"tensor parallel over {n} processes splits wo and w2 into {width} input columns, "
                                  f"not a whole number of int4 groups of {groupsize}")
-    with torch.device("meta"):
-        model = Transformer(local)
-        if quantization:
-            swap_linears(model, quantization)
-    with safe_open(Path(path) / "model.safetensors", framework="pt") as f:
-        state = {name: shard(name, f.get_slice(name), rank, n) for name in f.keys()}
-    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
-    try:  # (its hook fuses the rank's q, k, v and w1, w3)
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as e:  # as Transformer.from_checkpoint says it
-        raise ValueError(f"{path}: weights do not match config.json: {str(e).splitlines()[1:3]}") from None
-    if model.args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    model.eval().requires_grad_(False)
+    # (from_checkpoint's load hook fuses the rank's q, k, v and w1, w3)
+    model = load_checkpoint(path, device, dtype, split=(lambda args: local_args(args, n),
+                                                       lambda name, tensor_slice: shard(name, tensor_slice, rank, n)))
     swapped = []
     if kernels:
         import gdkernels

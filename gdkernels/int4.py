@@ -15,6 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from quantize import int4_units
+
 from .gemv import emulate, pdl, triton
 
 if triton is not None:
@@ -34,18 +36,11 @@ class Layout(NamedTuple):
     group: int
 
 
-def _grid_unit(v: torch.Tensor, levels: int) -> torch.Tensor:
-    """v [N, G] -> [N, 1] float32: per row, the smallest power of two u with max |v| <= levels u
-    (1 for a row of zeros)."""
-    m, e = torch.frexp(v.float().abs().amax(1, keepdim=True) / levels)
-    return torch.where(m > 0, torch.ldexp(torch.ones_like(m), torch.where(m == 0.5, e - 1, e)), 1.0)
-
-
 def _grid_units(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor | None:
     """The units [N, 2] of quantize.py's grid (scales in 255 steps, zeros in 127), if every scale is a
     whole number 0..255 of its row's unit and every zero one too (-127..127): 8 bits each, exactly;
     else None (a file from elsewhere, such as a GGUF's)."""
-    units = torch.cat([_grid_unit(scales, 255), _grid_unit(zeros, 127)], dim=1)
+    units = int4_units(scales, zeros)
     codes_s, codes_z = scales.float() / units[:, :1], zeros.float() / units[:, 1:]
     whole = all(bool(((k == k.round()) & (k >= lo) & (k <= hi)).all())
                 for k, lo, hi in ((codes_s, 0, 255), (codes_z, -127, 127)))  # (the range: float32's subnormals)
