@@ -11,7 +11,7 @@ so Hugging Face checkpoints need no permutation (GGUF files do: see convert_gguf
 """
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -61,9 +61,6 @@ class ModelArgs:
         if unknown:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
         return cls(**d)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def read_config(path: Path) -> dict:
@@ -296,11 +293,15 @@ class MoEFeedForward(nn.Module):
         shape, x = x.shape, x.flatten(0, -2)  # [T, dim]
         weight, chosen = F.softmax(self.gate(x).float(), dim=-1).topk(self.k, dim=-1)  # [T, k]
         weight = weight / weight.sum(-1, keepdim=True) if self.norm_topk else weight
-        index = chosen if len(x) * self.k < len(self.w2) else None  # few tokens (decode): the chosen experts'
-        if index is None:  # weights gathered; many: every expert on every token, weighted 0 where not chosen
+        index = chosen if len(x) * self.k < len(self.w2) else None  # few tokens (decode): the chosen experts only;
+        if index is None:  # many: every expert on every token, weighted 0 where not chosen (fixed shapes either way)
             weight = torch.zeros(len(x), len(self.w2), device=x.device).scatter(-1, chosen, weight)
-        gate, up = (torch.einsum("td,tkod->tko", x, self.experts(w, index)) for w in ("w1", "w3"))
-        y = torch.einsum("tki,tkoi->tko", F.silu(gate) * up, self.experts("w2", index))
+        # a [T, k or 1, in] -> [T, k or E, out]. Few: products summed, which compiled are one reduction reading the
+        # weights where they lie (a batched matmul copies them out first: 2.3x the step); many: a batched matmul.
+        mm = (lambda a, w: (a.unsqueeze(-2) * self.experts(w, index)).sum(-1)) if index is not None else (
+            lambda a, w: torch.einsum("tki,tkoi->tko", a, self.experts(w, index)))
+        gate, up = (mm(x[:, None], w) for w in ("w1", "w3"))
+        y = mm(F.silu(gate) * up, "w2")
         return (weight.to(x.dtype).unsqueeze(-1) * y).sum(1).view(shape)
 
 

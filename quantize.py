@@ -23,6 +23,7 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
@@ -349,7 +350,7 @@ def quantize_model(model: Transformer, mode: str, groupsize: int | None = None,
     token ids `calibration`, if given), loaded through the same modules and hooks."""
     args = model.args
     state = split_fused(model.state_dict(), args)  # (a tied output.weight: quantize_tensors skips it)
-    config = quantized_config({"model": args.to_dict()}, mode, groupsize)
+    config = quantized_config({"model": asdict(args)}, mode, groupsize)
     with torch.device("meta"):
         qmodel = Transformer(ModelArgs.from_dict(config["model"]))
         swap_linears(qmodel, config["quantization"])

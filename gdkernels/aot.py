@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -81,7 +82,7 @@ class AotStep:
         sources = [Path(inspect.getfile(self.step)), *SOURCES]
         h = hashlib.sha256(b"".join(f.read_bytes() for f in sources))
         state = [(n, list(t.shape), str(t.dtype)) for n, t in [*model.named_parameters(), *model.named_buffers()]]
-        h.update(json.dumps([model.args.to_dict(), state, [list(a.shape) if isinstance(a, torch.Tensor) else repr(a)
+        h.update(json.dumps([asdict(model.args), state, [list(a.shape) if isinstance(a, torch.Tensor) else repr(a)
                                                            for a in args],
                              torch.__version__, torch.backends.cpu.get_cpu_capability()]).encode())
         return h.hexdigest()[:20]

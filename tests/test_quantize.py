@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -246,7 +247,7 @@ def write_float_checkpoint(path: Path, args: ModelArgs, seed=0) -> Transformer:
         del state["output.weight"]
     path.mkdir(parents=True)
     write_safetensors(path / "model.safetensors", iter(state.items()), {"format": "pt"})
-    config = {"model": args.to_dict(), "quantization": None, "source": "random test model"}
+    config = {"model": asdict(args), "quantization": None, "source": "random test model"}
     (path / "config.json").write_text(json.dumps(config))
     (path / "tokenizer.json").write_text('{"stand-in": true}')
     return model
