@@ -57,7 +57,7 @@ def random_model(args: ModelArgs, device, dtype) -> Transformer:
     n = tp.world()[1]
     with torch.device("meta"):
         model = Transformer(tp.local_args(args, n) if n > 1 else args)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # (cast on the meta device: memory only for the weights)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     with torch.no_grad():
@@ -214,7 +214,7 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
     total, a = sum(times), model.args
     mean_len, itemsize = prompt_tokens + new_tokens / 2, model.tok_embeddings.weight.element_size()
     kv_bytes = 2 * a.n_layers * batch * a.n_kv_heads * mean_len * a.head_dim * itemsize
-    gb_s = (weight_bytes_per_step(model) + kv_bytes) * new_tokens / total / 1e9  # bytes a step must read, once
+    gb_s = (weight_bytes_per_step(model, batch) + kv_bytes) * new_tokens / total / 1e9  # bytes a step must read, once
     ms = [t * 1e3 for t in times]
     record = {"mode": mode, "batch_size": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
               "tok_s": batch * new_tokens / total, "tok_s_runs": runs, "step_ms_median": statistics.median(ms),
@@ -349,7 +349,7 @@ def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, l
                     quiet.append((now - t) / steps)
             first.update((r, now - t0) for r, new, _ in events if new and r not in first)
         seconds, tokens = time.perf_counter() - t0, sum(len(r.out) for r in reqs)
-        read = sum(steps * weight_bytes_per_step(model) + kv_per_pos * kv for _, _, kv in timed.rounds)
+        read = sum(steps * weight_bytes_per_step(model, n + pad) + kv_per_pos * kv for n, pad, kv in timed.rounds)
         bound = tokens / (read / (ceiling * 1e9))
         rows, padding = (sum(x[i] for x in timed.rounds) for i in (0, 1))
         ttft = list(first.values())

@@ -5,6 +5,7 @@ directory, dtypes."""
 import contextlib
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,15 +165,18 @@ def prefill_attention():
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def weight_bytes_per_step(model) -> int:
-    """Bytes of weights a decode step reads: every stored tensor once (quantized weights and their
-    scales included), but the embedding table, of which it reads a row a sequence (unless tied)."""
+def weight_bytes_per_step(model, rows: int = 1) -> int:
+    """Bytes of weights a decode step of `rows` rows reads: every stored tensor once (quantized weights and their
+    scales included), but the embedding table, of which it reads a row a sequence (unless tied), and of a mixture's
+    experts those gathered, rows x k a layer, or all of them once that reaches E (model.MoEFeedForward)."""
     persistent = model.state_dict().keys()
     tensors = dict(model.named_parameters())  # shared (tied) parameters appear once
     tensors.update((n, b) for n, b in model.named_buffers() if n in persistent)  # not the KV cache
     if not model.args.tie_embeddings:
         tensors.pop("tok_embeddings.weight")
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    a, expert = model.args, re.compile(r"feed_forward\.w[123](_scales)?$")
+    share = min(1.0, rows * a.n_active_experts / a.n_experts) if a.n_experts else 1.0
+    return int(sum(t.numel() * t.element_size() * (share if expert.search(n) else 1) for n, t in tensors.items()))
 
 
 def peak_memory(device: torch.device) -> int:  # bytes: the peak GPU memory allocated, or the peak resident size

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import convert_hf_checkpoint as conv
-from common import Sampling
+from common import Sampling, weight_bytes_per_step
 from generate import Generator
 from model import MoEFeedForward, Transformer
 from quantize import Int8Experts, Int8Linear, load, quantize_checkpoint, quantize_model
@@ -51,6 +51,13 @@ def test_greedy_tokens_equal_transformers(moe, mode):
     model = Transformer.from_checkpoint(ckpt, "cpu", torch.float32)
     assert isinstance(model.layers[0].feed_forward, MoEFeedForward)
     assert greedy(model, PROMPT, 24, mode) == hf_greedy(hf, PROMPT, 24)  # (compile: fullgraph, no data shapes)
+
+
+def test_a_step_reads_the_gathered_experts_or_all_of_them(moe):
+    model = Transformer.from_checkpoint(moe[1], "cpu", torch.float32)
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith(("w1", "w2", "w3")))
+    dense = weight_bytes_per_step(model, 4)  # 4 rows x 2 experts: all 8 read
+    assert dense - weight_bytes_per_step(model, 1) == experts * 6 // 8 and weight_bytes_per_step(model, 9) == dense
 
 
 def test_int8_experts_are_close_to_float(moe, tmp_path):
