@@ -125,11 +125,11 @@ class Transformer(nn.Module):
         return self.output(self.norm(x))
 
     @classmethod
-    def from_checkpoint(cls, path, device="cpu", dtype=torch.bfloat16, swap=None, split=None) -> "Transformer":
+    def from_checkpoint(cls, path, device="cpu", dtype=torch.bfloat16, quantized=None, split=None) -> "Transformer":
         """Load a checkpoint directory (convert_hf_checkpoint.py's): built on the meta device (no memory, no
         init), each weight read from the memory-mapped file, cast and moved once, and assigned in place of the
-        meta one. swap(model, quantization) replaces the linear layers first: quantize.load passes
-        quantize.swap_linears. split (tp.py's): (args -> a share's args, (name, safetensors slice) -> its part)."""
+        meta one. quantized(model, quantization) puts in the quantized layers first: quantize.load passes
+        quantize.quantized_layers. split (tp.py's): (args -> a share's args, (name, safetensors slice) -> its part)."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
@@ -140,9 +140,9 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             model = cls(share(config["args"]))
             if config.get("quantization"):
-                if swap is None:
+                if quantized is None:
                     raise ValueError(f"{path} is a quantized checkpoint: load it with quantize.load")
-                swap(model, config["quantization"])
+                quantized(model, config["quantization"])
         try:
             with safe_open(weights, framework="pt") as f:
                 state = {k: (v := part(k, f.get_slice(k))).to(device, dtype if v.is_floating_point() else v.dtype)

@@ -120,9 +120,9 @@ class Int8Experts(MoEFeedForward):
         return getattr(self, name)[index].to(scales.dtype) * scales.unsqueeze(-1)
 
 
-def swap_linears(model: Transformer, quantization: dict) -> None:
-    """Replace the blocks' nn.Linear layers by quantized ones of `quantization`'s mode (the head by Int8Linear),
-    empty, ready to load a quantized state dict: Transformer.from_checkpoint's swap."""
+def quantized_layers(model: Transformer, quantization: dict) -> None:
+    """Replace the blocks' nn.Linear layers by quantized ones of `quantization`'s mode (the head by Int8Linear, a
+    mixture's experts by Int8Experts), empty, ready to load a quantized state dict: from_checkpoint's `quantized`."""
     mode, groupsize = check_quantization(quantization)
     if model.args.tie_embeddings:
         raise ValueError("a quantized checkpoint keeps the head apart from the embedding: its config "
@@ -143,8 +143,8 @@ def swap_linears(model: Transformer, quantization: dict) -> None:
 
 
 def load(path, device="cpu", dtype=torch.bfloat16, split=None) -> Transformer:
-    """Any checkpoint directory, float or quantized (Transformer.from_checkpoint with swap_linears)."""
-    return Transformer.from_checkpoint(path, device=device, dtype=dtype, swap=swap_linears, split=split)
+    """Any checkpoint directory, float or quantized (Transformer.from_checkpoint with quantized_layers)."""
+    return Transformer.from_checkpoint(path, device=device, dtype=dtype, quantized=quantized_layers, split=split)
 
 
 def int4_units(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -353,7 +353,7 @@ def quantize_model(model: Transformer, mode: str, groupsize: int | None = None,
     config = quantized_config({"model": asdict(args)}, mode, groupsize)
     with torch.device("meta"):
         qmodel = Transformer(ModelArgs.from_dict(config["model"]))
-        swap_linears(qmodel, config["quantization"])
+        quantized_layers(qmodel, config["quantization"])
     emb = model.tok_embeddings.weight
     hessians = calibrate(model, calibration) if calibration and mode == "int4" else None
     qstate = {k: v.to(emb.device, emb.dtype if v.is_floating_point() else v.dtype)
