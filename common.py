@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +200,16 @@ class ConversionError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+def one_line_errors(run, errors=(ConversionError, OSError)) -> int:
+    """A CLI's exit status: run(), with `errors` printed as one `error:` line on stderr (status 1)."""
+    try:
+        run()
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 @dataclass(frozen=True)

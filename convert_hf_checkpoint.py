@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from common import DTYPES, ConversionError, cache_dir
+from common import DTYPES, ConversionError, cache_dir, one_line_errors
 from model import ModelArgs, Transformer
 
 DEFAULT_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -391,15 +391,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.default == bool(args.source):
         parser.error("give either SOURCE or --default")
-    try:
-        if args.default:
-            print(prepare_default_model(args.out))
-        else:
-            convert(args.source, args.out, args.dtype, args.force)
-    except (ConversionError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return one_line_errors(lambda: print(prepare_default_model(args.out)) if args.default else
+                           convert(args.source, args.out, args.dtype, args.force))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from common import ConversionError, UsageError
+from common import ConversionError, UsageError, one_line_errors
 from convert_hf_checkpoint import prepare_default_model, staged, write_safetensors
 from model import ModelArgs, MoEFeedForward, Transformer, read_config
 
@@ -491,12 +491,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.mode == "int8" and args.groupsize is not None:
         p.error("--groupsize applies to --mode int4 only (int8 has one scale per output channel)")
-    try:
-        print(quantize_checkpoint(args.checkpoint, args.mode, args.groupsize, args.out, args.calibration, args.force))
-    except (ConversionError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return one_line_errors(lambda: print(quantize_checkpoint(args.checkpoint, args.mode, args.groupsize, args.out,
+                                                             args.calibration, args.force)))
 
 
 if __name__ == "__main__":
