@@ -80,7 +80,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        # (N(0, 1), but not on the meta device of from_checkpoint: normal_ there costs a CPU start 2 s)
+        # (N(0, 1), but not on the meta device of from_checkpoint: loading replaces the values anyway)
         embedding = torch.empty(args.vocab_size, args.dim)
         if not embedding.is_meta:
             nn.init.normal_(embedding)
@@ -297,7 +297,7 @@ class MoEFeedForward(nn.Module):
         if index is None:  # many: every expert on every token, weighted 0 where not chosen (fixed shapes either way)
             weight = torch.zeros(len(x), len(self.w2), device=x.device).scatter(-1, chosen, weight)
         # a [T, k or 1, in] -> [T, k or E, out]. Few: products summed, which compiled are one reduction reading the
-        # weights where they lie (a batched matmul copies them out first: 2.3x the step); many: a batched matmul.
+        # weights where they lie (a batched matmul copies them out first; BENCHMARKS.md); many: a batched matmul.
         mm = (lambda a, w: (a.unsqueeze(-2) * self.experts(w, index)).sum(-1)) if index is not None else (
             lambda a, w: torch.einsum("tki,tkoi->tko", a, self.experts(w, index)))
         gate, up = (mm(x[:, None], w) for w in ("w1", "w3"))
