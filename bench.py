@@ -45,6 +45,8 @@ PRESETS = {
                               rope_scaling={"factor": 32.0, **LLAMA3_ROPE}),
     "llama-2-7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, intermediate_size=11008,
                             max_seq_len=4096),
+    "mixtral-8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, intermediate_size=14336,
+                              rope_theta=1e6, max_seq_len=32768, n_experts=8, n_active_experts=2, expert_size=14336),
     "llama-3.1-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                               intermediate_size=14336, rope_theta=5e5, max_seq_len=131072,
                               rope_scaling={"factor": 8.0, **LLAMA3_ROPE}),

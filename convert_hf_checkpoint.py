@@ -76,7 +76,8 @@ def hf_config_to_args(cfg: dict) -> dict:
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     scaling = {k: rope[k] for k in keys} if rope_type == "llama3" else None
     context = cfg.get("max_position_embeddings", 4096)
-    window = cfg.get("sliding_window") if model_type == "mistral" or cfg.get("use_sliding_window") else None
+    sliding = model_type in ("mistral", "mixtral") or cfg.get("use_sliding_window")
+    window = cfg.get("sliding_window") if sliding else None
     if window and window < context:  # within the window, sliding-window attention is full attention
         print(f"note: sliding-window attention is not implemented: the context is cut from {context} to the "
               f"window's {window} tokens, where the two agree", file=sys.stderr)
@@ -195,10 +196,10 @@ class HFSource:
         tied, n_experts, experts = self.model_args["tie_embeddings"], self.model_args.get("n_experts", 0), {}
         for name, tensor in read_hf_tensors(self.files):
             if (m := EXPERT.fullmatch(name)) and int(m[2]) < n_experts and m[3] in EXPERT_PART:
-                layer = experts.setdefault(m[1], {})  # held (memory-mapped) until the layer's experts are in
+                layer = experts.setdefault(int(m[1]), {})  # held (memory-mapped) until the layer's experts are in
                 layer[EXPERT_PART[m[3]], int(m[2])] = tensor
                 if len(layer) == 3 * n_experts:
-                    yield from stacked_experts(f"layers.{m[1]}.feed_forward", experts.pop(m[1]), n_experts)
+                    yield from stacked_experts(f"layers.{m[1]}.feed_forward", experts.pop(int(m[1])), n_experts)
                 continue
             ours = rename(name, WEIGHT_MAP)
             if name.endswith("rotary_emb.inv_freq") or (tied and ours == "output.weight"):
@@ -216,6 +217,8 @@ class HFSource:
 def stacked_experts(prefix: str, parts: dict, n: int) -> Iterator[tuple[str, torch.Tensor]]:
     """A layer's experts {(part, expert): weight} -> w1, w3 (gate, up) [E, I, dim] and w2 [E, dim, I]."""
     for part, name in enumerate(("w1", "w3", "w2")):
+        if len({parts[part, e].shape for e in range(n)}) > 1:
+            raise ConversionError(f"{prefix}: the experts' {name} weights differ in shape")
         yield f"{prefix}.{name}", torch.stack([parts[part, e] for e in range(n)])
 
 
@@ -313,6 +316,10 @@ def check_complete(args: dict, shapes: dict) -> None:
 def convert(source: str, out: Path | None = None, dtype: str = "bf16", force: bool = False) -> Path:
     """Convert SOURCE into a checkpoint directory, written aside and renamed into place."""
     src = read_source(source)
+    try:
+        ModelArgs.from_dict(src.model_args)  # (the config's own checks, before anything is written)
+    except ValueError as e:
+        raise ConversionError(f"{source}: {e}") from None
     out = Path(out) if out else Path("checkpoints") / default_name(source)
     if out.exists() and not force:
         raise ConversionError(f"{out} already exists (use --force to replace it)")

@@ -319,7 +319,7 @@ def load_generator(args, checkpoint: Path, tokenizer, context: int, sampling: Sa
     length = positions(args, prompt, read_config(checkpoint)["args"], mode, dtype)
     compiled = mode in ("compile", "graphs") or args.compile_prefill  # (the kernels' ops registered with Inductor)
     if tp.world()[1] > 1:  # (each rank holds 1/n of the weights and of the cache: no memory check)
-        model, swapped = tp.load(checkpoint, device, dtype, use_kernels)
+        model, swapped = tp.load(checkpoint, device, dtype, use_kernels, compiled)
     else:
         check_memory(read_config(checkpoint), checkpoint, 1, context if args.interactive else length, dtype, device)
         model = load(checkpoint, device=device, dtype=dtype)
@@ -410,9 +410,9 @@ def decode_weight_bytes(gen) -> int:
     """Bytes of weights gen's last decode read (the prefill apart): the model once a step it ran (up to K - 1 past a
     stop), or per round the target once and any draft K + 1 times."""
     if isinstance(gen, Generator):
-        return gen.decode_steps * weight_bytes_per_step(gen.model)
+        return gen.decode_steps * weight_bytes_per_step(gen.model, gen.tokens.shape[0])
     draft = 0 if gen.draft is None else (gen.k + 1) * weight_bytes_per_step(gen.draft)
-    return gen.rounds * (weight_bytes_per_step(gen.target) + draft)
+    return gen.rounds * (weight_bytes_per_step(gen.target, gen.k + 1) + draft)  # (verify: K + 1 tokens)
 
 
 def decode_path(gen, kernels: bool) -> str:

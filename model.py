@@ -54,11 +54,12 @@ class ModelArgs:
         keys = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
         if self.rope_scaling is not None and (missing := keys - set(self.rope_scaling)):
             raise ValueError(f"rope_scaling lacks {sorted(missing)}")
+        if self.n_experts and not (1 <= self.n_active_experts <= self.n_experts and self.expert_size >= 1):
+            raise ValueError(f"need 1 <= n_active_experts ({self.n_active_experts}) <= n_experts and expert_size >= 1")
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
+        if unknown := set(d) - {f.name for f in fields(cls)}:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
         return cls(**d)
 
@@ -80,9 +81,8 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        # (N(0, 1), but not on the meta device of from_checkpoint: loading replaces the values anyway)
         embedding = torch.empty(args.vocab_size, args.dim)
-        if not embedding.is_meta:
+        if not embedding.is_meta:  # N(0, 1), but not on from_checkpoint's meta device: loading replaces the values
             nn.init.normal_(embedding)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=embedding)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))

@@ -79,10 +79,11 @@ def shard(name: str, tensor_slice, rank: int, n: int) -> torch.Tensor:
     return tensor_slice[:]
 
 
-def load(path, device, dtype=torch.bfloat16, kernels: bool = False) -> tuple[Transformer, list[str]]:
+def load(path, device, dtype=torch.bfloat16, kernels: bool = False, compiled: bool | None = None
+         ) -> tuple[Transformer, list[str]]:
     """This rank's share of the checkpoint at `path` (float, int8, or int4 whose split falls on group
     boundaries), split as the module docstring says, and what gdkernels.apply swapped when `kernels`
-    (fuse=False: a fused residual would be summed N times)."""
+    (fuse=False: a fused residual would be summed N times; compiled: apply's)."""
     from quantize import check_quantization, load as load_checkpoint
 
     rank, n = world()
@@ -101,7 +102,7 @@ def load(path, device, dtype=torch.bfloat16, kernels: bool = False) -> tuple[Tra
     if kernels:
         import gdkernels
 
-        swapped = gdkernels.apply(model, fuse=False)
+        swapped = gdkernels.apply(model, fuse=False, compiled=compiled)
     return reduce_outputs(model), swapped
 
 

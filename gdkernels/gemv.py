@@ -314,7 +314,7 @@ def _pdl_capable(device: int) -> bool:
     Inductor's own kernels with PDL (triton.enable_pdl: they would no longer wait for ours, as the rule above needs)."""
     from torch._inductor import config as inductor
 
-    if inductor.triton.enable_pdl:
+    if getattr(inductor.triton, "enable_pdl", False):  # (a torch without the option: Inductor has no PDL)
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

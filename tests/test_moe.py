@@ -53,11 +53,36 @@ def test_greedy_tokens_equal_transformers(moe, mode):
     assert greedy(model, PROMPT, 24, mode) == hf_greedy(hf, PROMPT, 24)  # (compile: fullgraph, no data shapes)
 
 
-def test_a_step_reads_the_gathered_experts_or_all_of_them(moe):
+def test_a_step_reads_the_gathered_experts_or_all_of_them(moe, monkeypatch):
     model = Transformer.from_checkpoint(moe[1], "cpu", torch.float32)
     experts = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith(("w1", "w2", "w3")))
     dense = weight_bytes_per_step(model, 4)  # 4 rows x 2 experts: all 8 read
     assert dense - weight_bytes_per_step(model, 1) == experts * 6 // 8 and weight_bytes_per_step(model, 9) == dense
+    gathered = []  # what the model does at 3 rows (6 experts gathered) and at 4 (all 8), as counted above
+    monkeypatch.setattr(MoEFeedForward, "experts", lambda self, name, index: gathered.append(index is not None) or
+                        getattr(self, name)[index])
+    model.setup_caches(4, 16)
+    for rows in (3, 4):
+        gathered.clear()
+        model(torch.zeros(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.long))
+        assert set(gathered) == {rows == 3}
+
+
+def test_what_cannot_be_converted_or_split_is_one_error(moe, tmp_path):
+    import json
+    import shutil
+
+    from common import ConversionError, UsageError
+    from tp import local_args
+    src = shutil.copytree(moe[1].parent / "hf", tmp_path / "hf")
+    config = json.loads((src / "config.json").read_text())
+    for edit, message in (({"num_experts_per_tok": 9}, "n_active_experts"), ({"mlp_only_layers": [0]}, "dense layers")):
+        (src / "config.json").write_text(json.dumps({**config, **edit}))
+        with pytest.raises(ConversionError, match=message):
+            conv.convert(str(src), tmp_path / "out", dtype="fp32")
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(UsageError, match="mixtures of experts"):
+        local_args(Transformer.from_checkpoint(moe[1], "meta").args, 2)
 
 
 def test_int8_experts_are_close_to_float(moe, tmp_path):
