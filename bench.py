@@ -10,9 +10,7 @@ Modes:  eager    PyTorch ops launched one by one from Python
         manual   the eager step captured by hand into one torch.cuda.CUDAGraph and replayed
 
 Random weights of real shapes: decode speed does not depend on weight values. gdkernels.apply is used where the
-hardware allows (--no-kernels: the plain model.py). --speculate-k K with --draft-quantize MODE (the target's own
-quantized copy as draft) or --draft-checkpoint DIR adds per mode a record "speculative-MODE": tok/s, acceptance
-histogram (with random weights, a property of that set-up), tokens per round, the draft loop against K steps.
+hardware allows (--no-kernels: the plain model.py). Speculative decoding: benchmarks/speculation.py.
 """
 import argparse
 import datetime
@@ -30,11 +28,11 @@ import gdkernels
 import tp
 from common import (DTYPES, Sampling, Step, UsageError, default_device, default_dtype, launches_per_call, no_recompiles,
                     peak_memory, synchronize, weight_bytes_per_step)
-from generate import Generator, check_graphs, decode_one_token, decode_weight_bytes, prefill
+from generate import Generator, check_graphs, decode_one_token, prefill
+from generate import decode_weight_bytes  # noqa: F401 (benchmarks/speculation.py's: scripts import generate via bench)
 from model import ModelArgs, Transformer
 from quantize import load, quantize_model
 from serve import LLM, Runner, SamplingParams
-from speculative import SpeculativeGenerator
 
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 PRESETS = {
@@ -68,22 +66,30 @@ def random_model(args: ModelArgs, device, dtype) -> Transformer:
     return model.eval().requires_grad_(False)
 
 
+def call_times(fn, device, calls: int) -> list[float]:
+    """Seconds of each of `calls` calls of fn: CUDA events between calls on the GPU (no sync inside the run), the
+    host clock around each call on the CPU."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return times
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    events[0].record()
+    for end in events[1:]:
+        fn()
+        end.record()
+    events[-1].synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in zip(events, events[1:])]
+
+
 def seconds_per_call(fn, device, reps: int = 20, warmup: int = 1) -> float:
-    """Mean wall time of fn() over reps calls after `warmup` more, by CUDA events on a GPU."""
+    """Mean wall time of fn() over reps calls after `warmup` more."""
     for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
+    return statistics.fmean(call_times(fn, device, reps))
 
 
 def copy_bandwidth(device, gib: float = 2.0) -> float:
@@ -173,18 +179,9 @@ def warmed(model, mode: str, batch: int, prompt_tokens: int, new_tokens: int,
 
 
 def timed_decode(gen: Generator, prompt_tokens: int, new_tokens: int) -> list[float]:
-    """Seconds of each of new_tokens decode steps from position prompt_tokens: CUDA events between steps on the
-    GPU (no sync inside the run), the host clock around each step on the CPU."""
+    """Seconds of each of new_tokens decode steps from position prompt_tokens."""
     gen.pos.fill_(prompt_tokens)
-    if gen.device.type != "cuda":
-        return [seconds_per_call(gen.decode_step, gen.device, reps=1, warmup=0) for _ in range(new_tokens)]
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(new_tokens + 1)]
-    events[0].record()
-    for i in range(new_tokens):
-        gen.decode_step()
-        events[i + 1].record()
-    events[-1].synchronize()
-    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(new_tokens)]
+    return call_times(gen.decode_step, gen.device, new_tokens)
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -225,48 +222,6 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
               "peak_mem_gb": peak_memory(device) / 1e9}
     if device.type == "cuda":
         record["warmup_reserved_gb"] = (torch.cuda.memory_reserved(device) - reserved_before) / 1e9
-    return record
-
-
-@torch.no_grad()
-def bench_speculative(target, draft, k: int, mode: str, prompt_tokens: int, new_tokens: int,
-                      sampling: Sampling, ceiling: float = 0.0) -> dict:
-    """Speculative decode of new_tokens after a random prompt (batch 1), timed from the first
-    round (prefill apart, as bench_one does), and the draft loop against K single draft steps."""
-    device = target.tok_embeddings.weight.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    gen = SpeculativeGenerator(target, draft, sampling, k, mode)
-    torch.manual_seed(0)
-    prompt = torch.randint(0, target.args.vocab_size, (prompt_tokens,)).tolist()
-    # Caches sized once for all below (the timed run, 24 single draft steps): no recompile for a longer cache.
-    gen.reserve(prompt_tokens + max(new_tokens, 4 * (k + 1), 24) + k + 1 + 8)
-    start = time.perf_counter()
-    list(gen.generate(prompt, 4 * (k + 1)))  # compile and record both functions
-    compile_s = time.perf_counter() - start
-    torch.manual_seed(1)
-    chunks = gen.generate(prompt, new_tokens)
-    next(chunks)  # prefill's token
-    synchronize(device)
-    start = time.perf_counter()
-    n = sum(len(c) for c in chunks)
-    synchronize(device)
-    decode_s = time.perf_counter() - start
-    gb_s = decode_weight_bytes(gen) / decode_s / 1e9  # (a round: the target once, the draft K + 1 times)
-    record = {"mode": f"speculative-{mode}", "batch_size": 1, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-              "speculate_k": k, "temperature": sampling.temperature, "tok_s": n / decode_s, "rounds": gen.rounds,
-              "acceptance_histogram": gen.histogram, "mean_tokens_per_round": gen.mean_tokens_per_round,
-              "compile_s": compile_s, "gb_s": gb_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory(device) / 1e9}
-    # Both timed from just after the prompt: the last round may have run up to the end of the cache.
-    gen.pos.fill_(prompt_tokens + 1)
-    loop_s = seconds_per_call(gen.draft_loop, device)
-    single = warmed(draft, mode, 1, prompt_tokens, 0, sampling)  # (reserve keeps the draft's longer cache)
-    step_s = seconds_per_call(single.decode_step, device)  # (<= 24 steps: they fit)
-    record.update(draft_loop_ms=loop_s * 1e3, draft_step_ms=step_s * 1e3, draft_loop_vs_k_steps=loop_s / (k * step_s))
-    if device.type == "cuda":
-        counts = launches_per_call(gen.draft_loop, device, 4)
-        record.update(draft_loop_graph_launches=counts["graph_launches_per_step"],
-                      draft_loop_kernels_outside_graphs=counts["kernels_outside_graphs_per_step"])
     return record
 
 
@@ -412,10 +367,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-kernels", action="store_true", help="the plain model.py, without the kernels package")
     p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels (CPU: ops) of 4 steps")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--speculate-k", type=int, help="also measure speculative decoding with K draft tokens")
-    p.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES,
-                   help="the draft is the target quantized this way (random weights: the usual set-up)")
-    p.add_argument("--draft-checkpoint", type=Path, help="a draft checkpoint directory instead")
     p.add_argument("--serving", type=int, metavar="REQUESTS",
                    help="measure the serving engine (serve.py) instead: REQUESTS random requests, batched continuously")
     p.add_argument("--max-batch", type=int, default=64, help="--serving: the engine's rows (largest bucket)")
@@ -434,14 +385,14 @@ def main(argv=None) -> int:
 
 
 def run(a) -> int:
-    """Check the flags (UsageError), make or load the model and draft, then measure, print and keep each record."""
+    """Check the flags (UsageError), make or load the model, then measure, print and keep each record."""
     device = default_device(a.device)
     dtype = default_dtype(a.dtype, device)
     modes, batches, budgets = check_flags(a, device)
     use_kernels = not a.no_kernels and gdkernels.enabled()
     if tp.world()[1] > 1:  # torchrun --nproc-per-node N bench.py: each rank times its share (tp.py); rank 0 reports
         device = tp.join(PRESETS[a.model], device, seed=0)
-    model, name, draft, swapped = make_models(a, device, dtype, use_kernels, "compile" in modes or None)
+    model, name, swapped = make_model(a, device, dtype, use_kernels, "compile" in modes or None)
     sampling = Sampling(temperature=a.temperature, top_k=None)
     ceiling = copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -453,7 +404,7 @@ def run(a) -> int:
     if a.serving:
         measure_serving(a, model, modes, budgets, sampling, ceiling, keep)
     else:
-        measure_decode(a, model, draft, modes, batches, sampling, ceiling, keep)
+        measure_decode(a, model, modes, batches, sampling, ceiling, keep)
     print_table(records)
     return 0
 
@@ -470,32 +421,21 @@ def check_flags(a, device) -> tuple[list[str], list[int], list[int]]:
         raise UsageError(f"--repeat must be at least 1 (got {a.repeat})")
     budgets = [int(b) for b in a.prefill_budget.split(",") if b.strip().isdigit()]
     if a.serving is not None and (min(a.serving, a.max_batch, a.stop_check_interval, a.serving_length,
-                                      *budgets or [0]) < 1 or a.serving_alone < 0 or a.speculate_k is not None):
+                                      *budgets or [0]) < 1 or a.serving_alone < 0):
         raise UsageError("--serving, --max-batch, --stop-check-interval, --serving-length and --prefill-budget must "
-                         "be >= 1, without --speculate-k")
-    if (a.speculate_k is not None) != bool(a.draft_quantize or a.draft_checkpoint) or \
-            (a.draft_quantize and a.draft_checkpoint) or (a.speculate_k is not None and a.speculate_k < 1):
-        raise UsageError("--speculate-k K (>= 1) goes with one of --draft-quantize, --draft-checkpoint")
-    if tp.world()[1] > 1 and (a.quantize or a.speculate_k or a.checkpoint or a.serving):
+                         "be >= 1")
+    if tp.world()[1] > 1 and (a.quantize or a.checkpoint or a.serving):
         raise UsageError("under torchrun bench.py times a preset's float model")
     return modes, [int(b) for b in a.batch_sizes.split(",")], budgets
 
 
-def make_models(a, device, dtype, use_kernels: bool, compiled: bool | None):
-    """The model (a checkpoint, or the preset's shape with random weights; under torchrun the rank's share) and any
-    draft, quantized and with the kernels as asked (compiled: gdkernels.apply's) -> (model, name, draft, swapped)."""
+def make_model(a, device, dtype, use_kernels: bool, compiled: bool | None):
+    """The model (a checkpoint, or the preset's shape with random weights; under torchrun the rank's share), quantized
+    and with the kernels as asked (compiled: gdkernels.apply's) -> (model, name, swapped)."""
     n = tp.world()[1]
     torch.manual_seed(0)
     name = a.checkpoint.name if a.checkpoint else a.model + (f" tp{n}" if n > 1 else "")
     model = load(a.checkpoint, device, dtype) if a.checkpoint else random_model(PRESETS[a.model], device, dtype)
-    draft = None  # made from the float target, before --quantize applies to the target
-    if a.draft_quantize:
-        draft = quantized(model, a.draft_quantize)
-    elif a.draft_checkpoint:
-        draft = load(a.draft_checkpoint, device=device, dtype=dtype)
-        if draft.args.vocab_size != model.args.vocab_size:
-            raise UsageError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the target's "
-                             f"({model.args.vocab_size})")
     if a.serving and 2 * a.serving_length > model.args.max_seq_len:
         raise UsageError(f"--serving-length {a.serving_length}: a prompt and its output would pass the model's "
                          f"{model.args.max_seq_len} positions")
@@ -504,9 +444,7 @@ def make_models(a, device, dtype, use_kernels: bool, compiled: bool | None):
     swapped = gdkernels.apply(model, fuse=n == 1, compiled=compiled) if use_kernels else []
     if n > 1:  # (after the kernels: the all-reduce wraps whichever wo and w2 run)
         tp.reduce_outputs(model)
-    if use_kernels and draft is not None:
-        gdkernels.apply(draft, compiled=compiled)
-    return model, name, draft, swapped
+    return model, name, swapped
 
 
 def keep_record(records: list, path: Path | None, device, r: dict, **fields) -> None:
@@ -535,7 +473,7 @@ def measure_serving(a, model, modes, budgets, sampling, ceiling, keep) -> None:
             keep(r)
 
 
-def measure_decode(a, model, draft, modes, batches, sampling, ceiling, keep) -> None:
+def measure_decode(a, model, modes, batches, sampling, ceiling, keep) -> None:
     for mode in modes:
         for batch in batches:
             r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
@@ -544,14 +482,6 @@ def measure_decode(a, model, draft, modes, batches, sampling, ceiling, keep) -> 
             tp.say(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
                    f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
                    f"first call {r['compile_s']:.1f} s{runs}", file=sys.stderr)
-            keep(r)
-        if draft is not None and mode != "manual":  # (no hand-captured speculative loop)
-            r = bench_speculative(model, draft, a.speculate_k, mode, a.prompt_tokens, a.new_tokens, sampling, ceiling)
-            r["draft"] = a.draft_quantize or a.draft_checkpoint.name
-            tp.say(f"  speculative-{mode} K={a.speculate_k} {r['tok_s']:8.1f} tok/s  "
-                   f"{r['mean_tokens_per_round']:.2f} tokens/round  accepted {r['acceptance_histogram']}  "
-                   f"draft loop {r['draft_loop_ms']:.2f} ms = {r['draft_loop_vs_k_steps']:.2f}x K draft steps "
-                   f"({r['draft_step_ms']:.2f} ms each)", file=sys.stderr)
             keep(r)
 
 

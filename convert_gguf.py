@@ -87,11 +87,8 @@ def _rope_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float)
         raise ConversionError(f"rope_freqs.weight has {factors.shape[0]} values, expected {head_dim // 2}")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
         return None
-    old = 8192
-    factor = float(factors.max())
-    candidates = [(1.0, 4.0)]
-    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    inv_wavelen = freqs / (2 * math.pi)
+    old, factor, candidates = 8192, float(factors.max()), [(1.0, 4.0)]
+    inv_wavelen = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)) / (2 * math.pi)
     smooth_band = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
     if factor > 1 and smooth_band.sum() >= 2:
         # 1/r = (1 - s)/factor + s  =>  s = (1/r - 1/factor) / (1 - 1/factor);  s = old/wl*a' + b'
@@ -104,7 +101,7 @@ def _rope_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float)
     for low, high in candidates:
         if not 0 < low < high:
             continue
-        smooth = np.clip((old * freqs / (2 * math.pi) - low) / (high - low), 0, 1)
+        smooth = np.clip((old * inv_wavelen - low) / (high - low), 0, 1)
         if np.allclose(1.0 / ((1 - smooth) / factor + smooth), factors, rtol=1e-4, atol=1e-6):
             return {"factor": float(f"{factor:.6g}"), "low_freq_factor": low, "high_freq_factor": high,
                     "original_max_position_embeddings": old}

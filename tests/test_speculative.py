@@ -263,9 +263,9 @@ def test_sampling_follows_the_target_distribution(k, sampling, lookup):
 
 
 def test_bench_measures_speculative_decoding(target, drafts):
-    """bench.py's speculative record: tokens per round consistent with the histogram, and the
+    """benchmarks/speculation.py's speculative record: tokens per round consistent with the histogram, and the
     draft loop timed against single draft steps (on the CPU, eagerly: the loop is K steps)."""
-    from bench import bench_speculative
+    from benchmarks.speculation import bench_speculative
 
     k = 3
     r = bench_speculative(target, drafts["perturbed"], k, "eager", prompt_tokens=4, new_tokens=24,
@@ -281,17 +281,17 @@ def test_bench_measures_speculative_decoding(target, drafts):
 
 
 def test_bench_cli_writes_plain_and_speculative_records(tmp_path):
-    """bench.py on a checkpoint (a tiny one: the presets are real models' shapes), with the kernels
+    """benchmarks/speculation.py on a checkpoint (a tiny one: the presets are real models' shapes), with the kernels
     where they apply (the int8 draft's, on the CPU)."""
     import json
 
-    from bench import main
+    from benchmarks.speculation import main
     from test_quantize import write_float_checkpoint
 
     write_float_checkpoint(tmp_path / "tiny", ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
                                                         intermediate_size=128, max_seq_len=256))
     out = tmp_path / "records.json"
-    assert main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), "--modes", "eager", "--batch-sizes", "1",
+    assert main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), "--modes", "eager",
                  "--prompt-tokens", "2", "--new-tokens", "4", "--speculate-k", "1", "--draft-quantize", "int8",
                  "--json", str(out)]) == 0
     plain, spec = json.loads(out.read_text())
@@ -305,7 +305,7 @@ def test_bench_cli_writes_plain_and_speculative_records(tmp_path):
                                   ["--speculate-k", "0", "--draft-quantize", "int8"],
                                   ["--speculate-k", "2", "--draft-quantize", "int8", "--draft-checkpoint", "x"]])
 def test_bench_refuses_incomplete_speculative_flags(argv, capsys):
-    from bench import main
+    from benchmarks.speculation import main
 
     assert main(["--device", "cpu", "--model", "smollm2-135m", *argv]) == 1
     assert capsys.readouterr().err.startswith("error:")
