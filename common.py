@@ -304,10 +304,20 @@ def row_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 seed: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] -> token ids [B], each row by its own setting (row_probs); temperature 0: argmax. With each
-    row's seed and position [B]: the noise hashed from them (seeded_noise), else PyTorch's generator's."""
-    noise = None if seed is None else seeded_noise(seed, pos, logits.shape[-1])
-    sampled = draw(row_probs(logits, torch.where(temperature > 0, temperature, 1.0), top_k, top_p), noise)
-    return torch.where(temperature > 0, sampled, logits.argmax(-1))
+    row's seed and position [B]: the noise hashed from them (seeded_noise), else PyTorch's generator's. On the CPU
+    the sampler (a sort of the vocabulary a row: the step's costliest part after the matmuls) runs only when some
+    row samples: a branch, compiled as torch.cond; on CUDA a graph's work is fixed, and the GPU's sort is cheap."""
+    def sampled(logits, temperature, top_k, top_p, *seed_pos):
+        noise = seeded_noise(*seed_pos, logits.shape[-1]) if seed_pos else None
+        drawn = draw(row_probs(logits, torch.where(temperature > 0, temperature, 1.0), top_k, top_p), noise)
+        return torch.where(temperature > 0, drawn, logits.argmax(-1))
+
+    operands, any_sampled = (logits, temperature, top_k, top_p, *(() if seed is None else (seed, pos))), temperature > 0
+    if logits.device.type == "cuda" or (not torch.compiler.is_compiling() and any_sampled.any()):
+        return sampled(*operands)
+    if not torch.compiler.is_compiling():
+        return logits.argmax(-1)
+    return torch.cond(any_sampled.any(), sampled, lambda logits, *rest: logits.argmax(-1), operands)
 
 
 def available_memory(device: torch.device) -> int:

@@ -203,12 +203,14 @@ class CpuAttention(Attention):
 
 
 class Int8Cpu(Int8Linear):
-    def convert(self, device):
-        self.scales = nn.Parameter(self.scales.float(), requires_grad=False)  # the kernel's dtype
+    def convert(self, device):  # the kernel's layout (cpu.interleave) and dtype
+        self.weight = nn.Parameter(cpu.interleave(self.weight), requires_grad=False)
+        self.scales = nn.Parameter(self.scales.float(), requires_grad=False)
 
     def forward(self, x):
         if _rows(x) > CPU_MAX_ROWS:
-            return super().forward(x)
+            y = F.linear(x, cpu.interleave(self.weight, inverse=True).to(x.dtype)) * self.scales.to(x.dtype)
+            return y if self.bias is None else y + self.bias
         y = cpu.int8_linear(x.reshape(_rows(x), -1).float().contiguous(), self.weight, self.scales)
         y = y.view(*x.shape[:-1], -1).to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -216,8 +218,10 @@ class Int8Cpu(Int8Linear):
 
 class Int4Cpu(Int4Linear):
     def convert(self, device):
-        """scales and zeros -> one per block of 32 columns (cpu.block_params), in place of them."""
+        """The weight in the kernel's layout (cpu.interleave); scales and zeros -> one per block of 32 columns
+        (cpu.block_params), in place of them."""
         K = 2 * self.weight.shape[1]
+        self.weight = nn.Parameter(cpu.interleave(self.weight), requires_grad=False)
         block_scales, block_zeros = cpu.block_params(self.scales, self.zeros, self.groupsize, K)
         del self.scales, self.zeros
         self.block_scales = nn.Parameter(block_scales, requires_grad=False)
@@ -226,7 +230,7 @@ class Int4Cpu(Int4Linear):
     def forward(self, x):
         if _rows(x) > CPU_MAX_ROWS:  # prefill: dequantized, then F.linear (CPU_MAX_ROWS says why)
             blocks = self.weight.shape[1] // 16
-            w = dequantize_int4(self.weight, self.block_scales[:, :blocks].float(),
+            w = dequantize_int4(cpu.interleave(self.weight, inverse=True), self.block_scales[:, :blocks].float(),
                                 self.block_zeros[:, :blocks].float(), 32)
             return F.linear(x, w.to(x.dtype), self.bias)
         y = cpu.int4_linear(x.reshape(_rows(x), -1).float().contiguous(), self.weight, self.block_scales,

@@ -1,12 +1,15 @@
-// The CPU decode matmuls for int4 and int8 weights: x86 AVX2 + FMA, built by kernels/cpu.py on first use.
+// The CPU decode matmuls for int4 and int8 weights: x86 AVX2 + FMA, with AVX-512 VNNI's vpdpbusd where the CPU
+// has it, built by kernels/cpu.py on first use for this machine (-march=native).
 //
 // PyTorch's int4 CPU op dequantizes every weight to float and multiplies in float: on AVX2 that is
 // compute-bound, well under the memory bandwidth (BENCHMARKS.md). Here, as llama.cpp does for its
 // Q4 formats, the activations are quantized to int8 per block of 32 columns and multiplied with
-// the 4-bit weights in integers (vpmaddubsw: 32 products an instruction), one float multiply-add a
-// block for the scales. Over a block, with x' the quantized x,
+// the weights in integers. Over a block, with x' the quantized x,
 //   sum x * ((q - 8) * scale + zero) ~ scale * (sum(x' * q) - 8 * sum(x')) + zero * sum(x):
-// integer sums, and the exact sum of x for the zero point.
+// integer sums, and the exact sum of x for the zero point. The weights are stored interleaved (cpu.interleave):
+// each 32-byte load holds 4 bytes of each of 8 blocks, so int32 lane b of the sums is block b's, whole, and
+// 8 blocks take one float multiply-add for their scales. A load is unpacked once for up to 4 rows of x (a batch
+// shares the weights' work), and each row's arithmetic is the same whatever the others.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -15,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -32,155 +36,202 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline __m256i load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
+#endif
+
+inline __m256i dot(__m256i acc, __m256i u, __m256i s) {  // acc + the sums of 4 products u8 * s8, lane by lane
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else  // (a pair of products must fit int16: int8 weights go in as |w|, x with w's sign)
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
 // x [M, K] per block of 32 columns, in two int8 parts: x = d * (hi + lo / 128), hi = round(x / d)
 // with d = max |x| / 127, lo the remainder (|lo| <= 64), so x is carried to ~1/32000 of the
-// block's largest value (bf16 carries ~1/512 of each value). Block b of row m: `d` (here d / 128,
-// the unit of 128 * hi + lo), the exact `sum` of x and `sum8` = 8 * the sum of the quantized x, at
-// m * Bp + b. The values: 64 bytes a block, its 32 hi then its 32 lo; with `nibble_order`, a pair of blocks is
-// stored as the even columns of both (32 bytes) then their odd columns, hi and then lo, the order
-// in which a 32-byte load of an int4 weight gives its low and its high nibbles.
+// block's largest value (bf16 carries ~1/512 of each value). A row's chunk of 8 blocks: 512 bytes, the hi parts
+// then the lo parts, each as 8 vectors in the order of the weights' 8 vectors (dot_chunk); lane b of a vector
+// holds block b's 4 values. Per block b of row m: `d` (here d / 128, the unit of 128 * hi + lo), the exact
+// `sum` of x and `sum8` = 8 * the sum of the quantized x, at m * Bp + b (Bp: the blocks rounded up to 8).
 struct QuantizedX {
   std::vector<int8_t> q;
   std::vector<float> d, sum, sum8;
 };
 
-QuantizedX quantize_x(const at::Tensor& x, int64_t Bp, bool nibble_order) {
-  const int64_t M = x.size(0), K = x.size(1), B = K / 32;
-  QuantizedX out{std::vector<int8_t>(2 * M * K), std::vector<float>(M * Bp, 0.f), std::vector<float>(M * Bp, 0.f),
-                 std::vector<float>(M * Bp, 0.f)};
+QuantizedX quantize_x(const at::Tensor& x, int64_t Bp, bool int4) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantizedX out{std::vector<int8_t>(M * Bp * 64), std::vector<float>(M * Bp), std::vector<float>(M * Bp),
+                 std::vector<float>(M * Bp)};
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = 0; b < K / 32; ++b) {
       const float* xb = xp + m * K + 32 * b;
-      float amax = 0.f, sum = 0.f;
-      for (int i = 0; i < 32; ++i) {
-        amax = std::max(amax, std::fabs(xb[i]));
-        sum += xb[i];
+      __m256 v[4], top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]));
+        total = _mm256_add_ps(total, v[i]);
       }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* block = out.q.data() + 2 * m * K + (nibble_order ? 128 * (b / 2) + 16 * (b % 2) : 64 * b);
-      int32_t total = 0;  // the quantized sum, in units of d / 128
-      for (int j = 0; j < 32; ++j) {
-        const float v = xb[j] * inv, hi = std::nearbyint(v), lo = std::nearbyint((v - hi) * 128.f);
-        const int at = nibble_order ? (j % 2) * 32 + j / 2 : j;
-        block[at] = static_cast<int8_t>(hi);
-        block[(nibble_order ? 64 : 32) + at] = static_cast<int8_t>(lo);
-        total += 128 * static_cast<int32_t>(hi) + static_cast<int32_t>(lo);
+      __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t))), sum = hsum(total);
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i hi[4], lo[4], quantized = _mm256_setzero_si256();  // (the quantized sum, in units of d / 128)
+      for (int i = 0; i < 4; ++i) {  // round to nearest, ties to even (as nearbyint)
+        const __m256 f = _mm256_mul_ps(v[i], inv), h = _mm256_round_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        hi[i] = _mm256_cvtps_epi32(h);
+        lo[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(f, h), _mm256_set1_ps(128.f)));
+        quantized = _mm256_add_epi32(quantized, _mm256_add_epi32(_mm256_slli_epi32(hi[i], 7), lo[i]));
       }
+      // 32 values as int8 in column order, then each 4-byte group to its vector (int4: in each 8 columns, the
+      // even ones, then the odd ones: the low nibbles', then the high nibbles')
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      const __m256i nibbles = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                                               0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+      int8_t* chunk = out.q.data() + (m * Bp + b / 8 * 8) * 64 + b % 8 * 4;
+      for (int part = 0; part < 2; ++part) {
+        const __m256i* p = part ? lo : hi;
+        __m256i q = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(p[0], p[1]), _mm256_packs_epi32(p[2], p[3])), order);
+        if (int4) q = _mm256_shuffle_epi8(q, nibbles);
+        alignas(32) int32_t groups[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(groups), q);
+        for (int k = 0; k < 8; ++k) std::memcpy(chunk + 256 * part + 32 * k, groups + k, 4);
+      }
+      const __m128i q4 = _mm_add_epi32(_mm256_castsi256_si128(quantized), _mm256_extracti128_si256(quantized, 1));
+      const int32_t total_q = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(q4, q4), _mm_hadd_epi32(q4, q4)));
       out.d[m * Bp + b] = amax / (127.f * 128.f);
       out.sum[m * Bp + b] = sum;
-      out.sum8[m * Bp + b] = 8.f * out.d[m * Bp + b] * static_cast<float>(total);
+      out.sum8[m * Bp + b] = 8.f * out.d[m * Bp + b] * static_cast<float>(total_q);
     }
   }
   return out;
 }
 
-}  // namespace
+// One output column, rows m0..m0+R-1 of x: y[r * N] for each. wn: the column's weights, interleaved; int4: sn and
+// zn its scales and zeros (bf16 per block), int8: `scale`.
+template <int R, bool INT4>
+void rows_dot(const QuantizedX& X, int64_t m0, int64_t K, const uint8_t* wn, const uint16_t* sn, const uint16_t* zn,
+              float scale, int64_t Bp, float* y, int64_t N) {
+  const int64_t blocks = K / 32, block_bytes = INT4 ? 16 : 32;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < blocks; c += 8) {
+    const int64_t n = std::min<int64_t>(8, blocks - c);  // blocks in this chunk (the last may hold fewer)
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const uint8_t* wc = wn + c * block_bytes;
+    __m256i hi[R], lo[R];
+    for (int r = 0; r < R; ++r) hi[r] = lo[r] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < block_bytes / 4; ++g) {  // a load: 4 bytes of each block
+      const __m256i v = _mm256_maskload_epi32(reinterpret_cast<const int*>(wc + 4 * n * g), lanes);
+      for (int h = 0; h < (INT4 ? 2 : 1); ++h) {
+        const int64_t k = INT4 ? 2 * g + h : g;  // the k-th of the chunk's 8 weight vectors
+        // int8: w + 128 (unsigned), or with AVX2 |w| times x with w's sign
+        const __m256i u = INT4 ? _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15))
+                               : VNNI ? _mm256_xor_si256(v, _mm256_set1_epi8(-128)) : _mm256_abs_epi8(v);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xq = X.q.data() + ((m0 + r) * Bp + c) * 64 + 32 * k;
+          const __m256i xh = load(xq), xl = load(xq + 256);
+          if constexpr (INT4 && !VNNI) {  // AVX2: int16 sums, 8 vectors' pairs of products fit (8 * 2 * 15 * 127)
+            hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(u, xh));
+            lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(u, xl));
+          } else {
+            hi[r] = dot(hi[r], u, INT4 || VNNI ? xh : _mm256_sign_epi8(xh, v));
+            lo[r] = dot(lo[r], u, INT4 || VNNI ? xl : _mm256_sign_epi8(xl, v));
+          }
+        }
+      }
+    }
+    for (int r = 0; INT4 && !VNNI && r < R; ++r) {  // (then widened to int32)
+      hi[r] = _mm256_madd_epi16(hi[r], _mm256_set1_epi16(1));
+      lo[r] = _mm256_madd_epi16(lo[r], _mm256_set1_epi16(1));
+    }
+    const __m256 s = INT4 ? bf16x8(sn + c) : _mm256_set1_ps(1.f), z = INT4 ? bf16x8(zn + c) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * Bp + c;
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hi[r], 7), lo[r]));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(s, _mm256_loadu_ps(X.d.data() + at)), acc[r]);
+      if (INT4) acc[r] = _mm256_fmadd_ps(z, _mm256_loadu_ps(X.sum.data() + at), acc[r]);  // + zero * sum(x)
+      if (INT4 || VNNI)  // int4: - scale * 8 sum(x'); int8 as w + 128: - 128 sum(x')
+        acc[r] = _mm256_fnmadd_ps(INT4 ? s : _mm256_set1_ps(16.f), _mm256_loadu_ps(X.sum8.data() + at), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * N] = scale * hsum(acc[r]);
+}
 
-// x [M, K] float32; w uint8 [N, K/2], column 2j in the low nibble of byte j, 2j+1 in the high one;
-// scales, zeros bf16 [N, Bp]: one per block of 32 columns, Bp = K/32 rounded up to a multiple of 8
-// (padded with zeros): w = (q - 8) * scale + zero. Returns y [M, N] float32.
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "int4_linear: x must be contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), B = K / 32, Bp = (B + 7) / 8 * 8;
-  TORCH_CHECK(K % 64 == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) * 2 == K,
-              "int4_linear: w must be contiguous uint8 [N, K/2], K a multiple of 64");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
-              scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == N * Bp && zeros.numel() == N * Bp,
-              "int4_linear: scales and zeros must be contiguous bf16 [N, K/32 rounded up to a multiple of 8]");
-
-  const QuantizedX xq = quantize_x(x, Bp, true);
-
+// y [M, N] float32 = x [M, K] float32 @ W.T, column n from the weights' row n (`row_bytes` bytes); rows 4 at a time.
+template <bool INT4>
+at::Tensor linear(const at::Tensor& x, const uint8_t* w, int64_t N, int64_t row_bytes, const uint16_t* sp,
+                  const uint16_t* zp, const float* scales) {
+  const int64_t M = x.size(0), K = x.size(1), Bp = (K / 32 + 7) / 8 * 8;
+  const QuantizedX X = quantize_x(x, Bp, INT4);
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
-  const uint16_t* zp = reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>());
-  const int8_t* xqp = xq.q.data();
-  const float* xdp = xq.d.data();
-  const float* xsp = xq.sum.data();
-  const float* x8p = xq.sum8.data();
-  const int64_t pairs = B / 2;
   // Threads only for products big enough to pay for the hand-off (the model's smallest, 576x576, does).
 #pragma omp parallel for schedule(static) if (N * K >= 262144)
   for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* wn = wp + n * (K / 2);
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1), x128 = _mm256_set1_epi16(128);
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xqm = xqp + 2 * m * K;
-      __m256 acc = _mm256_setzero_ps(), zacc = _mm256_setzero_ps();
-      for (int64_t c = 0; c < Bp / 8; ++c) {  // 8 blocks (4 pairs) a step
-        const __m256 s = bf16x8(sp + n * Bp + 8 * c), z = bf16x8(zp + n * Bp + 8 * c);
-        zacc = _mm256_fmadd_ps(z, _mm256_loadu_ps(xsp + m * Bp + 8 * c), zacc);  // zero * sum(x)
-        zacc = _mm256_fnmadd_ps(s, _mm256_loadu_ps(x8p + m * Bp + 8 * c), zacc);  // - scale * 8 sum(x')
-        const __m256 sd = _mm256_mul_ps(s, _mm256_loadu_ps(xdp + m * Bp + 8 * c));  // weight scale x x's scale
-        const int64_t end = std::min<int64_t>(4, pairs - 4 * c);
-        for (int64_t j = 0; j < end; ++j) {
-          const int64_t pr = 4 * c + j;
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + 32 * pr));
-          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          const __m256i* xv = reinterpret_cast<const __m256i*>(xqm + 128 * pr);
-          // q * x summed in pairs (int16, |.| <= 2 * 2 * 15 * 127), then in fours (int32, hi's sums
-          // times 128): lanes 0-3 hold the first block's sums, 4-7 the second's.
-          const __m256i p_hi = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(xv)),
-                                                _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xv + 1)));
-          const __m256i p_lo = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(xv + 2)),
-                                                _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xv + 3)));
-          const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(p_hi, x128), _mm256_madd_epi16(p_lo, ones));
-          const __m256i lanes = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
-          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(sd, lanes), acc);
-        }
-      }
-      yp[m * N + n] = hsum(_mm256_add_ps(acc, zacc));
-    }
+    const uint8_t* wn = w + n * row_bytes;
+    const uint16_t *sn = INT4 ? sp + n * Bp : nullptr, *zn = INT4 ? zp + n * Bp : nullptr;
+    const float scale = INT4 ? 1.f : scales[n];
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) rows_dot<4, INT4>(X, m, K, wn, sn, zn, scale, Bp, yp + m * N + n, N);
+    if (M - m == 3) rows_dot<3, INT4>(X, m, K, wn, sn, zn, scale, Bp, yp + m * N + n, N);
+    if (M - m == 2) rows_dot<2, INT4>(X, m, K, wn, sn, zn, scale, Bp, yp + m * N + n, N);
+    if (M - m == 1) rows_dot<1, INT4>(X, m, K, wn, sn, zn, scale, Bp, yp + m * N + n, N);
   }
   return y;
 }
 
-// x [M, K] float32 (K a multiple of 32); w int8 [N, K]; scales float32 [N]: W = w * scales[:, None].
-// Returns y [M, N] float32. vpmaddubsw wants one unsigned operand: |w| times x with w's sign.
+}  // namespace
+
+// x [M, K] float32; w uint8 [N, K/2] interleaved (cpu.interleave) from the file's layout, where column 2j is in
+// the low nibble of byte j and 2j+1 in the high one; scales, zeros bf16 [N, Bp]: one per block of 32 columns,
+// Bp = K/32 rounded up to a multiple of 8 (padded with zeros): w = (q - 8) * scale + zero. Returns y [M, N] float32.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int4_linear: x must be contiguous float32 [M, K]");
+  const int64_t K = x.size(1), N = w.size(0), Bp = (K / 32 + 7) / 8 * 8;
+  TORCH_CHECK(K % 32 == 0 && w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) * 2 == K,
+              "int4_linear: w must be contiguous uint8 [N, K/2], K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && zeros.scalar_type() == at::kBFloat16 &&
+              scales.is_contiguous() && zeros.is_contiguous() && scales.numel() == N * Bp && zeros.numel() == N * Bp,
+              "int4_linear: scales and zeros must be contiguous bf16 [N, K/32 rounded up to a multiple of 8]");
+  return linear<true>(x, w.data_ptr<uint8_t>(), N, K / 2, reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()),
+                      reinterpret_cast<const uint16_t*>(zeros.data_ptr<at::BFloat16>()), nullptr);
+}
+
+// x [M, K] float32 (K a multiple of 32); w int8 [N, K] interleaved (cpu.interleave); scales float32 [N]:
+// W = w * scales[:, None]. Returns y [M, N] float32. The unsigned operand is |w|, times x with w's sign.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "int8_linear: x must be contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), B = K / 32;
+  const int64_t K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % 32 == 0 && w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.size(1) == K,
               "int8_linear: w must be contiguous int8 [N, K], K a multiple of 32");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
               "int8_linear: scales must be contiguous float32 [N]");
-  const QuantizedX xq = quantize_x(x, B, false);
-  at::Tensor y = at::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-#pragma omp parallel for schedule(static) if (N * K >= 262144)
-  for (int64_t n = 0; n < N; ++n) {
-    const int8_t* wn = wp + n * K;
-    const __m256i ones = _mm256_set1_epi16(1), x128 = _mm256_set1_epi16(128);
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xqm = xq.q.data() + 2 * m * K;
-      const float* xdm = xq.d.data() + m * B;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t b = 0; b < B; ++b) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + 32 * b));
-        const __m256i* xv = reinterpret_cast<const __m256i*>(xqm + 64 * b);  // hi, then lo
-        const __m256i a = _mm256_abs_epi8(v);  // |w| <= 128: pairs of products fit int16 (2 * 128 * 127)
-        const __m256i p = _mm256_add_epi32(
-            _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_loadu_si256(xv), v)), x128),
-            _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_loadu_si256(xv + 1), v)), ones));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(xdm[b]), acc);
-      }
-      yp[m * N + n] = sp[n] * hsum(acc);
-    }
-  }
-  return y;
+  return linear<false>(x, reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>()), N, K, nullptr, nullptr,
+                       scales.data_ptr<float>());
 }
 
 // Attention over a static cache that reads each query's keys up to its position only (the decode
 // step then costs what its positions cost, not what the cache holds: one build serves every length).
 // q [B, H, S, D] float32; k, v [B, Hkv, L, D] float32 or bf16 (a cache's first B rows); pos [S] or
 // [B, S] int64, each < L: query s of row b sees keys 0..pos. Returns y [B, H, S, D] float32.
+inline __m256 exp8(__m256 x) {  // e^x for x <= 0: 2^n e^r, |r| <= ln(2) / 2, e^r to degree 6 (rel. error < 2e-7)
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));  // (Cephes' ln 2)
+  __m256 e = _mm256_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(c));
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(e), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+}
+
 template <typename T>
 inline __m256 load8(const T* p) {
   if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
@@ -226,14 +277,25 @@ void attend(const float* q, const T* k, const T* v, const int64_t* pos, float* y
           for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), load8(kh + t * D + d), acc);
           top = std::max(top, p[t] = hsum(acc) * scale);
         }
-        for (t = 0; t < n; ++t) total += (p[t] = std::exp(p[t] - top));
-        float* ys = y + ((b * H + h) * S + s) * D;  // sum of p[t] v[t], accumulated in place
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ys + d, _mm256_setzero_ps());
-        for (t = 0; t < n; ++t) {
-          const __m256 pt = _mm256_set1_ps(p[t] / total);
-          for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(ys + d, _mm256_fmadd_ps(pt, load8(vh + t * D + d), _mm256_loadu_ps(ys + d)));
+        __m256 sum8 = _mm256_setzero_ps();
+        for (t = 0; t + 8 <= n; t += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.data() + t), _mm256_set1_ps(top)));
+          _mm256_storeu_ps(p.data() + t, e);
+          sum8 = _mm256_add_ps(sum8, e);
         }
+        for (; t < n; ++t) total += (p[t] = std::exp(p[t] - top));
+        total += hsum(sum8);
+        float* ys = y + ((b * H + h) * S + s) * D;  // sum of p[t] v[t], accumulated in place, 8 keys a pass
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ys + d, _mm256_setzero_ps());
+        for (t = 0; t < n; t += 8) {
+          const int64_t keys = std::min<int64_t>(8, n - t);
+          for (int64_t d = 0; d < D; d += 8) {
+            __m256 o = _mm256_loadu_ps(ys + d);
+            for (int64_t j = 0; j < keys; ++j) o = _mm256_fmadd_ps(_mm256_set1_ps(p[t + j]), load8(vh + (t + j) * D + d), o);
+            _mm256_storeu_ps(ys + d, o);
+          }
+        }
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(ys + d, _mm256_mul_ps(_mm256_loadu_ps(ys + d), _mm256_set1_ps(1.f / total)));
       }
     }
   }

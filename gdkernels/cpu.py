@@ -1,11 +1,11 @@
 """The CPU decode matmuls for int4 and int8 weights and attention over a static cache (cpu.cpp), built
 with the system C++ compiler on first use.
 
-`int4_linear(x, weight, scales, zeros)` (weight in the file layout: uint8 [N, K/2], column 2j in
-the low nibble) and `int8_linear(x, weight, scales)` multiply float32 rows by the quantized
-weights in integer instructions (AVX2), with x carried in two int8 parts per block of 32 columns
-(~1/32000 of the block's largest value: closer than bf16); on the default model's shapes int4 runs
-at ~2.2x PyTorch's `_weight_int4pack_mm_for_cpu` (BENCHMARKS.md). `attention(q, k, v, pos)` reads
+`int4_linear(x, weight, scales, zeros)` and `int8_linear(x, weight, scales)` (weights interleaved from the file's
+layout by `interleave`) multiply float32 rows by the quantized weights in integer instructions (AVX2, or AVX-512
+VNNI's where the CPU has them: the library is built for the machine it runs on), with x carried in two int8 parts
+per block of 32 columns (~1/32000 of the block's largest value: closer than bf16); on the default model's shapes
+int4 runs at ~2.2x PyTorch's `_weight_int4pack_mm_for_cpu` (BENCHMARKS.md). `attention(q, k, v, pos)` reads
 each query's keys up to its position only: a step costs what its position costs, not what the cache
 holds, and one ahead-of-time build (aot.py) serves every length. `available()` builds the
 library once into common.cache_dir() / "cpu_kernels" (~15 s; keyed by the source, torch version
@@ -26,7 +26,7 @@ import torch
 import common
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w"]
 _loaded: bool | None = None  # None: not tried yet
 
 
@@ -64,7 +64,9 @@ def _build() -> Path:
     command = [os.environ.get("CXX", "g++"), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *[f"-I{p}" for p in cpp_extension.include_paths()], str(SOURCE),
                *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu", *[f"-Wl,-rpath,{p}" for p in libs]]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, *command]).encode()).hexdigest()[:16]
+    flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")][:1] \
+        if Path("/proc/cpuinfo").is_file() else [platform.processor()]  # (-march=native: this CPU's instructions)
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, *command, *flags]).encode()).hexdigest()[:16]
     out = common.cache_dir() / "cpu_kernels" / f"cpu-{key}.so"
     if not out.is_file():
         print(f"building {SOURCE.name} (once, ~15 s) into {out.parent}", file=sys.stderr, flush=True)
@@ -96,6 +98,21 @@ def block_params(scales: torch.Tensor, zeros: torch.Tensor, groupsize: int, K: i
                  for t in (scales, zeros))
 
 
+def interleave(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """A weight's rows [N, bytes] (int4: 16 bytes a block of 32 columns, int8: 32) -> the kernels' layout, where
+    each 32 bytes hold 4 bytes of each of 8 blocks (a last chunk of fewer blocks: 4 bytes of each of those);
+    inverse: back to the file's layout."""
+    N, size = w.shape
+    blocks, per = size // 16 if w.dtype == torch.uint8 else size // 32, 4 if w.dtype == torch.uint8 else 8
+    parts = []
+    for start in range(0, blocks, 8):  # [N, blocks, 4-byte groups, 4] <-> [N, groups, blocks, 4]
+        n = min(8, blocks - start)
+        part = w[:, start * per * 4:(start + n) * per * 4]
+        shape = (N, per, n, 4) if inverse else (N, n, per, 4)
+        parts.append(part.reshape(shape).transpose(1, 2).reshape(N, -1))
+    return torch.cat(parts, 1).contiguous()
+
+
 def _check() -> None:
     if not _loaded and not available():
         raise RuntimeError("gdkernels/cpu.cpp cannot run here (see the note above)")
@@ -103,7 +120,7 @@ def _check() -> None:
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ W.T -> [M, N] float32, W = (q - 8) * scales + zeros per block of 32
-    (block_params)."""
+    (block_params); weight uint8 [N, K/2] interleaved."""
     _check()
     return torch.ops.graphdecode.int4_linear(x, weight, scales, zeros)
 
@@ -116,6 +133,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tens
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 @ (weight * scales[:, None]).T -> [M, N] float32; weight int8, scales float32."""
+    """x [M, K] float32 @ (weight * scales[:, None]).T -> [M, N] float32; weight int8 interleaved, scales float32."""
     _check()
     return torch.ops.graphdecode.int8_linear(x, weight, scales)

@@ -599,8 +599,8 @@ def rel(y, ref):
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("N, K, G", [(48, 64, 32), (256, 576, 128), (96, 1536, 64), (64, 512, 256)])
-@pytest.mark.parametrize("rows", [1, 3, 32])
+@pytest.mark.parametrize("N, K, G", [(48, 64, 32), (256, 576, 128), (96, 1536, 64), (64, 512, 256), (40, 608, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 6, 32])
 def test_cpu_int4_kernel_matches_float64(N, K, G, rows):
     """cpu.int4_linear carries x to ~1/32000 of its block's largest value: within 4e-4 of the largest
     output with an outlier and a block of zeros, and without outliers 8x closer than x rounded to bf16
@@ -614,13 +614,15 @@ def test_cpu_int4_kernel_matches_float64(N, K, G, rows):
     x[0, 5] = 40.0  # an outlier: the other values of its block keep their precision (the second int8 part)
     x[-1, 32:64] = 0.0  # a block of zeros
     for xs in (plain, x):
-        y = cpu.int4_linear(xs, packed, block_scales, block_zeros)
+        y = cpu.int4_linear(xs, cpu.interleave(packed), block_scales, block_zeros)
+        alone = torch.cat([cpu.int4_linear(row[None], cpu.interleave(packed), block_scales, block_zeros) for row in xs])
+        assert torch.equal(y, alone)  # each row's arithmetic is its own, whatever the batch (batched = alone)
         ref = xs.double() @ W.T
         assert y.shape == (rows, N) and y.dtype == torch.float32
         assert ((y - ref).abs().max() / ref.abs().max()).item() < 4e-4 and rel(y, ref) < 2.5e-4
     ref = plain.double() @ W.T
-    assert rel(cpu.int4_linear(plain, packed, block_scales, block_zeros), ref) < rel(plain.bfloat16().double() @ W.T, ref) / 8
-    assert torch.equal(cpu.int4_linear(torch.zeros(rows, K), packed, block_scales, block_zeros), torch.zeros(rows, N))
+    assert rel(cpu.int4_linear(plain, cpu.interleave(packed), block_scales, block_zeros), ref) < rel(plain.bfloat16().double() @ W.T, ref) / 8
+    assert torch.equal(cpu.int4_linear(torch.zeros(rows, K), cpu.interleave(packed), block_scales, block_zeros), torch.zeros(rows, N))
 
 
 @needs_cpu_kernels
@@ -631,11 +633,11 @@ def test_cpu_int8_kernel_matches_float64(N, K, rows):
     scales = scales.float().cpu()
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     ref = x.double() @ W.T
-    y = cpu.int8_linear(x, q.cpu(), scales)
+    y = cpu.int8_linear(x, cpu.interleave(q.cpu()), scales)
     assert y.shape == (rows, N) and y.dtype == torch.float32
     assert rel(y, ref) < min(2.5e-4, rel(x.bfloat16().double() @ W.T, ref) / 8)  # measured 4e-5
     x[0, 5] = 40.0
-    assert rel(cpu.int8_linear(x, q.cpu(), scales), x.double() @ W.T) < 2.5e-4
+    assert rel(cpu.int8_linear(x, cpu.interleave(q.cpu()), scales), x.double() @ W.T) < 2.5e-4
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu.int8_linear(x[:, :K - 16].contiguous(), q.cpu()[:, :K - 16].contiguous(), scales)
 
@@ -685,7 +687,7 @@ def test_cpu_int4_kernel_compiles_and_refuses_bad_shapes():
     x = torch.randn(2, 128)
     compiled = torch.compile(cpu.int4_linear, fullgraph=True)  # an opaque op to Inductor
     assert torch.equal(compiled(x, packed, block_scales, block_zeros), cpu.int4_linear(x, packed, block_scales, block_zeros))
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        cpu.int4_linear(torch.randn(2, 96), packed[:, :48], block_scales, block_zeros)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu.int4_linear(torch.randn(2, 80), packed[:, :40], block_scales, block_zeros)
     with pytest.raises(RuntimeError, match="float32"):
         cpu.int4_linear(x.bfloat16(), packed, block_scales, block_zeros)

@@ -210,8 +210,9 @@ def test_apply_on_the_cpu_swaps_quantized_layers_and_keeps_the_results(float_mod
         want = {Int8Linear: gdkernels.Int8Cpu, Int4Linear: gdkernels.Int4Cpu, Attention: gdkernels.CpuAttention}
         assert type(fast.get_submodule(name)) is want.get(type(m), type(m)), name
     assert type(fast.layers[1].feed_forward.w2) is kind[1] and type(fast.output) is gdkernels.Int8Cpu
-    # the weights as the file has them: the kernels read that layout (int4's scales and zeros one a block)
-    assert torch.equal(fast.layers[0].attention.wqkv.weight, plain.layers[0].attention.wqkv.weight)
+    # the file's weights, interleaved for the kernels (int4's scales and zeros one a block)
+    assert torch.equal(cpu.interleave(fast.layers[0].attention.wqkv.weight, inverse=True),
+                       plain.layers[0].attention.wqkv.weight)
 
     n = gdkernels.CPU_MAX_ROWS + 8
     prompt = torch.tensor([[(7 * i + 3) % ARGS.vocab_size for i in range(n)]])

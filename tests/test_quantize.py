@@ -206,13 +206,23 @@ def test_quantized_linear_is_close_to_float(mode, groupsize, rows, kind):
 # -- the CPU kernels' layers (gdkernels/cpu.py; the kernels themselves: tests/test_kernels.py) ------------
 
 @needs_cpu_kernel
-def test_cpu_kernel_builds_and_its_layers_keep_the_file_layout():
+def test_cpu_kernel_builds_and_its_layers_interleave_the_file_layout():
     assert cpu.available()  # a failed build would otherwise pass unseen, through PyTorch's op
-    layer, _ = quantized_linear(weights(32, 64), "int4", 32, kernel=True)
-    assert isinstance(layer, gdkernels.Int4Cpu) and layer.weight.shape == (32, 32)  # the file's layout, kept
+    w = weights(32, 608)  # 19 blocks: two chunks of 8 and one of 3
+    layer, _ = quantized_linear(w, "int4", 32, kernel=False)
+    packed = layer.weight.clone()
+    cpu_layer(layer)
+    assert isinstance(layer, gdkernels.Int4Cpu) and layer.weight.shape == (32, 304)
+    # 32 bytes: 4 of each block; the last 3 blocks: 12 bytes (byte j of block b, 16 bytes in the file: 4 * (j // 4)
+    # of each, then block b's 4 bytes)
+    assert torch.equal(layer.weight[:, 4:8], packed[:, 16:20]) and torch.equal(layer.weight[:, 272:276], packed[:, 276:280])
+    assert torch.equal(cpu.interleave(layer.weight, inverse=True), packed)
     assert layer.block_scales.dtype == torch.bfloat16 and not hasattr(layer, "scales")  # (one per block of 32)
-    layer, _ = quantized_linear(weights(32, 64), "int8", kernel=True)
+    layer, _ = quantized_linear(w, "int8", kernel=False)
+    q = layer.weight.clone()
+    cpu_layer(layer)
     assert isinstance(layer, gdkernels.Int8Cpu) and layer.scales.dtype == torch.float32  # (the kernel's dtype)
+    assert torch.equal(layer.weight[:, 32:36], q[:, 4:8]) and torch.equal(cpu.interleave(layer.weight, inverse=True), q)
 
 
 def rounding_noise(w, mode, groupsize):
