@@ -219,7 +219,7 @@ def run(args) -> None:
     device = default_device(args.device)
     dtype = default_dtype(args.dtype, device)
     use_kernels = not args.no_kernels and gdkernels.enabled()
-    mode = decode_mode(device, args.compile, aot=use_kernels and not speculating(args))  # (CPU: gdkernels/aot.py)
+    mode = decode_mode(device, args.compile, aot=use_kernels and not args.speculate_k)  # (CPU: gdkernels/aot.py)
     if args.check_graphs and mode != "graphs":
         raise UsageError("--check-graphs needs graphed decode (CUDA, without --no-compile)")
     if args.seed is not None:

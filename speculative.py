@@ -18,6 +18,7 @@ import torch
 
 from common import (Sampling, Step, UsageError, check_graphs, check_memory, draw, logits_to_probs, prefill_attention,
                     sample, synchronize)
+from gdkernels import aot
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -138,10 +139,14 @@ class SpeculativeGenerator:
         self.target, self.draft, self.sampling, self.k, self.ngram = target, draft, sampling, k, ngram
         self.device = target.tok_embeddings.weight.device
         self.mode = mode
-        # graphs: one graph for the K draft steps, one for the verification (common.Step: warm-up timed apart)
-        self.draft_fn, self.verify_fn = (Step(f, mode, self.device) for f in (
-            draft_steps, verify if draft is not None else lookup_verify))
-        self.plain_fn = Step(lookup_verify, mode, self.device, dynamic=False)  # prompt lookup proposing nothing
+        if mode.startswith("aot") and draft is not None:
+            raise ValueError("a draft model's steps are not built ahead of time (prompt lookup's are)")
+        # graphs: one graph for the K draft steps, one for the verification (common.Step: warm-up timed apart); the
+        # CPU's prompt lookup: built ahead of time (gdkernels/aot.py), as plain decode is
+        step = lambda f, **kw: Step(aot.AotStep(f, build=mode == "aot") if mode.startswith("aot") else f, mode,
+                                    self.device, **kw)
+        self.draft_fn, self.verify_fn = step(draft_steps), step(verify if draft is not None else lookup_verify)
+        self.plain_fn = step(lookup_verify, dynamic=False)  # prompt lookup proposing nothing
         dev, V = self.device, target.args.vocab_size
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)

@@ -1,10 +1,11 @@
 """Prompt lookup (generate.py --prompt-lookup K) against plain decoding, the default model as users run it (int4 on
 the CPU), greedy: each configuration in its own process, decode tok/s from generate.py's stats line.
 
-    python benchmarks/lookup.py [--ks 2,4,8] [--device cpu] [--checkpoint DIR] [--json OUT]
+    python benchmarks/lookup.py [--ks 2,4,8] [--repeat 3] [--device cpu] [--checkpoint DIR] [--json OUT]
 
-Copy-heavy prompts (fix a paragraph's spelling, add type hints to code, answer from a quoted passage), where the
-output repeats the input, and open-ended ones, where it does not.
+Each configuration runs --repeat times, in turn with the others, and its median counts (one run on a 2-core
+machine varies by 20% and more). Copy-heavy prompts (fix a paragraph's spelling, add type hints to code, answer
+from a quoted passage), where the output repeats the input, and open-ended ones, where it does not.
 """
 import argparse
 import datetime
@@ -87,15 +88,17 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--json", type=Path, help="append the records here")
     p.add_argument("--only", default="", help="the prompts whose name contains this")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each configuration, in turn: the median counts")
     a = p.parse_args()
     ks = [int(k) for k in a.ks.split(",")]
     print("| prompt | plain tok/s | " + " | ".join(f"K={k}: tok/s, tokens a round, speed-up" for k in ks) + " |")
     print("|---|---|" + "---|" * len(ks))
     records = []
     for name, prompt in [(n, p) for n, p in PROMPTS.items() if a.only in n]:
-        plain = run(prompt, 0, a)  # (the first run of a length builds the plain step ahead of time, once)
-        plain = run(prompt, 0, a)
-        rows = [run(prompt, k, a) for k in ks]
+        for k in [0, *ks]:  # (the first run of a configuration builds its steps ahead of time, once)
+            run(prompt, k, a)
+        runs = [[run(prompt, k, a) for k in [0, *ks]] for _ in range(a.repeat)]  # (in turn: the machine drifts)
+        plain, *rows = [sorted(c, key=lambda r: r["tok_s"])[len(c) // 2] for c in zip(*runs)]  # medians
         for r in [plain, *rows]:
             records.append({"prompt": name, **r, "speedup": r["tok_s"] / plain["tok_s"], "device": a.device,
                             "torch": torch.__version__, "date": str(datetime.date.today()),

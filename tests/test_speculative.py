@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
+import gdkernels
 import speculative
 from common import Sampling, logits_to_probs
+from gdkernels import cpu
 from generate import Generator
 from model import ModelArgs, Transformer
 from speculative import SpeculativeGenerator
@@ -347,6 +349,21 @@ def test_prompt_lookup_greedy_equals_plain_greedy(target, prompt, k):
     torch.manual_seed(7)
     got, gen = spec(target, None, top1, k, 40, prompt=prompt)
     assert got == expected and gen.plain_steps > 0
+
+
+@pytest.mark.skipif(cpu.unsupported() is not None, reason=f"gdkernels/cpu.cpp does not run here: {cpu.unsupported()}")
+def test_prompt_lookup_built_ahead_of_time_equals_plain_greedy(target, tmp_path, monkeypatch):
+    """On the CPU with the kernels, prompt lookup's verification and its step that proposes nothing are built ahead
+    of time (gdkernels/aot.py, --compile), as plain decode's step is: the same tokens as plain greedy."""
+    import gdkernels.aot
+
+    monkeypatch.setattr(gdkernels.aot, "cache_dir", lambda: tmp_path)
+    model = copy.deepcopy(target)
+    assert gdkernels.apply(model) == ["2 x attention -> cpu.cpp (each query reads up to its position)"]
+    got, gen = spec(model, None, GREEDY, 3, 40, prompt=REPEATS, mode="aot")
+    assert got == plain(model, GREEDY, 40, prompt=REPEATS) and gen.plain_steps > 0 and gen.rounds > 0
+    assert gen.verify_fn.fn.ran == gen.plain_fn.fn.ran == "compiled ahead of time"
+    assert len(list((tmp_path / "aot").glob("lookup_verify-*.pt2"))) == 2  # (K + 1 tokens and 1 token)
 
 
 def test_prompt_lookup_accepts_runs_and_stops_inside_them(target):
