@@ -330,7 +330,7 @@ def load_generator(args, checkpoint: Path, tokenizer, context: int, sampling: Sa
         draft = args.draft_checkpoint and load_draft(args.draft_checkpoint, model, tokenizer, device, dtype, length)
         if draft and use_kernels:
             gdkernels.apply(draft, compiled=compiled)
-        gen = SpeculativeGenerator(model, draft or None, sampling, speculating(args), mode, args.ngram)
+        gen = SpeculativeGenerator(model, draft or None, sampling, speculating(args), mode, args.ngram, aot.AotStep)
         gen.reserve(length)
     else:
         gen = Generator(model, sampling, mode, args.compile_prefill, args.stop_check_interval)

@@ -18,7 +18,6 @@ import torch
 
 from common import (Sampling, Step, UsageError, check_graphs, check_memory, draw, logits_to_probs, prefill_attention,
                     sample, synchronize)
-from gdkernels import aot
 from model import Transformer, read_config
 from quantize import load
 from tokenizer import load_tokenizer
@@ -127,7 +126,7 @@ class SpeculativeGenerator:
     lookup (the proposals are n-grams of the prompt and output so far, up to `ngram` tokens long)."""
 
     def __init__(self, target: Transformer, draft: Transformer | None, sampling: Sampling, k: int,
-                 mode: str = "eager", ngram: int = 3):
+                 mode: str = "eager", ngram: int = 3, ahead_of_time=None):
         if draft is target:
             raise ValueError("the draft must be a separate model (it has its own KV cache); "
                              "use copy.deepcopy to draft with the target itself")
@@ -139,11 +138,11 @@ class SpeculativeGenerator:
         self.target, self.draft, self.sampling, self.k, self.ngram = target, draft, sampling, k, ngram
         self.device = target.tok_embeddings.weight.device
         self.mode = mode
-        if mode.startswith("aot") and draft is not None:
-            raise ValueError("a draft model's steps are not built ahead of time (prompt lookup's are)")
+        if mode.startswith("aot") and (draft is not None or ahead_of_time is None):
+            raise ValueError("mode aot is prompt lookup's, with ahead_of_time (the CPU's gdkernels.aot.AotStep)")
         # graphs: one graph for the K draft steps, one for the verification (common.Step: warm-up timed apart); the
-        # CPU's prompt lookup: built ahead of time (gdkernels/aot.py), as plain decode is
-        step = lambda f, **kw: Step(aot.AotStep(f, build=mode == "aot") if mode.startswith("aot") else f, mode,
+        # CPU's prompt lookup: built ahead of time, as plain decode is (the caller hands over the kernels' builder)
+        step = lambda f, **kw: Step(ahead_of_time(f, build=mode == "aot") if mode.startswith("aot") else f, mode,
                                     self.device, **kw)
         self.draft_fn, self.verify_fn = step(draft_steps), step(verify if draft is not None else lookup_verify)
         self.plain_fn = step(lookup_verify, dynamic=False)  # prompt lookup proposing nothing

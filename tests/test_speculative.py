@@ -360,7 +360,8 @@ def test_prompt_lookup_built_ahead_of_time_equals_plain_greedy(target, tmp_path,
     monkeypatch.setattr(gdkernels.aot, "cache_dir", lambda: tmp_path)
     model = copy.deepcopy(target)
     assert gdkernels.apply(model) == ["2 x attention -> cpu.cpp (each query reads up to its position)"]
-    got, gen = spec(model, None, GREEDY, 3, 40, prompt=REPEATS, mode="aot")
+    gen = SpeculativeGenerator(model, None, GREEDY, 3, "aot", ahead_of_time=gdkernels.aot.AotStep)
+    got = [t for c in gen.generate(REPEATS, 40) for t in c]
     assert got == plain(model, GREEDY, 40, prompt=REPEATS) and gen.plain_steps > 0 and gen.rounds > 0
     assert gen.verify_fn.fn.ran == gen.plain_fn.fn.ran == "compiled ahead of time"
     assert len(list((tmp_path / "aot").glob("lookup_verify-*.pt2"))) == 2  # (K + 1 tokens and 1 token)
