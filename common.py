@@ -312,12 +312,12 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         drawn = draw(row_probs(logits, torch.where(temperature > 0, temperature, 1.0), top_k, top_p), noise)
         return torch.where(temperature > 0, drawn, logits.argmax(-1))
 
-    operands, any_sampled = (logits, temperature, top_k, top_p, *(() if seed is None else (seed, pos))), temperature > 0
-    if logits.device.type == "cuda" or (not torch.compiler.is_compiling() and any_sampled.any()):
+    operands = (logits, temperature, top_k, top_p, *(() if seed is None else (seed, pos)))
+    if logits.device.type == "cuda":
         return sampled(*operands)
-    if not torch.compiler.is_compiling():
-        return logits.argmax(-1)
-    return torch.cond(any_sampled.any(), sampled, lambda logits, *rest: logits.argmax(-1), operands)
+    if torch.compiler.is_compiling():
+        return torch.cond((temperature > 0).any(), sampled, lambda logits, *rest: logits.argmax(-1), operands)
+    return sampled(*operands) if (temperature > 0).any() else logits.argmax(-1)
 
 
 def available_memory(device: torch.device) -> int:
