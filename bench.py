@@ -10,13 +10,13 @@ Modes:  eager    PyTorch ops launched one by one from Python
         manual   the eager step captured by hand into one torch.cuda.CUDAGraph and replayed
 
 Random weights of real shapes: decode speed does not depend on weight values. gdkernels.apply is used where the
-hardware allows (--no-kernels: the plain model.py). Speculative decoding: benchmarks/speculation.py.
+hardware allows (--no-kernels: the plain model.py). Speculative decoding: benchmarks/speculation.py; the serving
+engine: benchmarks/serving.py.
 """
 import argparse
 import datetime
 import functools
 import json
-import random
 import statistics
 import sys
 import time
@@ -32,7 +32,6 @@ from generate import Generator, check_graphs, decode_one_token, prefill
 from generate import decode_weight_bytes  # noqa: F401 (benchmarks/speculation.py's: scripts import generate via bench)
 from model import ModelArgs, Transformer
 from quantize import load, quantize_model
-from serve import LLM, Runner, SamplingParams
 
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 PRESETS = {
@@ -225,125 +224,6 @@ def bench_one(model, mode, batch, prompt_tokens, new_tokens, ceiling, check=Fals
     return record
 
 
-def workload(n: int, vocab: int, longest: int = 512, sampling: Sampling = Sampling(temperature=0),
-             seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
-    """n requests of random tokens, their prompt and output lengths uniform in 16..longest (seeded), no stop."""
-    rng, shortest = random.Random(seed), min(16, longest)
-    return [([rng.randrange(vocab) for _ in range(rng.randint(shortest, longest))],
-             SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, max_new_tokens=rng.randint(
-                 shortest, longest), ignore_eos=True)) for _ in range(n)]
-
-
-class Timed:
-    """A runner's prefills, row moves and decode steps timed by CUDA events (their GPU time, not the gaps
-    between); per round its decoding rows, padding rows and the KV positions its K steps read; prefills counted."""
-
-    def __init__(self, runner: Runner):
-        self.events, self.rounds, self.prefills = [], [], 0
-        for name in ("prefill", "move"):
-            setattr(runner, name, self.wrap(name, getattr(runner, name)))
-        runner.step.fn = self.wrap("step", runner.step.fn)  # (the Step stays: its warm-up state with it)
-        decode, K = runner.decode, runner.steps
-
-        def counted():
-            rows = runner.rows[:runner.decoding]
-            self.rounds.append((len(rows), runner.bucket(len(rows)) - len(rows),
-                                sum(K * (r.pos + 1) + K * (K - 1) // 2 for r in rows)))
-            return decode()
-        runner.decode = counted
-
-    def wrap(self, name, fn):
-        def timed(*a, **kw):
-            self.prefills += name == "prefill"
-            if not torch.cuda.is_available():
-                return fn(*a, **kw)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            r = fn(*a, **kw)
-            e.record()
-            self.events.append((name, s, e))
-            return r
-        return timed
-
-    def gpu_s(self, name: str | None = None) -> float:  # (of the calls of `name`; None: of all)
-        torch.cuda.synchronize()
-        return sum(s.elapsed_time(e) for n, s, e in self.events if name in (None, n)) / 1e3
-
-
-def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, longest: int, sampling: Sampling,
-                  ceiling: float, budgets: list[int], alone: int = 0) -> list[dict]:
-    """The serving engine (serve.py) on `requests` random requests arriving at once (workload), continuous
-    batching up to max_batch rows over its default buckets, once per prefill budget on the same warm engine:
-    output tok/s; its share of the bandwidth bound (weights once a step and each decoding row's KV up to its
-    position, at the copy ceiling); inter-token latency of the decoding rows (a round's wall time over K, for
-    each row it decoded) against the median step of rounds without a prefill; time to first token from
-    arrival; warm-up. Then the engine's bucket-1 step against Generator's (at position 256 or longest), and the first
-    `alone` requests one by one through Generator (generate.py's path), all in the same process."""
-    device = model.tok_embeddings.weight.device
-    start = time.perf_counter()
-    llm = LLM(model=model, max_batch=max_batch, max_length=2 * longest, steps=steps, compile=mode != "eager")
-    llm.warm_up()
-    warmup_s, runner, a = time.perf_counter() - start, llm.runner, model.args
-    timed = Timed(runner)
-    kv_per_pos = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()
-    records, work = [], workload(requests, a.vocab_size, longest, sampling)
-    for budget in budgets:
-        llm.scheduler.budget = budget
-        reqs = [llm.make_request(p, params) for p, params in work]
-        timed.events.clear(), timed.rounds.clear()
-        prefills_before = timed.prefills
-        torch.manual_seed(0)
-        itl, quiet, first, t0 = [], [], {}, time.perf_counter()
-        for r in reqs:
-            llm.scheduler.add(r)
-        while llm.scheduler.live():
-            t, n, prefills = time.perf_counter(), len(timed.rounds), timed.prefills
-            events = llm.step()
-            now = time.perf_counter()
-            if len(timed.rounds) > n:  # (a round that decoded)
-                itl += [(now - t) / steps] * timed.rounds[-1][0]
-                if timed.prefills == prefills:
-                    quiet.append((now - t) / steps)
-            first.update((r, now - t0) for r, new, _ in events if new and r not in first)
-        seconds, tokens = time.perf_counter() - t0, sum(len(r.out) for r in reqs)
-        read = sum(steps * weight_bytes_per_step(model, n + pad) + kv_per_pos * kv for n, pad, kv in timed.rounds)
-        bound = tokens / (read / (ceiling * 1e9))
-        rows, padding = (sum(x[i] for x in timed.rounds) for i in (0, 1))
-        ttft = list(first.values())
-        records.append({"mode": f"serve-{mode}", "batch_size": max_batch, "requests": requests, "longest": longest,
-                        "decode_steps": steps, "prefill_budget": budget, "tok_s": tokens / seconds, "seconds": seconds,
-                        "tokens": tokens, "bound_tok_s": bound, "share_of_bound": tokens / seconds / bound,
-                        "itl_ms_p50": 1e3 * percentile(itl, 0.5), "itl_ms_p99": 1e3 * percentile(itl, 0.99),
-                        "step_ms_median": 1e3 * percentile(quiet, 0.5), "ttft_s_p50": percentile(ttft, 0.5),
-                        "ttft_s_p99": percentile(ttft, 0.99), "padded_row_share": padding / (rows + padding),
-                        "compile_s": warmup_s, "ceiling_gb_s": ceiling, "peak_mem_gb": peak_memory(device) / 1e9,
-                        "rounds": len(timed.rounds), "prefills": timed.prefills - prefills_before})
-        if device.type == "cuda":
-            records[-1].update(host_overhead=seconds / timed.gpu_s(),
-                               **{f"{n}_gpu_share": timed.gpu_s(n) / timed.gpu_s() for n in ("prefill", "move", "step")})
-
-    at = min(256, longest)
-    n = max(1, min(64, 2 * longest - at - 16))  # (Generator's steps: room in the cache)
-
-    def bucket1():  # a round of bucket 1 at position `at`
-        runner.write([], 1)
-        runner.pos[:1].fill_(at)
-        for _ in range(steps):
-            runner.step(model, *runner.views[1], key=1)
-    engine_step = seconds_per_call(bucket1, device, reps=10) / steps
-    gen = warmed(model, mode, 1, at, n, sampling)
-    gen_step = statistics.median(timed_decode(gen, at, n))
-    extra = {"bucket1_step_ms": engine_step * 1e3, "generator_step_ms": gen_step * 1e3}
-    if alone:
-        gen.reserve(1, 2 * longest)
-        t0 = time.perf_counter()
-        tokens = sum(len(c[0]) for p, params in work[:alone] for c in gen.generate([p], params.max_new_tokens))
-        extra.update(alone=alone, alone_tok_s=tokens / (time.perf_counter() - t0))
-    for r in records:
-        r.update(extra)
-    return records
-
-
 def quantized(model: Transformer, spec: str) -> Transformer:
     """The model quantized in memory as quantize.py would: spec is one of QUANTIZE_CHOICES."""
     mode, _, group = spec.partition("-g")
@@ -367,15 +247,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-kernels", action="store_true", help="the plain model.py, without the kernels package")
     p.add_argument("--kernels", action="store_true", help="print the costliest GPU kernels (CPU: ops) of 4 steps")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--serving", type=int, metavar="REQUESTS",
-                   help="measure the serving engine (serve.py) instead: REQUESTS random requests, batched continuously")
-    p.add_argument("--max-batch", type=int, default=64, help="--serving: the engine's rows (largest bucket)")
-    p.add_argument("--stop-check-interval", type=int, default=8, metavar="K", help="--serving: decode steps a round")
-    p.add_argument("--serving-length", type=int, default=512,
-                   help="--serving: prompt and output lengths uniform in 16..N tokens")
-    p.add_argument("--prefill-budget", default="1024", help="--serving: comma-separated token budgets of a prefill")
-    p.add_argument("--serving-alone", type=int, default=16,
-                   help="--serving: then the first N requests one by one through generate.py's Generator (0: none)")
     p.add_argument("--json", type=Path, help="append each record to this JSON list as it is measured")
     try:
         return run(p.parse_args(argv))
@@ -387,12 +258,24 @@ def main(argv=None) -> int:
 def run(a) -> int:
     """Check the flags (UsageError), make or load the model, then measure, print and keep each record."""
     device = default_device(a.device)
+    modes, batches = check_flags(a, device)
+    model, sampling, ceiling, records, keep = prepare(a, device, modes)
+    measure_decode(a, model, modes, batches, sampling, ceiling, keep)
+    print_table(records)
+    return 0
+
+
+def prepare(a, device, modes: list[str], positions: int = 0):
+    """What a run measures with (also benchmarks/serving.py's): the model (make_model; under torchrun the rank's
+    share; UsageError if a row's `positions` pass its context), the sampling, the copy ceiling, the records and keep
+    (keep_record with the run's fields); the header printed."""
     dtype = default_dtype(a.dtype, device)
-    modes, batches, budgets = check_flags(a, device)
     use_kernels = not a.no_kernels and gdkernels.enabled()
     if tp.world()[1] > 1:  # torchrun --nproc-per-node N bench.py: each rank times its share (tp.py); rank 0 reports
         device = tp.join(PRESETS[a.model], device, seed=0)
     model, name, swapped = make_model(a, device, dtype, use_kernels, "compile" in modes or None)
+    if positions > model.args.max_seq_len:
+        raise UsageError(f"{positions} positions a row would pass the model's {model.args.max_seq_len}")
     sampling = Sampling(temperature=a.temperature, top_k=None)
     ceiling = copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -401,32 +284,20 @@ def run(a) -> int:
     records = []
     keep = functools.partial(keep_record, records, a.json, device, gpu=gpu, torch=torch.__version__, model=name,
                              dtype=str(dtype).removeprefix("torch."), kernels=use_kernels)
-    if a.serving:
-        measure_serving(a, model, modes, budgets, sampling, ceiling, keep)
-    else:
-        measure_decode(a, model, modes, batches, sampling, ceiling, keep)
-    print_table(records)
-    return 0
+    return model, sampling, ceiling, records, keep
 
 
-def check_flags(a, device) -> tuple[list[str], list[int], list[int]]:
-    """The flags' values and combinations (UsageError) -> the modes, batch sizes and prefill budgets to measure."""
+def check_flags(a, device) -> tuple[list[str], list[int]]:
+    """The flags' values and combinations (UsageError) -> the modes and batch sizes to measure."""
     allowed = ["eager", "compile", "graphs", "manual"] if device.type == "cuda" else ["eager", "compile"]
-    if a.serving is not None and device.type == "cuda":
-        allowed = ["eager", "graphs"]  # (the engine's buckets are graphed or eager)
     modes = a.modes.split(",") if a.modes else allowed
     if not set(modes) <= set(allowed):
-        raise UsageError(f"mode not run {'by --serving ' if a.serving else ''}on {device.type}: {','.join(modes)}")
+        raise UsageError(f"mode not run on {device.type}: {','.join(modes)}")
     if a.repeat < 1:
         raise UsageError(f"--repeat must be at least 1 (got {a.repeat})")
-    budgets = [int(b) for b in a.prefill_budget.split(",") if b.strip().isdigit()]
-    if a.serving is not None and (min(a.serving, a.max_batch, a.stop_check_interval, a.serving_length,
-                                      *budgets or [0]) < 1 or a.serving_alone < 0):
-        raise UsageError("--serving, --max-batch, --stop-check-interval, --serving-length and --prefill-budget must "
-                         "be >= 1")
-    if tp.world()[1] > 1 and (a.quantize or a.checkpoint or a.serving):
+    if tp.world()[1] > 1 and (a.quantize or a.checkpoint):
         raise UsageError("under torchrun bench.py times a preset's float model")
-    return modes, [int(b) for b in a.batch_sizes.split(",")], budgets
+    return modes, [int(b) for b in a.batch_sizes.split(",")]
 
 
 def make_model(a, device, dtype, use_kernels: bool, compiled: bool | None):
@@ -436,9 +307,6 @@ def make_model(a, device, dtype, use_kernels: bool, compiled: bool | None):
     torch.manual_seed(0)
     name = a.checkpoint.name if a.checkpoint else a.model + (f" tp{n}" if n > 1 else "")
     model = load(a.checkpoint, device, dtype) if a.checkpoint else random_model(PRESETS[a.model], device, dtype)
-    if a.serving and 2 * a.serving_length > model.args.max_seq_len:
-        raise UsageError(f"--serving-length {a.serving_length}: a prompt and its output would pass the model's "
-                         f"{model.args.max_seq_len} positions")
     if a.quantize:
         model, name = quantized(model, a.quantize), f"{name} {a.quantize}"
     swapped = gdkernels.apply(model, fuse=n == 1, compiled=compiled) if use_kernels else []
@@ -456,21 +324,6 @@ def keep_record(records: list, path: Path | None, device, r: dict, **fields) -> 
         path.write_text(json.dumps(old + [r], indent=1) + "\n")
     if device.type == "cuda":
         torch._dynamo.reset()
-
-
-def measure_serving(a, model, modes, budgets, sampling, ceiling, keep) -> None:
-    for mode in modes:
-        for r in bench_serving(model, mode, a.serving, a.max_batch, a.stop_check_interval, a.serving_length, sampling,
-                               ceiling, budgets, a.serving_alone):
-            alone = f", {r['tok_s'] / r['alone_tok_s']:.1f}x one by one ({r['alone_tok_s']:.1f})" if "alone" in r else ""
-            tp.say(f"  serve-{mode} {a.serving} requests, {a.max_batch} rows, prefill budget {r['prefill_budget']}: "
-                   f"{r['tok_s']:8.1f} tok/s = {r['share_of_bound']:.0%} of {r['bound_tok_s']:.0f}{alone}; inter-token "
-                   f"p50/p99 {r['itl_ms_p50']:.2f}/{r['itl_ms_p99']:.2f} ms (step {r['step_ms_median']:.2f}); first "
-                   f"token p50/p99 {r['ttft_s_p50']:.2f}/{r['ttft_s_p99']:.2f} s; padding {r['padded_row_share']:.1%}; "
-                   + (f"GPU time in prefill {r['prefill_gpu_share']:.0%}; " if "prefill_gpu_share" in r else "") +
-                   f"bucket-1 step {r['bucket1_step_ms']:.2f} ms, Generator's {r['generator_step_ms']:.2f}; "
-                   f"warm-up {r['compile_s']:.1f} s", file=sys.stderr)
-            keep(r)
 
 
 def measure_decode(a, model, modes, batches, sampling, ceiling, keep) -> None:

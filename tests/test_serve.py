@@ -457,31 +457,30 @@ def test_read_prompts_missing_file(tmp_path):
 
 
 def test_bench_serving_record(tmp_path, capsys):
-    """bench.py --serving: every request of the seeded workload runs to its budget (random weights, no stop),
+    """benchmarks/serving.py: every request of the seeded workload runs to its budget (random weights, no stop),
     once per prefill budget; the record's tok/s is its tokens over its seconds, its share of the bound is
     tok/s over the bound, and the same requests one by one through Generator are measured beside it."""
-    import bench
+    from benchmarks import serving
     from test_quantize import write_float_checkpoint
 
     write_float_checkpoint(tmp_path / "tiny", ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
                                                         intermediate_size=128, max_seq_len=256))
     out = tmp_path / "records.json"
-    assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), "--modes", "eager", "--serving", "6",
-                       "--max-batch", "4", "--stop-check-interval", "3", "--serving-length", "24", "--prefill-budget", "8,64",
-                       "--serving-alone", "3", "--json", str(out)]) == 0
+    assert serving.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), "--modes", "eager", "--requests", "6",
+                         "--max-batch", "4", "--stop-check-interval", "3", "--length", "24", "--prefill-budget", "8,64",
+                         "--alone", "3", "--json", str(out)]) == 0
     records = json.loads(out.read_text())
     assert [(r["mode"], r["batch_size"], r["requests"], r["decode_steps"], r["prefill_budget"]) for r in records] == \
         [("serve-eager", 4, 6, 3, 8), ("serve-eager", 4, 6, 3, 64)]
     for r in records:
-        assert r["tokens"] == sum(p.max_new_tokens for _, p in bench.workload(6, 64, 24))
+        assert r["tokens"] == sum(p.max_new_tokens for _, p in serving.workload(6, 64, 24))
         assert r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"])
         assert r["share_of_bound"] == pytest.approx(r["tok_s"] / r["bound_tok_s"])
         assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"] and 0 < r["ttft_s_p50"] <= r["ttft_s_p99"] <= r["seconds"]
         assert r["alone"] == 3 and r["alone_tok_s"] > 0 and r["bucket1_step_ms"] > 0 and r["generator_step_ms"] > 0
     assert "serve-eager 6 requests, 4 rows, prefill budget 8" in capsys.readouterr().err
-    for bad in (["--serving", "0"], ["--serving", "2", "--max-batch", "0"], ["--serving", "2", "--serving-length", "200"],
-                ["--serving", "2", "--prefill-budget", "x"]):
-        assert bench.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), *bad]) == 1  # (200 + 200 > 256)
+    for bad in (["--requests", "0"], ["--max-batch", "0"], ["--length", "200"], ["--prefill-budget", "x"]):
+        assert serving.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), *bad]) == 1  # (200 + 200 > 256)
         err = capsys.readouterr().err
         assert err.startswith("error:") and err.count("\n") == 1, err
 
