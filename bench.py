@@ -85,7 +85,6 @@ def call_times(fn, device, calls: int) -> list[float]:
 
 
 def seconds_per_call(fn, device, reps: int = 20, warmup: int = 1) -> float:
-    """Mean wall time of fn() over reps calls after `warmup` more."""
     for _ in range(warmup):
         fn()
     return statistics.fmean(call_times(fn, device, reps))
@@ -260,7 +259,15 @@ def run(a) -> int:
     device = default_device(a.device)
     modes, batches = check_flags(a, device)
     model, sampling, ceiling, records, keep = prepare(a, device, modes)
-    measure_decode(a, model, modes, batches, sampling, ceiling, keep)
+    for mode in modes:
+        for batch in batches:
+            r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
+                          a.check_graphs and mode in ("graphs", "manual"), a.kernels, sampling, a.repeat)
+            runs = f"  (runs: {', '.join(f'{t:.1f}' for t in r['tok_s_runs'])} tok/s)" if a.repeat > 1 else ""
+            tp.say(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
+                   f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
+                   f"first call {r['compile_s']:.1f} s{runs}", file=sys.stderr)
+            keep(r)
     print_table(records)
     return 0
 
@@ -324,18 +331,6 @@ def keep_record(records: list, path: Path | None, device, r: dict, **fields) -> 
         path.write_text(json.dumps(old + [r], indent=1) + "\n")
     if device.type == "cuda":
         torch._dynamo.reset()
-
-
-def measure_decode(a, model, modes, batches, sampling, ceiling, keep) -> None:
-    for mode in modes:
-        for batch in batches:
-            r = bench_one(model, mode, batch, a.prompt_tokens, a.new_tokens, ceiling,
-                          a.check_graphs and mode in ("graphs", "manual"), a.kernels, sampling, a.repeat)
-            runs = f"  (runs: {', '.join(f'{t:.1f}' for t in r['tok_s_runs'])} tok/s)" if a.repeat > 1 else ""
-            tp.say(f"  {mode:8s} B={batch:<3d} {r['tok_s']:8.1f} tok/s  {r['step_ms_median']:7.2f} ms/step "
-                   f"(p99 {r['step_ms_p99']:.2f})  {r['gb_s']:7.0f} GB/s = {r['pct_of_ceiling']:5.1f}%  "
-                   f"first call {r['compile_s']:.1f} s{runs}", file=sys.stderr)
-            keep(r)
 
 
 def print_table(records):

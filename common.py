@@ -1,7 +1,6 @@
-"""What several modules share, below all of them: graph-safe sampling (fixed-shape ops, no host sync:
-sampling stays inside the step's one CUDA graph), the defaults every entry point uses, the decode modes
-and Step (a decode step on static buffers, compiled or recorded, warmed up and checked), the cache
-directory, dtypes."""
+"""What several modules share, below all of them: graph-safe sampling (fixed-shape ops, no host sync: sampling stays
+inside the step's one CUDA graph), the defaults every entry point uses, the decode modes and Step (a decode step on
+static buffers, compiled or recorded, warmed up and checked), the cache directory, dtypes."""
 import contextlib
 import math
 import os
@@ -76,8 +75,7 @@ class Step:
     ahead-of-time step or bench.py's graph captured by hand already. The buffers it mutates are marked static (a
     graph replays on fixed addresses), and the first calls per key (an input shape: a bucket) are timed apart as
     warm-up (compile; CUDAGraph Trees: a warm-up run, the recording, a first replay). dynamic=False: one static
-    compilation per shape (the engine's buckets), never a dynamic one. check_graphs() verifies what runs after
-    warm-up."""
+    compilation per shape (the engine's buckets). check_graphs() verifies what runs after warm-up."""
 
     WARMUP_CALLS = {"eager": 0, "compile": 1, "graphs": 3, "aot": 1, "aot-cached": 1, "manual": 1}
 
@@ -141,8 +139,7 @@ def launches_per_call(fn, device, calls: int) -> dict:
         synchronize(device)
     names = [e.name for e in prof.events()]
     graphs = sum(n.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for n in names)
-    kernels = sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel"))
-                  for n in names)
+    kernels = sum(n.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel")) for n in names)
     return {"graph_launches_per_step": graphs / calls, "kernels_outside_graphs_per_step": kernels / calls}
 
 
@@ -321,7 +318,6 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes free on the device (the CPU: MemAvailable)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     with open("/proc/meminfo") as f:

@@ -113,8 +113,7 @@ class GGUFSource:
     """A parsed GGUF file: metadata mapped to ModelArgs, tensors dequantized lazily."""
 
     def __init__(self, path: Path, reader):
-        self.path = path
-        self._reader = reader
+        self.path, self._reader = path, reader
         if getattr(reader, "byte_order", "I") != "I":
             raise ConversionError(f"{path.name}: big-endian GGUF files are not supported")
         self.arch = arch = self._value("general.architecture", str, required=True)
@@ -305,7 +304,6 @@ class GGUFSource:
                                   f"({t.tensor_type.name}): {_one_line(e)}") from None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (our name, float32 tensor) one at a time, dequantized from the memory-mapped file."""
         for ours, theirs, _shape, heads in self._plan:
             arr = self._dequantize(theirs, self._tensors[theirs])
             if heads is not None:
@@ -349,7 +347,6 @@ class GGUFSource:
                     chat_template=self._value("tokenizer.chat_template", str))
 
     def tokenizer_files(self) -> dict[str, bytes]:
-        """tokenizer.json, tokenizer_config.json and generation_config.json, as bytes."""
         meta, ids = self._tokenizer_meta, self._tokenizer_meta["ids"]
         tokens = self._value("tokenizer.ggml.tokens", required=True)
         n = len(tokens)

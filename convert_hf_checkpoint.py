@@ -62,8 +62,7 @@ def hf_config_to_args(cfg: dict) -> dict:
     or transformers 5's `rope_parameters`)."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_TYPES:
-        raise ConversionError(f"unsupported architecture {model_type!r} "
-                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        raise ConversionError(f"unsupported architecture {model_type!r} (supported: {', '.join(SUPPORTED_TYPES)})")
     if cfg.get("mlp_bias"):
         raise ConversionError("mlp_bias=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":

@@ -61,11 +61,10 @@ class Generator:
 
     def __init__(self, model: Transformer, sampling: Sampling, mode: str = "eager",
                  compile_prefill: bool = False, stop_check_interval: int = 8):
-        self.model, self.sampling = model, sampling
+        self.model, self.sampling, self.mode = model, sampling, mode
         self.device = model.tok_embeddings.weight.device
         self.stop_check_interval = stop_check_interval
         self.decode_steps = 0  # decode steps the last generate ran (up to K - 1 past a stop: GB/s counts them)
-        self.mode = mode
         if mode.startswith("aot") and self.device.type != "cpu":  # the CPU: gdkernels/aot.py
             raise ValueError(f"mode {mode!r} is for the CPU")
         self.step = self.make_step()
@@ -371,8 +370,7 @@ def one_shot(args, gen, tokenizer, prompt: list[int], stop_ids, kernels: bool) -
 
 
 def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set[int], kernels: bool = False) -> str:
-    """Generate for one prompt (with a Generator or a SpeculativeGenerator), printing text as it
-    arrives; stats to stderr. Returns the text."""
+    """Generate for one prompt (a Generator or a SpeculativeGenerator), printing text as it arrives, stats to stderr."""
     decoder, speculative, device = tokenizer.stream_decoder(), not isinstance(gen, Generator), gen.device
     pieces, n_new, compile_before, first_at = [], 0, gen.compile_s, None
     if device.type == "cuda":
@@ -385,9 +383,8 @@ def stream(gen, tokenizer, prompt: list[int], max_new_tokens: int, stop_ids: set
         for chunk in chunks:
             if first_at is None:
                 first_at, first = time.perf_counter(), len(chunk)
-            ids = [t for t in chunk if t not in stop_ids]
             n_new += len(chunk)
-            text = "".join(decoder.push(t) for t in ids)
+            text = "".join(decoder.push(t) for t in chunk if t not in stop_ids)
             pieces.append(text)
             tp.say(text, end="")
     pieces.append(decoder.flush())

@@ -269,7 +269,6 @@ def gptq_int4(w: torch.Tensor, hessian: torch.Tensor, groupsize: int, damp: floa
 
 
 def calibration_window(n_tokens: int, args: ModelArgs) -> int:
-    """Tokens per calibration forward: CALIBRATION_WINDOW, or fewer for a short text or context."""
     return min(n_tokens, CALIBRATION_WINDOW, args.max_seq_len)
 
 

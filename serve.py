@@ -159,14 +159,13 @@ class Runner:
 
     def __init__(self, model: Transformer, max_batch: int, length: int, buckets: list[int] | None = None,
                  mode: str = "eager", steps: int = 8):
-        self.model, self.steps, self.mode = model, steps, mode
+        self.model, self.steps, self.mode, self.length = model, steps, mode, length
         self.device, self.vocab = model.tok_embeddings.weight.device, model.args.vocab_size
         self.buckets = sorted(buckets or default_buckets(max_batch))
         if self.buckets[0] < 1 or self.buckets[-1] != max_batch:
             raise UsageError(f"buckets {self.buckets} must be >= 1 and end at max_batch {max_batch}")
         fixed = mode.startswith("aot") and aot.cache_length(length, model.args, model.tok_embeddings.weight.dtype, max_batch)
         model.setup_caches(max_batch, fixed or length)  # (it may hold more: an earlier user's, or the CPU's fixed length)
-        self.length = length
         new = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=self.device)  # noqa: E731
         self.token, self.pos, self.out, self.col = new(max_batch, 1), new(max_batch, 1), new(max_batch, steps), new(1)
         self.logp, self.temperature = new(max_batch, steps, dtype=torch.float), new(max_batch, dtype=torch.float)
@@ -417,7 +416,6 @@ class LLM:
         return [(r, new, r.done) for r, new in events.items()]
 
     def retire(self, requests) -> None:
-        """The done ones leave: their rows are freed."""
         for r in [r for r in requests if r.done]:
             if r in self.runner.rows:
                 self.runner.release(r)

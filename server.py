@@ -270,8 +270,7 @@ class Server:
         return {"tokens": texts, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+log = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def listen(host: str, port: int) -> socket.socket:

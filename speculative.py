@@ -1,6 +1,5 @@
-"""Speculative decoding: a small draft model proposes K tokens, the target checks all of them in
-one forward over K+1 positions, and the output follows exactly the target's distribution
-(greedy: exactly the target's greedy tokens).
+"""Speculative decoding: a small draft model proposes K tokens, the target checks all of them in one forward over K+1
+positions, and the output follows exactly the target's distribution (greedy: exactly the target's greedy tokens).
 
 One round: draft_steps() (K one-token draft forwards, proposals written on the device), verify()
 (one target forward over [token, d_1..d_K], acceptance with fixed-shape ops, the next round's token
@@ -30,12 +29,11 @@ LOOKUP_PATIENCE, LOOKUP_RETRY = 2, 8
 
 def draft_steps(draft: Transformer, token: torch.Tensor, pos: torch.Tensor, draft_tokens: torch.Tensor,
                 draft_probs: torch.Tensor, s: Sampling) -> None:
-    """K draft steps, in place on static buffers: token [1, 1] the token at pos [1]; writes the
-    proposals into draft_tokens [1, K] (d_i at position pos + i) and, when sampling, their draft
-    distributions into draft_probs [1, K, V]. K is draft_tokens' (static) width, so the Python loop
-    unrolls when compiled: each step is a plain one-token decode step of the draft, and the loop
-    costs what K of them do. (The draft's cache already holds every token before pos: verify
-    feeds it d_K, the one proposal it never read.)"""
+    """K draft steps, in place on static buffers: token [1, 1] the token at pos [1]; writes the proposals into
+    draft_tokens [1, K] (d_i at position pos + i) and, when sampling, their draft distributions into draft_probs
+    [1, K, V]. K is draft_tokens' (static) width, so the Python loop unrolls when compiled: each step is a plain
+    one-token decode step of the draft, and the loop costs what K of them do. (The draft's cache already holds every
+    token before pos: verify feeds it d_K, the one proposal it never read.)"""
     K = draft_tokens.shape[1]
     for i in range(K):
         logits = draft(token if i == 0 else draft_tokens[:, i - 1:i], pos + i)[:, -1]  # [1, V]
@@ -50,10 +48,9 @@ def draft_steps(draft: Transformer, token: torch.Tensor, pos: torch.Tensor, draf
 
 def verify(target: Transformer, draft: Transformer, token: torch.Tensor, pos: torch.Tensor,
            draft_tokens: torch.Tensor, draft_probs: torch.Tensor, result: torch.Tensor, s: Sampling) -> None:
-    """The target's check of K proposals in one forward over K+1 positions, in place:
-    result [K+2] gets n (proposals accepted, 0..K) then K+1 tokens of which the first n+1 are the
-    new ones (n accepted proposals, then the corrected or bonus token); token and pos are advanced
-    to the last new token and its position.
+    """The target's check of K proposals in one forward over K+1 positions, in place: result [K+2] gets n (proposals
+    accepted, 0..K) then K+1 tokens of which the first n+1 are the new ones (n accepted proposals, then the corrected
+    or bonus token); token and pos are advanced to the last new token and its position.
 
     It also feeds the draft its last proposal d_K at pos + K: the draft produced d_K but never read
     it, and when all K are accepted the next round starts at pos + K + 1, so the draft's cache must
@@ -136,8 +133,7 @@ class SpeculativeGenerator:
         if k < 1 or ngram < 1:
             raise ValueError(f"k and ngram must be >= 1 (got {k}, {ngram})")
         self.target, self.draft, self.sampling, self.k, self.ngram = target, draft, sampling, k, ngram
-        self.device = target.tok_embeddings.weight.device
-        self.mode = mode
+        self.device, self.mode = target.tok_embeddings.weight.device, mode
         if mode.startswith("aot") and (draft is not None or ahead_of_time is None):
             raise ValueError("mode aot is prompt lookup's, with ahead_of_time (the CPU's gdkernels.aot.AotStep)")
         # graphs: one graph for the K draft steps, one for the verification (common.Step: warm-up timed apart); the
@@ -146,14 +142,11 @@ class SpeculativeGenerator:
                                     self.device, **kw)
         self.draft_fn, self.verify_fn = step(draft_steps), step(verify if draft is not None else lookup_verify)
         self.plain_fn = step(lookup_verify, dynamic=False)  # prompt lookup proposing nothing
-        dev, V = self.device, target.args.vocab_size
-        self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.draft_tokens = torch.zeros(1, k, dtype=torch.long, device=dev)
-        self.draft_probs = torch.zeros(1, k, V, dtype=torch.float32, device=dev)
-        self.result = torch.zeros(k + 2, dtype=torch.long, device=dev)
-        self.plain_result = torch.zeros(2, dtype=torch.long, device=dev)
-        self.history = torch.zeros(1, 0, dtype=torch.long, device=dev)  # prompt lookup's tokens so far (reserve)
+        new = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=self.device)  # noqa: E731
+        self.token, self.pos, self.draft_tokens = new(1, 1), new(1), new(1, k)
+        self.draft_probs = new(1, k, target.args.vocab_size, dtype=torch.float32)
+        self.result, self.plain_result = new(k + 2), new(2)
+        self.history = new(1, 0)  # prompt lookup's tokens so far (reserve)
         self.draft_fn.static(self.token, self.pos, self.draft_tokens, self.draft_probs, self.result, self.plain_result)
         self.reset_stats()
 
@@ -167,12 +160,10 @@ class SpeculativeGenerator:
 
     def draft_loop(self) -> None:
         """The K draft steps of a round (one graph replay in mode graphs), on the static buffers."""
-        self.draft_fn(self.draft, self.token, self.pos, self.draft_tokens, self.draft_probs,
-                      self.sampling)
+        self.draft_fn(self.draft, self.token, self.pos, self.draft_tokens, self.draft_probs, self.sampling)
 
     def verify_round(self) -> None:
-        """The target's verification of the proposals (one graph replay in mode graphs); prompt lookup: the
-        proposal too."""
+        """The target's check of the proposals (one graph replay in mode graphs); prompt lookup: the proposal too."""
         if self.draft is None:
             return self.verify_fn(self.target, self.token, self.pos, self.history, self.result, self.sampling,
                                   self.ngram)

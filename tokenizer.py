@@ -14,10 +14,9 @@ Backends, picked from file contents (tokenizer.json wins when both files exist):
   tokenizer.model  tiktoken rank file (Llama 3 `original/`)  -> TiktokenTokenizer
 Side files read when present: tokenizer_config.json, chat_template.jinja, generation_config.json.
 
-encode() parses special-token text ("<|im_start|>") into special ids, except with SentencePiece,
-which never parses its control symbols ("<s>") out of text (ids then match SentencePieceProcessor);
-encode_chat() splits them for every backend. decode() renders special tokens as their text, so
-decode(encode_chat(m)) reproduces apply_chat_template(m).
+encode() parses special-token text ("<|im_start|>") into special ids, except with SentencePiece, which never parses
+its control symbols ("<s>") out of text (ids then match SentencePieceProcessor); encode_chat() splits them for every
+backend. decode() renders special tokens as their text, so decode(encode_chat(m)) reproduces apply_chat_template(m).
 """
 import base64
 import binascii
