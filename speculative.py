@@ -22,9 +22,11 @@ from quantize import load
 from tokenizer import load_tokenizer
 
 
-# Where a verification of K + 1 tokens costs more than a step (the CPU), prompt lookup stops proposing after
-# LOOKUP_PATIENCE rounds in a row that accepted nothing, and tries again every LOOKUP_RETRY steps.
-LOOKUP_PATIENCE, LOOKUP_RETRY = 2, 8
+# A verification of K + 1 tokens costs more than a step (on the CPU ~1.5 steps at K = 2, 1.3-1.4 for Llama-2-7B on
+# an H100), and a proposal that follows a match of one token is rarely accepted (default model, CPU: 0.1-0.3 tokens
+# a round in open-ended text; none at all without a match): prompt lookup proposes where the last LOOKUP_MIN_MATCH
+# tokens occurred before, and otherwise runs a plain step.
+LOOKUP_MIN_MATCH = 2
 
 
 def draft_steps(draft: Transformer, token: torch.Tensor, pos: torch.Tensor, draft_tokens: torch.Tensor,
@@ -91,31 +93,39 @@ def accept(logits: torch.Tensor, d: torch.Tensor, q: torch.Tensor, token: torch.
     result.copy_(torch.cat([n, out]))
 
 
-def propose(history: torch.Tensor, pos: torch.Tensor, K: int, N: int) -> torch.Tensor:
-    """Prompt lookup's proposal, on the device: history [L] the tokens so far (up to pos [1]) -> the K tokens
-    [K] that followed the latest earlier occurrence of the last n tokens, for the longest n <= N that occurs,
-    repeating from there past pos. None does: the first K (a guess: verification keeps what the target agrees with)."""
-    at, start = torch.arange(history.shape[0], device=pos.device), torch.zeros_like(pos)
+def match(history: torch.Tensor, pos: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt lookup's match, on the device: history [L] the tokens so far (up to pos [1]) -> where what followed the
+    latest earlier occurrence of the last n tokens starts, for the longest n <= N that occurs, and that n [1] (0:
+    none, and the start 0)."""
+    at, start, length = torch.arange(history.shape[0], device=pos.device), torch.zeros_like(pos), torch.zeros_like(pos)
     for n in range(1, N + 1):  # (a longer match, where there is one, overrides)
         last = history[(pos - n + 1 + at[:n]).clamp(min=0)]  # [n]
         hit = (history.unfold(0, n, 1) == last).all(-1) & (at[n - 1:] < pos) & (pos >= n - 1)  # [L-n+1]
         end = torch.where(hit, at[n - 1:], -1).amax()  # where the latest occurrence ends
-        start = torch.where(end >= 0, end + 1, start)
-    return history[start + at[:K] % (pos + 1 - start)]  # (past pos: from start again, a period of the pattern)
+        start, length = torch.where(end >= 0, end + 1, start), torch.where(end >= 0, n, length)
+    return start, length
+
+
+def propose(history: torch.Tensor, pos: torch.Tensor, K: int, N: int) -> torch.Tensor:
+    """The K tokens [K] from match()'s start on, repeating from there past pos (no match: the first K)."""
+    start = match(history, pos, N)[0]
+    return history[start + torch.arange(K, device=pos.device) % (pos + 1 - start)]  # (a period of the pattern)
 
 
 def lookup_verify(target: Transformer, token: torch.Tensor, pos: torch.Tensor, history: torch.Tensor,
                   result: torch.Tensor, s: Sampling, ngram: int) -> None:
     """A prompt-lookup round, in place: propose() from history [1, L], then verify's check of the K proposals
-    (K + 2 = result's width) against a deterministic draft (accepted with the target's probability of each,
-    else a draw from the target without it); the new tokens also go into history."""
-    K, start = result.shape[0] - 2, pos.clone()
-    d = propose(history[0], pos, K, ngram)
+    (K + 3 = result's width; K = 0: a plain step) against a deterministic draft (accepted with the target's
+    probability of each, else a draw from the target without it); the new tokens also go into history, and the
+    next proposal's match length (match()) into result's last place."""
+    K, start = result.shape[0] - 3, pos.clone()
+    d = propose(history[0], pos, K, ngram) if K else token[0, :0]
     logits = target(torch.cat([token, d[None]], dim=1), pos + torch.arange(K + 1, device=pos.device))[0]
     q = None if s.temperature == 0 else torch.zeros_like(logits[:K], dtype=torch.float).scatter_(1, d[:, None], 1.0)
-    accept(logits, d, q, token, pos, result, s)
+    accept(logits, d, q, token, pos, result[:K + 2], s)
     history[0].index_copy_(0, (start + 1 + torch.arange(K + 1, device=pos.device)).clamp(max=history.shape[1] - 1),
-                           result[1:])
+                           result[1:K + 2])
+    result[K + 2:].copy_(match(history[0], pos, ngram)[1])
 
 
 class SpeculativeGenerator:
@@ -145,7 +155,7 @@ class SpeculativeGenerator:
         new = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=self.device)  # noqa: E731
         self.token, self.pos, self.draft_tokens = new(1, 1), new(1), new(1, k)
         self.draft_probs = new(1, k, target.args.vocab_size, dtype=torch.float32)
-        self.result, self.plain_result = new(k + 2), new(2)
+        self.result, self.plain_result = new(k + 2 + (draft is None)), new(3)  # (prompt lookup's: the next match)
         self.history = new(1, 0)  # prompt lookup's tokens so far (reserve)
         self.draft_fn.static(self.token, self.pos, self.draft_tokens, self.draft_probs, self.result, self.plain_result)
         self.reset_stats()
@@ -185,11 +195,13 @@ class SpeculativeGenerator:
         out[what] = check_graphs(first, self.device, 4, what.replace("_", " "), random=random)
         return out
 
-    def plain_step(self) -> None:
-        self.plain_fn(self.target, self.token, self.pos, self.history, self.plain_result, self.sampling, 1)
+    def plain_step(self) -> list[int]:
+        """Prompt lookup's step that proposes nothing -> [0, the new token, the next proposal's match length]."""
+        self.plain_fn(self.target, self.token, self.pos, self.history, self.plain_result, self.sampling, self.ngram)
+        return self.plain_result.tolist()
 
     def round(self) -> list[int]:
-        """A round -> [n accepted, the n + 1 new tokens, ...]."""
+        """A round -> [n accepted, the n + 1 new tokens, ..., (prompt lookup:) the next proposal's match length]."""
         if self.draft is not None:
             self.draft_loop()
         self.verify_round()
@@ -239,20 +251,15 @@ class SpeculativeGenerator:
         yield [t]
         if t in stop_ids:
             return
-        emitted, misses = 1, 0  # misses: rounds (and plain steps) in a row that accepted nothing
+        emitted, matched = 1, 0  # matched: the n-gram the next proposal would follow (prompt lookup; 0: none)
         while emitted < max_new_tokens:
-            # Prompt lookup stops proposing after LOOKUP_PATIENCE empty rounds: plain steps, back to back, until the
-            # next LOOKUP_RETRY-th, read back at once from history (at positions S + emitted on)
-            if self.draft is None and misses >= LOOKUP_PATIENCE and misses % LOOKUP_RETRY:
-                steps = min(LOOKUP_RETRY - misses % LOOKUP_RETRY, max_new_tokens - emitted)
-                for _ in range(steps):
-                    self.plain_step()
-                new, misses = self.history[0, S + emitted:S + emitted + steps].tolist(), misses + steps
-                self.plain_steps += steps
+            if self.draft is None and matched < min(LOOKUP_MIN_MATCH, self.ngram):
+                _, t, matched = self.plain_step()  # (the sync: on the CPU free, on CUDA after one graph replay)
+                new = [t]
+                self.plain_steps += 1
             else:
                 r = self.round()  # the one host sync of the round
-                n = r[0]
-                misses = 0 if n else misses + 1
+                n, matched = r[0], r[-1]
                 self.rounds += 1
                 self.histogram[n] += 1
                 self.round_tokens += n + 1

@@ -320,17 +320,18 @@ def test_graphs_mode_needs_cuda(target, drafts):  # (these models are on the CPU
 
 # -- prompt lookup (draft=None): the proposals are n-grams of the prompt and output so far ------------------
 
-@pytest.mark.parametrize("history,pos,n,expected", [
-    ([1, 2, 3, 4, 1, 2, 0, 0], 5, 3, [3, 4, 1]),  # "1 2" occurred before: what followed it
-    ([5, 2, 8, 1, 2, 9, 5, 2], 7, 2, [8, 1, 2]),  # the longest n-gram that occurs ("5 2"), not the latest "2"
-    ([5, 2, 8, 1, 2, 9, 5, 2], 7, 1, [9, 5, 2]),  # n = 1: the latest earlier "2"
-    ([1, 2, 3, 4, 9, 9, 9, 9], 3, 3, [1, 2, 3]),  # no repeat: the first K (positions past pos never match)
-    ([7, 7, 7, 1, 1, 1, 1, 1], 2, 3, [7, 7, 7]),  # a match at the very end: its continuation runs past pos
-    ([4, 6, 4, 6, 4, 6, 0, 0], 5, 3, [4, 6, 4]),  # the latest occurrence wins
+@pytest.mark.parametrize("history,pos,n,expected,matched", [
+    ([1, 2, 3, 4, 1, 2, 0, 0], 5, 3, [3, 4, 1], 2),  # "1 2" occurred before: what followed it
+    ([5, 2, 8, 1, 2, 9, 5, 2], 7, 2, [8, 1, 2], 2),  # the longest n-gram that occurs ("5 2"), not the latest "2"
+    ([5, 2, 8, 1, 2, 9, 5, 2], 7, 1, [9, 5, 2], 1),  # n = 1: the latest earlier "2"
+    ([1, 2, 3, 4, 9, 9, 9, 9], 3, 3, [1, 2, 3], 0),  # no repeat: the first K (positions past pos never match)
+    ([7, 7, 7, 1, 1, 1, 1, 1], 2, 3, [7, 7, 7], 2),  # a match at the very end: its continuation runs past pos
+    ([4, 6, 4, 6, 4, 6, 0, 0], 5, 3, [4, 6, 4], 3),  # the latest occurrence wins
 ])
-def test_prompt_lookup_proposes_what_followed_the_longest_match(history, pos, n, expected):
+def test_prompt_lookup_proposes_what_followed_the_longest_match(history, pos, n, expected, matched):
     got = speculative.propose(torch.tensor(history), torch.tensor([pos]), 3, n)
     assert got.tolist() == expected
+    assert speculative.match(torch.tensor(history), torch.tensor([pos]), n)[1].tolist() == [matched]
 
 
 REPEATS = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
@@ -343,12 +344,24 @@ def test_prompt_lookup_greedy_equals_plain_greedy(target, prompt, k):
     got, gen = spec(target, None, GREEDY, k, 40, prompt=prompt)
     assert got == expected
     assert gen.round_tokens == sum((n + 1) * c for n, c in enumerate(gen.histogram))
-    assert gen.plain_steps > 0  # (rounds in a row accepted nothing: steps that propose nothing ran too)
+    assert gen.plain_steps > 0  # (where no 2 tokens repeat: steps that propose nothing)
     # sampling's acceptance, and its steps that propose nothing, at top-k 1: greedy's tokens again
     top1 = Sampling(temperature=1.0, top_k=1)
     torch.manual_seed(7)
     got, gen = spec(target, None, top1, k, 40, prompt=prompt)
     assert got == expected and gen.plain_steps > 0
+
+
+def test_prompt_lookup_proposes_only_after_a_repeat(target, monkeypatch):
+    """A round runs only where the last LOOKUP_MIN_MATCH tokens occurred before (a proposal after a shorter match is
+    rarely accepted), elsewhere a plain step: greedy's tokens either way."""
+    prompt, matched = REPEATS + list(range(10, 30)), []
+    gen = SpeculativeGenerator(target, None, GREEDY, 3)
+    real = gen.round
+    monkeypatch.setattr(gen, "round", lambda: matched.append(int(speculative.match(gen.history[0], gen.pos, 3)[1]))
+                        or real())
+    assert [t for c in gen.generate(prompt, 40) for t in c] == plain(target, GREEDY, 40, prompt=prompt)
+    assert gen.plain_steps > 0 and matched and min(matched) >= speculative.LOOKUP_MIN_MATCH == 2, matched
 
 
 @pytest.mark.skipif(cpu.unsupported() is not None, reason=f"gdkernels/cpu.cpp does not run here: {cpu.unsupported()}")
