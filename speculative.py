@@ -251,7 +251,8 @@ class SpeculativeGenerator:
         yield [t]
         if t in stop_ids:
             return
-        emitted, matched = 1, 0  # matched: the n-gram the next proposal would follow (prompt lookup; 0: none)
+        # matched: the n-gram the next proposal would follow (prompt lookup; 0: none); each step reads it back
+        emitted, matched = 1, int(match(self.history[0], self.pos, self.ngram)[1]) if self.draft is None else 0
         while emitted < max_new_tokens:
             if self.draft is None and matched < min(LOOKUP_MIN_MATCH, self.ngram):
                 _, t, matched = self.plain_step()  # (the sync: on the CPU free, on CUDA after one graph replay)

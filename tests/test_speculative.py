@@ -228,7 +228,7 @@ def chi2_test(counts, expected_probs, n):
 @pytest.mark.parametrize("k,sampling,lookup", [(2, Sampling(temperature=1.0, top_k=None), False),
                                                (1, Sampling(temperature=0.8, top_k=5, top_p=0.9), False),
                                                (2, Sampling(temperature=1.0, top_k=None), True)])
-def test_sampling_follows_the_target_distribution(k, sampling, lookup):
+def test_sampling_follows_the_target_distribution(k, sampling, lookup, monkeypatch):
     """The joint law of the 2nd and 3rd generated tokens (produced by the first speculative
     round(s): accepted proposals, residual resamples and bonus tokens) equals the target's exact
     law, by a chi-square test at alpha = 1e-3 (fixed seed: deterministic). The draft is an
@@ -244,6 +244,7 @@ def test_sampling_follows_the_target_distribution(k, sampling, lookup):
         exact = exact_pair_distribution(target, prompt, sampling, V)
         wrong = exact_pair_distribution(draft, prompt, sampling, V, target)  # blind acceptance
     assert abs(exact.sum().item() - 1) < 1e-5
+    monkeypatch.setattr(speculative, "LOOKUP_MIN_MATCH", 0)  # (prompt lookup: a round whatever the match)
     gen = SpeculativeGenerator(target, None if lookup else draft, sampling, k)
     counts = torch.zeros(V, V)
     histogram = [0] * (k + 1)
