@@ -33,9 +33,9 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     "List three uses of a CUDA graph:",
 ]
-NEW_TOKENS = 64
+NEW_TOKENS = 40
 GREEDY = Sampling(temperature=0)
-REFERENCE = {}  # (id of a transformers model, prompt) -> its 64 greedy tokens
+REFERENCE = {}  # (id of a transformers model, prompt) -> its NEW_TOKENS greedy tokens
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def ckpt(default_ckpt):
 def hf_model(default_gguf):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # generate all 64 tokens, as ours does without stop ids
+    model.generation_config.eos_token_id = None  # generate all NEW_TOKENS tokens, as ours does without stop ids
     return model
 
 
@@ -91,7 +91,7 @@ def greedy_tokens(model: Transformer, ids: list[int], step) -> list[int]:
 
 
 def assert_greedy_matches(ckpt, ours, hf_model, compiled: bool):
-    """64 greedy tokens of ours equal transformers' generate on each of PROMPTS."""
+    """NEW_TOKENS greedy tokens of ours equal transformers' generate on each of PROMPTS."""
     tok = load_tokenizer(ckpt)
     # (Inductor on the CPU hands loops over 512+ elements to OpenMP threads; decode's are tiny: as generate.py)
     step = torch.compile(decode_step, fullgraph=True, options={"cpp.min_chunk_size": 65536}) if compiled \

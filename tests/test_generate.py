@@ -521,13 +521,34 @@ def test_cli_refuses_a_draft_with_another_tokenizer(default_ckpt, tmp_path, caps
                                "--no-compile"), "does not share the target's tokenizer")
 
 
-def test_cli_compiled_prefill_and_chat_give_the_plain_text(default_ckpt, capsys):
+@pytest.fixture(scope="module")
+def tiny_chat_ckpt(default_ckpt, tmp_path_factory) -> Path:
+    """A 2-layer random Llama with the default model's tokenizer and chat template, written by transformers and
+    converted: it compiles in seconds (the default model's 30 layers take ~25 s)."""
+    import shutil
+
+    import transformers
+
+    from convert_hf_checkpoint import convert
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      initializer_range=1.0)  # (logits spread wide: no near-ties to flip)
+    src = tmp_path_factory.mktemp("tiny_chat") / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(default_ckpt / name, src / name)
+    return convert(str(src), src.parent / "ckpt", "fp32")
+
+
+def test_cli_compiled_prefill_and_chat_give_the_plain_text(tiny_chat_ckpt, capsys):
     """--compile-prefill (dynamic shapes) and --chat through the command line: the same greedy text as
     eager prefill, for a chat prompt (the template applied: the prompt is longer than the text)."""
-    common = ["--checkpoint", default_ckpt, "--prompt", "Name a planet.", "--chat", "--temperature", "0",
+    common = ["--checkpoint", tiny_chat_ckpt, "--prompt", "Name a planet.", "--chat", "--temperature", "0",
               "--max-new-tokens", "6", "--ignore-eos", "--no-compile"]
     plain, compiled = main(capsys, *common), main(capsys, *common, "--compile-prefill")
     assert plain.returncode == compiled.returncode == 0, compiled.stderr
     assert compiled.stdout == plain.stdout and plain.stdout.strip()
-    ids = load_tokenizer(default_ckpt).encode_chat([{"role": "user", "content": "Name a planet."}])
+    ids = load_tokenizer(tiny_chat_ckpt).encode_chat([{"role": "user", "content": "Name a planet."}])
     assert f"prefill {len(ids)} tokens" in plain.stderr and len(ids) > 10

@@ -516,12 +516,11 @@ def test_int8_greedy_against_float(default_ckpt, default_float, default_int8):
         gen = Generator(model, Sampling(temperature=0), "eager")
         return [t for chunk in gen.generate([ids], 32) for t in chunk[0]]
 
-    same, agree, flip_gaps = 0, [], []
+    agree, flip_gaps = [], []
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
-        a, b = greedy(default_float, ids), greedy(default_int8, ids)
-        assert len(a) == len(b) == 32
-        same += a == b
+        a = greedy(default_float, ids)
+        assert len(a) == 32
         # Teacher-forced on float's continuation, int8 picks the same next token almost always, and
         # differs only where the float model itself nearly ties (its two best logits close).
         full = torch.tensor([ids + a])
@@ -530,8 +529,8 @@ def test_int8_greedy_against_float(default_ckpt, default_float, default_int8):
         agree.append((pred == torch.tensor(a)).float().mean().item())
         top2 = ref.topk(2, dim=-1).values
         flip_gaps += (top2[:, 0] - top2[:, 1])[pred != torch.tensor(a)].tolist()
-    print(f"int8 greedy = float for all 32 tokens on {same}/{len(PROMPTS)} prompts; teacher-forced "
-          f"next-token agreement {sum(agree) / len(agree):.3f}; float's top-2 gaps where int8 differs {flip_gaps}")
+    print(f"teacher-forced next-token agreement {sum(agree) / len(agree):.3f}; float's top-2 gaps where int8 "
+          f"differs {flip_gaps}")
     # Measured: 4 flips in 160 positions, at gaps 0.005-0.23 logits (the median gap is 1.3); int8's
     # logits move by up to 2.0, so a wrong scale or rounding flips clear decisions, not only near-ties.
     assert sum(agree) / len(agree) >= 0.95

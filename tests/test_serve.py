@@ -68,9 +68,13 @@ def test_padding_rows_and_stale_cache_rows_change_no_real_row(tiny):
     assert got == ref
 
 
-def test_compiled_buckets_equal_eager_and_do_not_recompile(tiny, monkeypatch):
-    """(Dynamo's limit on entries a function, 8 by default, at 2: the engine's warm-up must allow one a bucket,
-    or --max-batch 256's 9 buckets fail.)"""
+def test_compiled_buckets_equal_eager_mix_settings_and_never_recompile(tiny, monkeypatch):
+    """Compiled buckets give each request's output alone; greedy and sampled rows then share one batch: greedy
+    rows equal their output alone, sampled rows are reproducible with a seed; a second run and a new mix of
+    settings compile nothing new. (Dynamo's limit on entries a function, 8 by default, at 2: the engine's warm-up
+    must allow one a bucket, or --max-batch 256's 9 buckets fail.)"""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     prompts, budgets = workload(7, seed=2)
@@ -78,9 +82,25 @@ def test_compiled_buckets_equal_eager_and_do_not_recompile(tiny, monkeypatch):
     got, llm = engine(tiny, prompts, budgets, max_batch=3, max_length=64, steps=2, compile=True)
     assert llm.runner.mode == "compile" and llm.runner.buckets == [1, 2, 3]
     assert got == ref
-    # a second run reuses the warm steps (no_recompiles would raise on a recompile)
+    frames = counters["stats"]["unique_graphs"]
+    settings = [dict(temperature=0), dict(temperature=1.0, top_k=None), dict(temperature=0.7, top_k=5),
+                dict(temperature=0), dict(temperature=1.3, top_p=0.9), dict(temperature=0.5, top_k=3, top_p=0.5)]
+
+    def run(seed, mix):
+        torch.manual_seed(seed)
+        reqs = [llm.make_request(p, params(n, (), **kw)) for p, n, kw in zip(prompts, budgets, mix)]
+        llm.run(reqs)
+        return [r.out for r in reqs]
+
+    first = run(0, settings)
+    assert run(0, settings) == first
+    assert run(1, settings[::-1]) != first[::-1]  # (other draws)
+    for i in (0, 3):
+        assert first[i] == alone(tiny, prompts[i], budgets[i], stop=())
+    assert all(len(o) == n for o, n in zip(first, budgets))
+    assert counters["stats"]["unique_graphs"] == frames  # nothing compiled for the new mix
     reqs = [llm.make_request(p, params(n)) for p, n in zip(prompts, budgets)]
-    llm.run(reqs)
+    llm.run(reqs)  # (no_recompiles would raise on a recompile)
     assert [r.out for r in reqs] == ref
 
 
@@ -161,34 +181,6 @@ def test_chunked_prefill_and_logprobs_equal_the_reference_forward(tiny):
         assert [[t for t, _ in alt] for alt in alternatives] == top.indices.tolist()
         values = torch.tensor([[v for _, v in alt] for alt in alternatives])
         assert torch.allclose(values, top.values, atol=1e-5, rtol=0)
-
-
-def test_mixed_settings_share_one_compiled_step_and_never_recompile(tiny):
-    """Greedy and sampled rows in one batch: greedy rows equal their output alone, sampled rows are reproducible
-    with a seed; switching settings between runs compiles nothing new (no_recompiles would raise)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    prompts, budgets = workload(6, seed=3)
-    settings = [dict(temperature=0), dict(temperature=1.0, top_k=None), dict(temperature=0.7, top_k=5),
-                dict(temperature=0), dict(temperature=1.3, top_p=0.9), dict(temperature=0.5, top_k=3, top_p=0.5)]
-    llm = LLM(model=tiny, max_batch=4, max_length=64, steps=2, compile=True)
-
-    def run(seed, mix):
-        torch.manual_seed(seed)
-        reqs = [llm.make_request(p, params(n, (), **kw)) for p, n, kw in zip(prompts, budgets, mix)]
-        llm.run(reqs)
-        return [r.out for r in reqs]
-
-    llm.warm_up()  # (warm-up draws random numbers too)
-    first = run(0, settings)
-    frames = counters["stats"]["unique_graphs"]
-    assert run(0, settings) == first
-    assert run(1, settings[::-1]) != first[::-1]  # (other draws)
-    assert counters["stats"]["unique_graphs"] == frames  # nothing compiled for the new mix
-    for i in (0, 3):
-        assert first[i] == alone(tiny, prompts[i], budgets[i], stop=())
-    assert all(len(o) == n for o, n in zip(first, budgets))
 
 
 def test_a_seeded_request_draws_the_same_tokens_whatever_its_batch(tiny):
