@@ -1,4 +1,5 @@
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def run_main(capsys):
+    """run_main(main, *args): a CLI's main(argv) in this process (no Python start each) -> its exit status
+    (argparse's too) and output, as subprocess.run's."""
+    def run(main, *args):
+        capsys.readouterr()
+        try:
+            code = main(list(map(str, args)))
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+    return run
 
 
 @pytest.fixture(scope="session")

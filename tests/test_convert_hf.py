@@ -1,7 +1,5 @@
 """Logits parity with transformers' own model classes, for tiny random checkpoints of every
 supported family written by save_pretrained and converted by our converter."""
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -213,17 +211,6 @@ def run_cli(*args):
                           capture_output=True, text=True, cwd=ROOT)
 
 
-def in_process(*args):
-    """conv.main in this process (no Python start each): its exit status (argparse's too) and output, as run_cli's."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = conv.main(list(map(str, args)))
-        except SystemExit as e:
-            code = e.code
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
-
 def assert_one_line_error(result, out: Path, needle: str):
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()  # progress lines may come before the error
@@ -239,45 +226,45 @@ def tiny_hf(tmp_path_factory) -> Path:
     return save(make_hf_model("llama2_mha"), tmp_path_factory.mktemp("tiny") / "hf")
 
 
-def test_cli_bad_inputs(tiny_hf, tmp_path):
+def test_cli_bad_inputs(tiny_hf, tmp_path, run_main):
     import shutil
 
     out = tmp_path / "out"
-    assert_one_line_error(in_process(tmp_path / "nope", "--out", out), out, "no such file")
+    assert_one_line_error(run_main(conv.main, tmp_path / "nope", "--out", out), out, "no such file")
 
     truncated = tmp_path / "truncated"
     shutil.copytree(tiny_hf, truncated)
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert_one_line_error(in_process(truncated, "--out", out), out, "model.safetensors")
+    assert_one_line_error(run_main(conv.main, truncated, "--out", out), out, "model.safetensors")
 
     garbage = tmp_path / "garbage"
     shutil.copytree(tiny_hf, garbage)
     (garbage / "model.safetensors").write_bytes(b"\x00\x01not a safetensors file" * 100)
-    assert_one_line_error(in_process(garbage, "--out", out), out, "model.safetensors")
+    assert_one_line_error(run_main(conv.main, garbage, "--out", out), out, "model.safetensors")
 
     other = tmp_path / "gpt2"
     shutil.copytree(tiny_hf, other)
     cfg = json.loads((other / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (other / "config.json").write_text(json.dumps(cfg))
-    assert_one_line_error(in_process(other, "--out", out), out, "unsupported architecture 'gpt2'")
+    assert_one_line_error(run_main(conv.main, other, "--out", out), out, "unsupported architecture 'gpt2'")
 
     bad_gguf = tmp_path / "bad.gguf"
     bad_gguf.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 20)
-    assert_one_line_error(in_process(bad_gguf, "--out", out), out, "bad.gguf")
+    assert_one_line_error(run_main(conv.main, bad_gguf, "--out", out), out, "bad.gguf")
 
 
-def test_cli_converts_refuses_existing_and_warns_without_tokenizer(tiny_hf, tmp_path):
+def test_cli_converts_refuses_existing_and_warns_without_tokenizer(tiny_hf, tmp_path, run_main):
     out = tmp_path / "out"
     first = run_cli(tiny_hf, "--out", out, "--dtype", "fp16")
     assert first.returncode == 0, first.stderr
     assert "no tokenizer files" in first.stderr
     assert read_config(out)["args"].n_layers == 2
     assert load_file(out / "model.safetensors")["norm.weight"].dtype == torch.float16
-    again = in_process(tiny_hf, "--out", out)
+    again = run_main(conv.main, tiny_hf, "--out", out)
     assert again.returncode != 0 and "already exists" in again.stderr and "--force" in again.stderr
-    forced = in_process(tiny_hf, "--out", out, "--force")
+    forced = run_main(conv.main, tiny_hf, "--out", out, "--force")
     assert forced.returncode == 0, forced.stderr
     assert load_file(out / "model.safetensors")["norm.weight"].dtype == torch.bfloat16
 

@@ -345,18 +345,6 @@ def run_cli(*args):
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
-def in_process(capsys, *args):
-    """quantize.main in this process (no Python start each): its exit status (argparse's too) and
-    output, as run_cli's."""
-    capsys.readouterr()
-    try:
-        returncode = quantize_main(list(map(str, args)))
-    except SystemExit as e:
-        returncode = e.code
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, returncode, out.out, out.err)
-
-
 def assert_clean_error(result, *words):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr
@@ -390,21 +378,21 @@ def test_cli_writes_the_default_name_and_refuses_to_overwrite(tiny_ckpt, capsys)
     assert out.stat().st_mode & 0o777 == tiny_ckpt.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
-def test_cli_errors(tmp_path, capsys):
+def test_cli_errors(tmp_path, run_main):
     odd = tmp_path / "odd"  # dim 48: no group of 32 columns divides it
     write_float_checkpoint(odd, ModelArgs(dim=48, n_layers=1, n_heads=4, vocab_size=64, intermediate_size=64))
     assert_clean_error(run_cli("--checkpoint", odd, "--mode", "int4", "--groupsize", "32"),  # (a process of its own)
                        "layers.0.attention.", "input dim that is a multiple of 32", "48 x 48")
-    assert_clean_error(in_process(capsys, "--checkpoint", odd, "--mode", "int3"), "invalid choice: 'int3'")
-    assert_clean_error(in_process(capsys, "--checkpoint", tmp_path / "nowhere", "--mode", "int8"),
+    assert_clean_error(run_main(quantize_main, "--checkpoint", odd, "--mode", "int3"), "invalid choice: 'int3'")
+    assert_clean_error(run_main(quantize_main, "--checkpoint", tmp_path / "nowhere", "--mode", "int8"),
                        "not a checkpoint directory")
     tiny = tmp_path / "tiny"
     write_float_checkpoint(tiny, TINY)  # its tokenizer file is a stand-in: nothing to calibrate with
-    assert_clean_error(in_process(capsys, "--checkpoint", tiny, "--mode", "int8", "--calibration", CALIBRATION),
+    assert_clean_error(run_main(quantize_main, "--checkpoint", tiny, "--mode", "int8", "--calibration", CALIBRATION),
                        "--calibration applies to --mode int4")
-    assert_clean_error(in_process(capsys, "--checkpoint", tiny, "--mode", "int4", "--calibration", CALIBRATION),
+    assert_clean_error(run_main(quantize_main, "--checkpoint", tiny, "--mode", "int4", "--calibration", CALIBRATION),
                        "--calibration needs the checkpoint's tokenizer")
-    assert_clean_error(in_process(capsys, "--checkpoint", tiny, "--mode", "int4", "--calibration",
+    assert_clean_error(run_main(quantize_main, "--checkpoint", tiny, "--mode", "int4", "--calibration",
                                   tmp_path / "none.txt"), "cannot read it as text")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd", "tiny"]  # no output, no temporary directory
 

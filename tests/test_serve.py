@@ -3,7 +3,6 @@ output generated alone (generate.Generator, batch 1), while requests join and le
 counts between buckets, with padding rows, and over K-step rounds; the CLI's --prompts-file and its errors."""
 import json
 import random
-import subprocess
 from dataclasses import replace
 
 import pytest
@@ -388,27 +387,20 @@ def test_stop_strings_cut_the_text_even_across_rounds(default_ckpt):
         assert reqs[0].text == want and reqs[0].finish_reason == "stop", (steps, stop, reqs[0].text)
 
 
-def cli(capsys, *args):
-    capsys.readouterr()
-    code = generate.main(list(map(str, args)))
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
-
-
-def test_cli_prompts_file_writes_jsonl_in_order(default_ckpt, tmp_path, capsys):
+def test_cli_prompts_file_writes_jsonl_in_order(default_ckpt, tmp_path, run_main):
     lines = [json.dumps({"prompt": PROMPTS[0], "max_new_tokens": 5}), PROMPTS[1], json.dumps({"prompt": PROMPTS[2]})]
     (tmp_path / "p.txt").write_text("\n".join(lines) + "\n\n")
     common = ["--checkpoint", default_ckpt, "--temperature", "0", "--max-new-tokens", "12", "--no-compile"]
-    r = cli(capsys, *common, "--prompts-file", tmp_path / "p.txt", "--max-batch", "2", "--chat")
+    r = run_main(generate.main, *common, "--prompts-file", tmp_path / "p.txt", "--max-batch", "2", "--chat")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["prompt"] for row in rows] == [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
     for row, budget in zip(rows, (5, 12, 12)):  # each as generate.py --chat gives it alone
-        one = cli(capsys, *common, "--prompt", row["prompt"], "--chat", "--max-new-tokens", budget)
+        one = run_main(generate.main, *common, "--prompt", row["prompt"], "--chat", "--max-new-tokens", budget)
         assert one.returncode == 0, one.stderr
         assert row["text"] == one.stdout.removesuffix("\n")
     assert "tok/s" in r.stderr and "3 requests" in r.stderr
-    r = cli(capsys, *common, "--prompts-file", tmp_path / "p.txt", "--output", tmp_path / "out.jsonl", "--chat")
+    r = run_main(generate.main, *common, "--prompts-file", tmp_path / "p.txt", "--output", tmp_path / "out.jsonl", "--chat")
     assert r.returncode == 0 and r.stdout == ""
     assert [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()] == rows
 
@@ -428,12 +420,12 @@ def test_cli_prompts_file_writes_jsonl_in_order(default_ckpt, tmp_path, capsys):
     ("Hi", ["--output", "/nonexistent/dir/out.jsonl"], "no such directory"),
     ("Hi\n\n{\"text\": 1}", [], 'line 3: not a JSON object'),  # (the file's line number, blank lines counted)
 ])
-def test_cli_prompts_file_bad_input_is_one_error_line(default_ckpt, tmp_path, capsys, content, extra, message):
+def test_cli_prompts_file_bad_input_is_one_error_line(default_ckpt, tmp_path, run_main, content, extra, message):
     import re
 
     (tmp_path / "p.txt").write_text(content)
     out = tmp_path / "out.jsonl"
-    r = cli(capsys, "--checkpoint", default_ckpt, "--no-compile", "--max-batch", "4", "--prompts-file",
+    r = run_main(generate.main, "--checkpoint", default_ckpt, "--no-compile", "--max-batch", "4", "--prompts-file",
             tmp_path / "p.txt", "--output", out, *extra)
     assert r.returncode == 1
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
