@@ -254,11 +254,22 @@ def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return probs
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] -> x.argmax(-1) (the first maximum), as two reductions where V splits in 64: Inductor reduces a row
+    in one program, and one program over Llama-3's 128k logits takes 32 µs of a 0.9 ms step on an H200."""
+    V = x.shape[-1]
+    if V % 64:
+        return x.argmax(-1)
+    best, at = x.unflatten(-1, (64, V // 64)).max(-1)  # [..., 64]: each slice's maximum and its first place
+    s = best.argmax(-1, keepdim=True)  # [..., 1]: the first slice that holds the row's maximum
+    return (s * (V // 64) + at.gather(-1, s))[..., 0]
+
+
 def draw(probs: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
     """probs [..., V] (need not be normalised) -> one draw per row [...]. argmax(p / E) with
     E ~ Exponential(1) draws from p (the exponential race) without torch.multinomial, which syncs
     with the host. noise: E given (seeded_noise), else drawn from PyTorch's generator."""
-    return (probs / (torch.empty_like(probs).exponential_(1) if noise is None else noise)).argmax(-1)
+    return argmax(probs / (torch.empty_like(probs).exponential_(1) if noise is None else noise))
 
 
 def _mix(h: torch.Tensor) -> torch.Tensor:  # a 32-bit integer hash (h in [0, 2^32) as int64: no overflow)
@@ -278,7 +289,7 @@ def seeded_noise(seed: torch.Tensor, pos: torch.Tensor, vocab: int) -> torch.Ten
 def sample(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """logits [B, V] -> token ids [B]."""
     if s.temperature == 0:
-        return logits.argmax(-1)
+        return argmax(logits)
     return draw(logits_to_probs(logits, s))
 
 
@@ -307,14 +318,14 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     def sampled(logits, temperature, top_k, top_p, *seed_pos):
         noise = seeded_noise(*seed_pos, logits.shape[-1]) if seed_pos else None
         drawn = draw(row_probs(logits, torch.where(temperature > 0, temperature, 1.0), top_k, top_p), noise)
-        return torch.where(temperature > 0, drawn, logits.argmax(-1))
+        return torch.where(temperature > 0, drawn, argmax(logits))
 
     operands = (logits, temperature, top_k, top_p, *(() if seed is None else (seed, pos)))
     if logits.device.type == "cuda":
         return sampled(*operands)
     if torch.compiler.is_compiling():
-        return torch.cond((temperature > 0).any(), sampled, lambda logits, *rest: logits.argmax(-1), operands)
-    return sampled(*operands) if (temperature > 0).any() else logits.argmax(-1)
+        return torch.cond((temperature > 0).any(), sampled, lambda logits, *rest: argmax(logits), operands)
+    return sampled(*operands) if (temperature > 0).any() else argmax(logits)
 
 
 def available_memory(device: torch.device) -> int:

@@ -40,6 +40,22 @@ def test_seeded_sampling_is_reproducible(tiny):
     assert run_gen(tiny, s, seed=124) != a  # 40 draws from a 64-token vocabulary
 
 
+@pytest.mark.parametrize("V", [49152, 100])  # (a multiple of 64: two reductions; else one)
+def test_greedy_argmax_is_the_first_maximum(V):
+    """common.argmax, greedy's pick: torch's argmax exactly, ties included (the first of equal maxima), in bf16
+    too, where the maximum sits at a slice's edge, and compiled."""
+    from common import argmax
+
+    torch.manual_seed(0)
+    rows = [torch.randn(3, V), torch.randint(0, 3, (3, V)).float(), torch.zeros(2, V)]
+    edge = torch.zeros(2, V)
+    edge[0, V // 64 - 1:] = 1  # (the first maximum the last place of slice 0)
+    edge[1, -1] = 1
+    for x in [*rows, edge, rows[1].bfloat16()]:
+        assert argmax(x).equal(x.argmax(-1))
+    assert torch.compile(argmax, fullgraph=True)(rows[1]).equal(rows[1].argmax(-1))
+
+
 def test_top_p_samples_only_inside_the_nucleus():
     probs = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.08, 0.07])
     logits = probs.log().expand(20000, -1).clone()
