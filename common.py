@@ -121,9 +121,8 @@ class GraphCheckError(RuntimeError):
     """A step did not run as the CUDA graph replays expected."""
 
 
-# A graph that draws random numbers (sampling at temperature > 0; the engine's step always) comes with two
-# small kernels outside it at every replay: PyTorch first writes the generator's seed and offset into the
-# graph's inputs (the replay prologue of torch.cuda.CUDAGraph), so each replay draws new numbers.
+# A graph that draws random numbers (sampling; the engine's step always) comes with two small kernels outside it at
+# each replay: PyTorch writes the generator's seed and offset into the graph's inputs (CUDAGraph's replay prologue).
 RNG_KERNELS_PER_REPLAY = 2
 
 
@@ -255,14 +254,12 @@ def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x [..., V] -> x.argmax(-1) (the first maximum), as two reductions where V splits in 64: Inductor reduces a row
-    in one program, and one program over Llama-3's 128k logits takes 32 µs of a 0.9 ms step on an H200."""
-    V = x.shape[-1]
-    if V % 64:
-        return x.argmax(-1)
-    best, at = x.unflatten(-1, (64, V // 64)).max(-1)  # [..., 64]: each slice's maximum and its first place
+    """x [..., V] -> x.argmax(-1) (the first maximum), as two reductions where V splits in 64 slices: Inductor
+    reduces a row in one program, and one program over Llama-3's 128k logits takes 32 µs of a 0.9 ms H200 step."""
+    k = 64 if x.shape[-1] % 64 == 0 else 1
+    best, at = x.unflatten(-1, (k, -1)).max(-1)  # [..., k]: each slice's maximum and its first place
     s = best.argmax(-1, keepdim=True)  # [..., 1]: the first slice that holds the row's maximum
-    return (s * (V // 64) + at.gather(-1, s))[..., 0]
+    return (s * (x.shape[-1] // k) + at.gather(-1, s))[..., 0]
 
 
 def draw(probs: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
