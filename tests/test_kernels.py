@@ -1,8 +1,8 @@
 """The kernels package against float64 references written here: gemv.py's bf16 and int8 GEMVs (one
 row and several, with the fusions), int4.py's one-row GEMV and its layout, attention.py's decode
 attention, cpu.py's AVX2 matmuls. Without a GPU the Triton kernels run in Triton's CPU interpreter
-(conftest.py sets TRITON_INTERPRET); `pytest -m cuda` also runs them on the GPU with the tuned
-launches."""
+(conftest.py sets TRITON_INTERPRET); on a GPU, `benchmarks/h200.sh tests` also runs them there, with the tuned
+launches (`-m cuda` alone runs only the few marked cuda)."""
 import math
 
 import pytest
