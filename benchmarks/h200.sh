@@ -5,6 +5,7 @@
 #   decode   Llama-2-7B bf16 B=1,8, int8 and int4 g32 B=1, and bf16 B=1 --no-kernels (records: decode.json)
 #   gains    benchmarks/kernel_gains.py: the reference path, then each kernel, then all
 #   models   Llama-3.1-8B and SmolLM2-135M shapes, bf16 B=1
+#   profile  benchmarks/step_profile.py: what each kernel adds to the batch-1 step, Llama-3.2-1B and SmolLM2-135M
 #   serving  benchmarks/serving.py: the engine (Llama-2-7B shape at 64 and 128 rows, three prefill budgets at
 #            64; SmolLM2's shape: its bucket-1 step against Generator's); benchmarks/serving.py: bucket pools and
 #            padding by hand, K-step rounds
@@ -30,6 +31,7 @@ for part in "$@"; do
            done ;;
     models) bench --model llama-3.1-8b $B --batch-sizes 1
             bench --model smollm2-135m $B --batch-sizes 1 ;;
+    profile) for m in llama-3.2-1b smollm2-135m; do python3 benchmarks/step_profile.py --model $m --trace "$OUT/profile-$m.json"; done ;;
     serving) S="--requests 256 --modes graphs --json $OUT/serving.json"
              python3 benchmarks/serving.py --model llama-2-7b $S --max-batch 64 --prefill-budget 512,1024,2048 --alone 0
              python3 benchmarks/serving.py --model llama-2-7b $S --max-batch 128 --alone 0  # (256 rows: 128 GiB of KV)

@@ -525,6 +525,33 @@ def test_bench_repeat_times_each_run_from_the_same_position(tiny, capsys):
     assert "error: --repeat must be at least 1" in capsys.readouterr().err
 
 
+def test_step_profile_counts_what_each_kernel_adds_to_the_chain(monkeypatch):
+    """benchmarks/step_profile.py's table of a trace (made here: SmolLM2-135M's 155 kernels a step, each starting
+    before the previous one ends): a kernel costs its end minus the previous end, not its own duration; the GEMVs are
+    named in a layer's order and their bytes are their weights'. Steps that differ are refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import step_profile
+
+    added = {"_gemv_kernel": 2.0, "_attention_kernel": 10.0, "triton_other": 1.0}
+    names = ["triton_other"] + ["_gemv_kernel", "_attention_kernel", "_gemv_kernel", "_gemv_kernel", "_gemv_kernel"] * 30
+    names += ["triton_other", "_gemv_kernel", "triton_other", "triton_other"]  # final norm, head, argmax
+    events, end = [], 0.0
+    for _ in range(step_profile.STEPS):
+        for i, name in enumerate(names):
+            cost = 24.0 if i == len(names) - 3 else added[name]  # (the head)
+            events.append({"name": name, "start": end - 5, "end": end + cost})  # (started 5 µs early)
+            end += cost
+    trace = {"model": "smollm2-135m", "gpu": "a GPU", "torch": "2.x", "step_ms": 0.5, "ceiling": 3000.0, "events": events}
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in step_profile.table(trace).splitlines()[3:]}
+    assert rows["decode attention (RoPE, cache write)"][:3] == ["30", "300", "10.0"]
+    assert rows["GEMV w2 (residual fused)"][:3] == ["30", "60", "2.0"]
+    assert rows["GEMV output (the head)"] == ["1", "24", "24.0", f"{49152 * 576 * 2 / 24e3:.0f} |"]
+    assert rows["GEMV wqkv (RMSNorm fused)"][3] == f"{(9 + 6) * 64 * 576 * 2 / 2e3:.0f} |"
+    trace["events"] = events[:-1] + [dict(events[-1], name="_gemv_kernel")]  # (the last step's argmax)
+    with pytest.raises(SystemExit, match="do not hold the same kernels"):
+        step_profile.table(trace)
+
+
 def test_cli_refuses_a_draft_with_another_tokenizer(default_ckpt, tmp_path, capsys):
     """A draft must share the target's tokenizer: here the same model whose stop token differs."""
     draft = tmp_path / "draft"
