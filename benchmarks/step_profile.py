@@ -64,9 +64,9 @@ def table(trace: dict) -> str:
     if len(events) % STEPS or any([e["name"] for e in s] != [e["name"] for e in steps[0]] for s in steps):
         raise SystemExit("error: the trace's steps do not hold the same kernels")
     D, kv = a.dim // a.n_heads, a.n_kv_heads or a.n_heads
-    layer = {"wqkv (RMSNorm fused)": (a.n_heads + 2 * kv) * D, "wo (residual fused)": a.n_heads * D,  # rows (w2: columns)
-             "w1, w3 (RMSNorm, SwiGLU fused)": 2 * a.intermediate_size, "w2 (residual fused)": a.intermediate_size}
-    layer = {k: rows * a.dim * 2 for k, rows in layer.items()}  # bf16 bytes (w2: dim rows, as many bytes)
+    layer = {name: 2 * a.dim * width for name, width in {  # a layer's GEMVs in their order: bf16 weights, dim x width
+        "wqkv (RMSNorm fused)": (a.n_heads + 2 * kv) * D, "wo (residual fused)": a.n_heads * D,
+        "w1, w3 (RMSNorm, SwiGLU fused)": 2 * a.intermediate_size, "w2 (residual fused)": a.intermediate_size}.items()}
     gemvs = sum(e["name"] == "_gemv_kernel" for e in steps[0])
     if gemvs != 4 * a.n_layers + 1:
         raise SystemExit(f"error: {gemvs} GEMVs a step, not 4 a layer and the head: not a dense batch-1 step")
@@ -104,7 +104,11 @@ def main() -> int:
     p.add_argument("--from-trace", type=Path, help="read them from here instead of running the model")
     a = p.parse_args()
     if a.from_trace:
-        trace = json.loads(a.from_trace.read_text())
+        try:
+            trace = json.loads(a.from_trace.read_text())
+            trace["events"], PRESETS[trace["model"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"error: {a.from_trace} is not a trace this script wrote ({type(e).__name__}: {e})")
     elif not torch.cuda.is_available():
         raise SystemExit("error: this needs a CUDA GPU (or --from-trace)")
     else:
