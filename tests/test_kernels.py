@@ -499,14 +499,15 @@ def test_attention_launch_rule():
     """One query head a KV head (Llama-2-7B: 32 KV heads, D = 128): 8 warps at 64 positions a step while the
     programs fit one an SM; 4 warps beyond, at 32 positions up to 1,024 programs (batch 1, 16 slices) and at
     16 past them (batch 8 to 64). Grouped heads (Llama-3.1-8B: 4 a KV head) 8192 products a step. Slices:
-    up to 8192 programs, at most 16, 64 positions or more."""
+    up to 8192 programs, at most 16, 64 positions or more (32 for at most 16 sequence x KV-head pairs)."""
     assert attention.launch(1, 32, 4, 1, 128) == (64, 8)
     assert attention.launch(1, 4, 2, 1, 64) == (128, 8)
     assert attention.launch(1, 32, 16, 1, 128) == (32, 4)
     assert attention.launch(8, 32, 16, 1, 128) == (16, 4) and attention.launch(64, 32, 4, 1, 128) == (16, 4)
     assert attention.launch(1, 8, 4, 4, 128) == (16, 4)
     assert attention.splits_for(1, 32, 4096) == 16 and attention.splits_for(64, 32, 4096) == 4
-    assert attention.splits_for(1, 2, 200) == 4 and attention.splits_for(256, 32, 4096) == 1
+    assert attention.splits_for(1, 2, 200) == 7 and attention.splits_for(256, 32, 4096) == 1
+    assert attention.splits_for(2, 8, 200) == 7 and attention.splits_for(3, 8, 200) == 4
 
 
 def test_decode_attention_at_a_position_past_the_cache_touches_nothing():
