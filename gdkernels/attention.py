@@ -148,8 +148,8 @@ def one_or_per_row(pos: torch.Tensor, B: int) -> bool:
 def splits_for(batch: int, n_kv_heads: int, length: int) -> int:
     """Slices of the cache: up to SLICED_PROGRAMS programs, at most MAX_SPLITS, and no more than a cache of
     64 positions a slice would need (32 for at most 16 sequence x KV-head pairs: a short cache's slices then
-    load all their K and V before the PDL wait; SmolLM2-135M's batch-1 step at position 128 553 -> 456 µs,
-    Llama-3.2-1B's 1,102 -> 1,039, H100). Many short programs keep more loads in flight than a few long ones:
+    load all their K and V before the PDL wait; SmolLM2-135M's batch-1 step at position 128 554 -> 452 µs,
+    Llama-3.2-1B's 1,100 -> 1,042, H100). Many short programs keep more loads in flight than a few long ones:
     Llama-2-7B's heads, a 1,024-position cache, rows at 16-1,000 positions: batch 64 249 µs (4 slices)
     against 301 (1 slice), batch 16 68 against 102 (benchmarks/records/attention.json)."""
     per_slice = 32 if batch * n_kv_heads <= 16 else 64
