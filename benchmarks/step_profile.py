@@ -6,7 +6,7 @@ one before), so a kernel's duration says little; its cost is what it adds to the
 kernel's end. Against it, the bytes it must read (its weights; attention: the KV up to the position).
 
     python benchmarks/step_profile.py --model llama-3.2-1b [--trace FILE]   # FILE keeps the trace's kernels
-    python benchmarks/step_profile.py --model llama-3.2-1b --from-trace FILE   # the table again, no GPU needed
+    python benchmarks/step_profile.py --from-trace FILE   # the table again (the model the trace names), no GPU needed
 """
 import argparse
 import collections
