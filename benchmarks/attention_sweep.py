@@ -1,4 +1,4 @@
-"""attention.py's launch rule (splits_for, launch) against a grid of slices and positions a loop step, on one GPU:
+"""attention.py's launch rule (splits_for, BLOCK_L, WARPS) against a grid of slices and positions a loop step, on one GPU:
 Llama-2-7B's heads (32 KV heads) and Llama-3.1-8B's (8 KV heads of 4 queries), batch 1 to 64, a 1,024-position cache,
 each row at a random position in 16-1,000 (the serving engine's case). Times are of 20 launches replayed in a graph.
 
@@ -19,13 +19,14 @@ from gdkernels import attention  # noqa: E402
 D, L = 128, 1024
 
 
-def seconds(B, H, Hkv, pos, splits, rule):
-    """Mean seconds of one decode_attention launch with `splits` slices and launch rule `rule`."""
+def seconds(B, H, Hkv, pos, splits, block_l=attention.BLOCK_L, warps=attention.WARPS):
+    """Mean seconds of one decode_attention launch with `splits` slices, block_l positions a loop step."""
     torch.manual_seed(0)
     k_cache = torch.randn(B, Hkv, L, D, device="cuda").bfloat16()
     v_cache, qkv = torch.randn_like(k_cache), torch.randn(B, 1, (H + 2 * Hkv) * D, device="cuda").bfloat16()
     table, counts = torch.randn(L, D, device="cuda").bfloat16(), torch.zeros(B * Hkv, dtype=torch.int32, device="cuda")
-    kept, attention.launch = attention.launch, rule
+    kept = attention.BLOCK_L, attention.WARPS
+    attention.BLOCK_L, attention.WARPS = block_l, warps
     try:
         call = lambda: attention.decode_attention(qkv, pos, table, table, k_cache, v_cache, counts, H, Hkv, splits)  # noqa: E731
         call()
@@ -34,7 +35,7 @@ def seconds(B, H, Hkv, pos, splits, rule):
             for _ in range(20):
                 call()
     finally:
-        attention.launch = kept
+        attention.BLOCK_L, attention.WARPS = kept
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -43,12 +44,6 @@ def seconds(B, H, Hkv, pos, splits, rule):
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / 100
-
-
-def previous_launch(batch, n_kv_heads, splits, block_g, block_d):
-    """The rule before this sweep (tuned at batch 1 and 8 on one shared position), for the record."""
-    warps = 8 if block_g == 1 and batch * n_kv_heads * splits <= 132 else 4
-    return max(16, (4096 if block_g == 1 and warps == 4 else 8192) // (block_g * block_d)), warps
 
 
 def main():
@@ -62,13 +57,11 @@ def main():
         pos = torch.randint(16, 1000, (B, 1), generator=torch.Generator().manual_seed(B)).cuda()
         kv_bytes = 2 * (pos + 1).sum().item() * Hkv * D * 2
         rule = attention.splits_for(B, Hkv, L)
-        r = {"H": H, "Hkv": Hkv, "batch": B, "rule": [rule, *attention.launch(B, Hkv, rule, H // Hkv, D)],
-             "rule_us": seconds(B, H, Hkv, pos, rule, attention.launch) * 1e6}
-        previous = max(1, min(L // 64, 528 // (B * Hkv), attention.MAX_SPLITS))
-        r["previous_us"] = seconds(B, H, Hkv, pos, previous, previous_launch) * 1e6
+        r = {"H": H, "Hkv": Hkv, "batch": B, "rule": [rule, attention.BLOCK_L, attention.WARPS],
+             "rule_us": seconds(B, H, Hkv, pos, rule) * 1e6}
         grid = {}
-        for splits, block_l in itertools.product((1, 2, 4, 8, 16), (16, 32, 64)):
-            grid[f"{splits} slices, {block_l} positions"] = seconds(B, H, Hkv, pos, splits, lambda *a: (block_l, 4)) * 1e6
+        for splits, block_l, warps in itertools.product((1, 2, 4, 8, 16), (32, 64), (4, 8)):
+            grid[f"{splits} slices, {block_l} positions, {warps} warps"] = seconds(B, H, Hkv, pos, splits, block_l, warps) * 1e6
         best = min(grid, key=grid.get)
         r.update(best=best, best_us=grid[best], rule_gb_s=kv_bytes / r["rule_us"] / 1e3, grid_us=grid,
                  gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=str(datetime.date.today()),

@@ -3,10 +3,11 @@ in one Triton kernel.
 
 Done with PyTorch ops this is ~7 small kernels a layer (RoPE of q and k, the two cache writes, the
 scores, the softmax, the weighted sum of V), each 1-4 µs of mostly launch latency on the H200. Here
-each program takes one KV head of one sequence, with its group of query heads, and a slice of the
-cache ("flash decoding"). The number of slices is fixed per launch (so it replays in a graph); their
-length is set from `pos` on the device, so every slice shares the work however long the cache (one
-that starts beyond `pos` reads nothing). Each program:
+each program takes one KV head of one sequence, with its group of query heads (padded to 16 rows for
+the tensor cores, which do the products), and a slice of the cache ("flash decoding"). The number of
+slices is fixed per launch (so it replays in a graph); their length is set from `pos` on the device,
+so every slice shares the work however long the cache (one that starts beyond `pos` reads nothing).
+Each program:
   - loads its first block of cached K and V at once, then RoPE's q and the new k (rotate-half, in
     float32, rounded to the cache dtype like the PyTorch path);
   - attends to the positions < pos of its slice, BLOCK_L at a time, with an online softmax (base 2),
@@ -26,21 +27,22 @@ if triton is not None:
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16  # the merge holds [heads of a group, slices, head_dim] partial results in registers
-SLICED_PROGRAMS = 8192  # splits_for's aim
+SLICED_PROGRAMS = 4096  # splits_for's aim
+BLOCK_L, WARPS = 32, 4  # cache positions a loop step, and warps: the best or within 6% of it at every size measured
 
 if triton is not None:
 
     @triton.jit
-    def _attend(q, k, v, ok, m, l, acc):
-        """Online softmax over one block of positions: scores of q [G, D] against k [L, D] (base 2),
-        where ok; (m, l, acc) the running max, sum of weights and weighted sum of v."""
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, L]
-        scores = tl.where(ok[None, :], scores, -float("inf"))
+    def _attend(q, k, v, ok, m, l, acc, qk_scale):
+        """Online softmax over one block of positions, on tensor cores: scores of q [G, D] (G >= 16,
+        padded) against k [L, D] (base 2), where ok; (m, l, acc) the running max, sum of weights and
+        weighted sum of v (the weights rounded to the cache dtype for it, as in flash attention)."""
+        scores = tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, -float("inf"))  # [G, L]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing seen yet: weights stay 0
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
-        return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
     @triton.jit
     def _attention_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, y_ptr, m_ptr, l_ptr, acc_ptr,
@@ -66,8 +68,8 @@ if triton is not None:
         rl = start + tl.arange(0, BLOCK_L)
         l_ok = rl < end
         kv_at = cache + rl[:, None] * D + rd[None, :]
-        k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
-        v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
+        k0 = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0)
+        v0 = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0)
         if PDL:  # pos, the cache and the tables are from earlier steps; qkv is the previous kernel's
             tl.extra.cuda.gdc_wait()
         # RoPE (rotate-half) of the query heads and the new key, rounded to the cache dtype
@@ -82,7 +84,7 @@ if triton is not None:
         q_at = row + heads[:, None] * D
         q = tl.load(q_at + rd[None, :], mask=qd_ok, other=0).to(tl.float32) * cos[None, :] \
             + tl.load(q_at + rd_rot[None, :], mask=qd_ok, other=0).to(tl.float32) * sin[None, :]
-        q = q.to(kc_ptr.dtype.element_ty).to(tl.float32) * qk_scale  # 1/sqrt(D), log2(e): base 2
+        q = q.to(kc_ptr.dtype.element_ty)
         k_at = row + H * D + hkv * D
         k_new = tl.load(k_at + rd, mask=d_ok, other=0).to(tl.float32) * cos \
             + tl.load(k_at + rd_rot, mask=d_ok, other=0).to(tl.float32) * sin
@@ -92,17 +94,23 @@ if triton is not None:
         m = tl.zeros((BLOCK_G,), tl.float32) - float("inf")
         l = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-        m, l, acc = _attend(q, k0, v0, l_ok, m, l, acc)
+        m, l, acc = _attend(q, k0, v0, l_ok, m, l, acc, qk_scale)
         for off in range(start + BLOCK_L, end, BLOCK_L):
             rl = off + tl.arange(0, BLOCK_L)
             l_ok = rl < end
             kv_at = cache + rl[:, None] * D + rd[None, :]
-            k = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
-            v = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0).to(tl.float32)
-            m, l, acc = _attend(q, k, v, l_ok, m, l, acc)
-        first = (tl.arange(0, 1) + s) == 0  # [1]: the new token counts in slice 0 only
-        m, l, acc = _attend(q, k_new.to(tl.float32)[None, :], v_new.to(tl.float32)[None, :],
-                            first, m, l, acc)
+            k = tl.load(kc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0)
+            v = tl.load(vc_ptr + kv_at, mask=l_ok[:, None] & d_ok[None, :], other=0)
+            m, l, acc = _attend(q, k, v, l_ok, m, l, acc, qk_scale)
+        # The new token, in slice 0 only: one score a query head. (As a block of one position, through
+        # _attend, this goes wrong on an H100 with 16 query rows: Triton 3.6.)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+        s_new = tl.where(rg * 0 + s == 0, s_new, -float("inf"))
+        m_new = tl.maximum(m, s_new)
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha, p_new = tl.exp2(m - m_safe), tl.exp2(s_new - m_safe)
+        m, l = m_new, l * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
         # Written after the reads above: no program reads position pos from the cache.
         write = d_ok & (rd * 0 + s == 0) & inside
         tl.store(kc_ptr + cache + pos * D + rd, k_new, mask=write)
@@ -147,26 +155,12 @@ def one_or_per_row(pos: torch.Tensor, B: int) -> bool:
 
 def splits_for(batch: int, n_kv_heads: int, length: int) -> int:
     """Slices of the cache: up to SLICED_PROGRAMS programs, at most MAX_SPLITS, and no more than a cache of
-    64 positions a slice would need (32 for at most 16 sequence x KV-head pairs: a short cache's slices then
-    load all their K and V before the PDL wait; SmolLM2-135M's batch-1 step at position 128 554 -> 452 µs,
-    Llama-3.2-1B's 1,100 -> 1,042, H100). Many short programs keep more loads in flight than a few long ones:
-    Llama-2-7B's heads, a 1,024-position cache, rows at 16-1,000 positions: batch 64 249 µs (4 slices)
-    against 301 (1 slice), batch 16 68 against 102 (benchmarks/records/attention.json)."""
-    per_slice = 32 if batch * n_kv_heads <= 16 else 64
+    128 positions a slice would need (32 for at most 16 sequence x KV-head pairs, which leave most SMs idle
+    otherwise). The best of benchmarks/attention_sweep.py's grid, 1,024-position cache, rows at 16-1,000:
+    Llama-2-7B's heads at batch 64 2 slices (191 µs against 201 at 4), batch 8 8 (37 against 49 at 16),
+    batch 1 8; Llama-3.1-8B's at batch 64 8 (69 against 96 at 16), batch 1 16 (H100)."""
+    per_slice = 32 if batch * n_kv_heads <= 16 else 128
     return max(1, min(triton.cdiv(length, per_slice), SLICED_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
-
-
-def launch(batch: int, n_kv_heads: int, splits: int, block_g: int, block_d: int) -> tuple[int, int]:
-    """(cache positions a loop step, warps), for query heads a KV head and head_dim padded to block_g
-    and block_d: products [block_g, positions, block_d] a step. One query head a KV head (Llama-2-7B):
-    8 warps while the programs fit one per SM, at 8192 products (64 positions at D = 128: batch 1,
-    positions 50-200, 5.5 µs against 6.4 at 32); 4 warps beyond, at 4096 products up to 1,024 programs
-    (batch 1, 16 slices) and 2048 past them (batch 8 to 64): the best of benchmarks/attention_sweep.py's grid
-    at each. Grouped heads keep 8192 products (not measured otherwise)."""
-    programs = batch * n_kv_heads * splits
-    warps = 8 if block_g == 1 and programs <= 132 else 4
-    products = 8192 if block_g > 1 or warps == 8 else 4096 if programs <= 1024 else 2048
-    return max(16, products // (block_g * block_d)), warps
 
 
 def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -191,9 +185,6 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     if counts.dtype != torch.int32 or counts.numel() < B * Hkv:
         raise ValueError(f"decode_attention: counts must be int32 with at least {B * Hkv} entries")
     splits = splits or splits_for(B, Hkv, L)
-    block_g = triton.next_power_of_2(n_heads // n_kv_heads)
-    block_d = triton.next_power_of_2(D)
-    block_l, warps = launch(B, Hkv, splits, block_g, block_d)
     y = qkv.new_empty((B, 1, n_heads * D))
     if splits == 1:
         m = l = acc = y  # (unused)
@@ -204,10 +195,10 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     use_pdl = pdl(qkv)
     _attention_kernel[(B, Hkv, splits)](
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, 0 if pos.numel() == 1 else pos.stride(0),
-        qkv.stride(0), k_cache.stride(0),
-        k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D, SPLITS=splits, BLOCK_G=block_g,
-        BLOCK_D=block_d, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl, num_warps=warps,
-        **({"launch_pdl": True} if use_pdl else {}))
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D,
+        SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv_heads)),  # (tl.dot's least)
+        BLOCK_D=triton.next_power_of_2(D), BLOCK_L=BLOCK_L, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
+        num_warps=WARPS, **({"launch_pdl": True} if use_pdl else {}))
     return y
 
 

@@ -9,6 +9,19 @@ if not torch.cuda.is_available():
     # gdkernels/' Triton kernels then run in Triton's CPU interpreter (tests/test_kernels.py); it must
     # be chosen before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:  # The interpreter multiplies bfloat16's bit patterns in tl.dot (triton-lang/triton#11584, "not
+        # supported yet"): convert them to float32 first, as its casts do. attention.py's kernel uses tl.dot.
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        pass
+    else:
+        def create_dot(self, a, b, d, *args, _dot=interpreter.InterpreterBuilder.create_dot):
+            a, b = (interpreter.TensorHandle(interpreter._convert_float(t.data, tl.bfloat16, tl.float32, None)
+                                             .view("float32"), tl.float32) if t.dtype.scalar == tl.bfloat16 else t
+                    for t in (a, b))
+            return _dot(self, a, b, d, *args)
+        interpreter.InterpreterBuilder.create_dot = create_dot
 
 
 def pytest_configure(config):

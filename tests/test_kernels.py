@@ -438,6 +438,8 @@ ATTENTION_CASES = [
     (2, 3, 6, 2, 48, 130, 70, 3),  # 3 heads a group (padded to 4), head dim not a power of two
     (1, 1, 4, 1, 32, 300, 200, 5),  # slices past the position do nothing
     (1, 2, 8, 2, 32, 1024, 100, 16),  # a long cache, an early position: slices sized from it
+    (2, 2, 32, 2, 64, 200, 150, None),  # 16 query heads a KV head (wrong on an H100 before the new token's
+    (1, 1, 16, 2, 128, 96, 64, 2),  # own update), 8 a KV head
 ]
 
 
@@ -495,19 +497,13 @@ def test_decode_attention_with_a_position_per_row(H, Hkv, D, L, positions, split
     assert attention.decode_attention(qkv, strided, cos, sin, *caches, counts, H, Hkv, splits).equal(y)
 
 
-def test_attention_launch_rule():
-    """One query head a KV head (Llama-2-7B: 32 KV heads, D = 128): 8 warps at 64 positions a step while the
-    programs fit one an SM; 4 warps beyond, at 32 positions up to 1,024 programs (batch 1, 16 slices) and at
-    16 past them (batch 8 to 64). Grouped heads (Llama-3.1-8B: 4 a KV head) 8192 products a step. Slices:
-    up to 8192 programs, at most 16, 64 positions or more (32 for at most 16 sequence x KV-head pairs)."""
-    assert attention.launch(1, 32, 4, 1, 128) == (64, 8)
-    assert attention.launch(1, 4, 2, 1, 64) == (128, 8)
-    assert attention.launch(1, 32, 16, 1, 128) == (32, 4)
-    assert attention.launch(8, 32, 16, 1, 128) == (16, 4) and attention.launch(64, 32, 4, 1, 128) == (16, 4)
-    assert attention.launch(1, 8, 4, 4, 128) == (16, 4)
-    assert attention.splits_for(1, 32, 4096) == 16 and attention.splits_for(64, 32, 4096) == 4
+def test_attention_slices_rule():
+    """Slices: up to 4096 programs, at most 16, 128 positions or more (32 for at most 16 sequence x
+    KV-head pairs)."""
+    assert attention.splits_for(1, 32, 4096) == 16 and attention.splits_for(1, 32, 1024) == 8
+    assert attention.splits_for(64, 32, 4096) == 2 and attention.splits_for(64, 8, 1024) == 8
     assert attention.splits_for(1, 2, 200) == 7 and attention.splits_for(256, 32, 4096) == 1
-    assert attention.splits_for(2, 8, 200) == 7 and attention.splits_for(3, 8, 200) == 4
+    assert attention.splits_for(2, 8, 200) == 7 and attention.splits_for(3, 8, 200) == 2
 
 
 def test_decode_attention_at_a_position_past_the_cache_touches_nothing():
