@@ -36,7 +36,8 @@ if triton is not None:
     def _attend(q, k, v, ok, m, l, acc, qk_scale):
         """Online softmax over one block of positions, on tensor cores: scores of q [G, D] (G >= 16,
         padded) against k [L, D] (base 2), where ok; (m, l, acc) the running max, sum of weights and
-        weighted sum of v (the weights rounded to the cache dtype for it, as in flash attention)."""
+        weighted sum of v (the weights rounded to the cache dtype for it, as in flash attention; a float32
+        cache's products in TF32, Triton's default)."""
         scores = tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, -float("inf"))  # [G, L]
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing seen yet: weights stay 0
