@@ -197,8 +197,8 @@ def decode_attention(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, si
     _attention_kernel[(B, Hkv, splits)](
         qkv, pos, cos, sin, k_cache, v_cache, y, m, l, acc, counts, 0 if pos.numel() == 1 else pos.stride(0),
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), L, LOG2E / math.sqrt(D), H=n_heads, HKV=Hkv, D=D,
-        SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv_heads)),  # (tl.dot's least)
-        BLOCK_D=triton.next_power_of_2(D), BLOCK_L=BLOCK_L, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
+        SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(n_heads // n_kv_heads)),  # (16: tl.dot's least)
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_L=BLOCK_L, BLOCK_S=triton.next_power_of_2(splits), PDL=use_pdl,
         num_warps=WARPS, **({"launch_pdl": True} if use_pdl else {}))
     return y
 

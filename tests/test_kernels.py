@@ -440,6 +440,7 @@ ATTENTION_CASES = [
     (1, 2, 8, 2, 32, 1024, 100, 16),  # a long cache, an early position: slices sized from it
     (2, 2, 32, 2, 64, 200, 150, None),  # 16 query heads a KV head (wrong on an H100 before the new token's
     (1, 1, 16, 2, 128, 96, 64, 2),  # own update), 8 a KV head
+    (1, 1, 2, 1, 8, 64, 40, None),  # head dim 8, padded to tl.dot's least 16
 ]
 
 
