@@ -432,7 +432,7 @@ def reference_attention(qkv, pos, cos, sin, k_cache, v_cache, H, Hkv):
 ATTENTION_CASES = [
     (1, 1, 4, 4, 64, 100, 0, None),  # first position: only the new token
     (1, 1, 4, 4, 64, 100, 37, 1),  # one slice: no merge
-    (1, 1, 4, 4, 64, 600, 300, 2),  # one head a group at 8 warps (128 positions a step): a slice of two steps
+    (1, 1, 4, 4, 64, 600, 300, 2),  # one head a group, two slices of several loop steps each
     (1, 1, 2, 2, 128, 224, 150, 4),  # Llama-2-7B's head dim, 4 slices
     (2, 3, 8, 2, 64, 130, 129, None),  # grouped heads, last position, cache with a spare row
     (2, 3, 6, 2, 48, 130, 70, 3),  # 3 heads a group (padded to 4), head dim not a power of two
