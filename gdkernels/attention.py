@@ -157,8 +157,8 @@ def one_or_per_row(pos: torch.Tensor, B: int) -> bool:
 def splits_for(batch: int, n_kv_heads: int, length: int) -> int:
     """Slices of the cache: up to SLICED_PROGRAMS programs, at most MAX_SPLITS, and no more than a cache of
     128 positions a slice would need (32 for at most 16 sequence x KV-head pairs, which leave most SMs idle
-    otherwise). The best of benchmarks/attention_sweep.py's grid, 1,024-position cache, rows at 16-1,000:
-    Llama-2-7B's heads at batch 64 2 slices (191 µs against 201 at 4), batch 8 8 (37 against 49 at 16),
+    otherwise). The best of a grid (benchmarks/records/attention-tensor-cores.json), 1,024-position cache, rows at
+    16-1,000: Llama-2-7B's heads at batch 64 2 slices (191 µs against 201 at 4), batch 8 8 (37 against 49 at 16),
     batch 1 8; Llama-3.1-8B's at batch 64 8 (69 against 96 at 16), batch 1 16 (H100)."""
     per_slice = 32 if batch * n_kv_heads <= 16 else 128
     return max(1, min(triton.cdiv(length, per_slice), SLICED_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
