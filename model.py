@@ -238,28 +238,19 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("rows", torch.arange(max_batch_size, device=device)[:, None], persistent=False)
-
-    def rows_from(self, first: int) -> "KVCache":
-        """The same storage from cache row `first` on: a batch's row i is cache row first + i (serve.py prefills
-        joining requests into the rows after the decoding ones)."""
-        view = KVCache.__new__(KVCache)
-        nn.Module.__init__(view)
-        for name, t in (("k_cache", self.k_cache[first:]), ("v_cache", self.v_cache[first:]),
-                        ("rows", self.rows[:len(self.rows) - first])):
-            view.register_buffer(name, t, persistent=False)
-        return view
+        self.first = 0  # a batch's row i is cache row first + i (serve.py prefills into the rows after the decoding ones)
 
     def update(self, input_pos, k, v):
-        """input_pos [S] (or [B, S], each row its own), k and v [B, Hkv, S, D] -> the cache's first B rows."""
-        B = k.shape[0]
-        if input_pos.dim() == 2:  # indexing the whole cache: compiled, a write into the slice k_cache[:B]
-            at = (self.rows[:B], slice(None), input_pos)  # copies the slice (the serving engine's B < rows)
+        """input_pos [S] (or [B, S], each row its own), k and v [B, Hkv, S, D] -> the cache's B rows from `first`."""
+        rows = slice(self.first, self.first + k.shape[0])
+        if input_pos.dim() == 2:  # indexing the whole cache: compiled, a write into the slice k_cache[rows]
+            at = (self.rows[rows], slice(None), input_pos)  # copies the slice (the serving engine's B < rows)
             self.k_cache[at] = k.transpose(1, 2)  # [B, S, Hkv, D]: advanced indices' dims come first
             self.v_cache[at] = v.transpose(1, 2)
         else:
-            self.k_cache[:B].index_copy_(2, input_pos, k)
-            self.v_cache[:B].index_copy_(2, input_pos, v)
-        return self.k_cache[:B], self.v_cache[:B]
+            self.k_cache[rows].index_copy_(2, input_pos, k)
+            self.v_cache[rows].index_copy_(2, input_pos, v)
+        return self.k_cache[rows], self.v_cache[rows]
 
 
 class FeedForward(nn.Module):

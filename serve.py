@@ -15,14 +15,14 @@ In reading order:
 Cache rows. The model reads and writes the first B rows of its KV cache, so the runner keeps the decoding requests in
 rows 0..n-1, then those prefilling. A finished request's row takes the last decoding row's keys and values (the
 prefilling rows move down one). Joining prompts are prefilled together, padded to the longest chunk, into the rows
-after the decoding ones (Runner.rows_from); a round decodes rows 0..n-1 padded to the smallest bucket b >= n. A
+after the decoding ones (prefill_forward); a round decodes rows 0..n-1 padded to the smallest bucket b >= n. A
 padding row writes past what its row holds, where nobody reads (masked; each position is written before it is read).
 
 Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, into CUDAGraph
 Trees' one memory pool (the CPU: built ahead of time once). Temperature, top-k, top-p and the seed are per-row tensors
-in the static buffers: one graph a bucket serves every mix of settings. A recompile after warm-up is an error.
+in the static buffers: one graph a bucket serves every mix of settings. Prefill is compiled once with dynamic shapes
+(no graph), its cache row an argument. A recompile after warm-up is an error.
 """
-import contextlib
 import json
 import queue
 import sys
@@ -140,6 +140,19 @@ def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_
     pos.add_(1).clamp_(max=model.max_seq_length - 1)  # a row done mid-round never leaves the cache
 
 
+def prefill_forward(model: Transformer, idx, pos, first: int) -> torch.Tensor:
+    """model(idx, pos) with the batch's row i in cache row first - 2 + i. (Dynamo specialises the ints 0 and 1: as
+    first + 2, the first cache row is one dynamic int to the compiled prefill.)"""
+    caches = [layer.attention.kv_cache for layer in model.layers]
+    for c in caches:
+        c.first = first - 2
+    try:
+        return model(idx, pos)
+    finally:
+        for c in caches:
+            c.first = 0
+
+
 def pairs(logp: torch.Tensor, ids: torch.Tensor) -> list[list[tuple[int, float]]]:  # topk's [P, N]: (id, logprob)
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), logp.tolist())]
 
@@ -179,17 +192,34 @@ class Runner:
         self.step = Step(fn, mode, self.device, dynamic=False)
         for views in self.views.values():
             self.step.static(*views)
+        compiled = mode in ("compile", "graphs")  # prefill too: the same code for every shape of chunks (Dynamo's dynamic)
+        self.forward = torch.compile(prefill_forward, dynamic=True) if compiled else prefill_forward
+        self.prefill_warm = not compiled
+        # A prefill's least tokens: one would take gdkernels' decode attention (reading the cache from row 0); compiled,
+        # up to 16 rows of x gdkernels' few-row GEMV, each a compilation of its own
+        self.least = 32 if compiled else 2
         self.rows: list[Request] = []
         self.decoding = 0
 
     def warm_up(self, progress=None) -> None:
-        """Compile (CUDA: record) each bucket's step, largest first (the others' graphs reuse its pool); progress(b, s)."""
+        """Compile (CUDA: record) each bucket's step, largest first (the others' graphs reuse its pool), then prefill;
+        progress(what, seconds so far) after each."""
         for b in reversed(self.buckets):
             while not self.step.warm(b):
                 self.write([], b)
                 self.step(self.model, *self.views[b], key=b)
             if progress is not None and self.mode != "eager":
-                progress(b, self.step.compile_s)
+                progress(f"bucket {b}", self.step.compile_s)
+        if not self.prefill_warm:  # compiled for one prompt and for several (Dynamo specialises a size of 1), no
+            start = time.perf_counter()  # size assumed equal to another that happens to have its value (duck shapes)
+            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=8), prefill_attention(), \
+                    torch.fx.experimental._config.patch(use_duck_shape=False):
+                for m in sorted({1, min(2, self.buckets[-1])}):
+                    self.forward(self.model, self.token.new_zeros(m, self.least),
+                                 torch.arange(self.least, device=self.device).clamp(max=self.length - 1).repeat(m, 1), 2)
+            self.prefill_warm = True
+            if progress is not None:
+                progress("prefill", self.step.compile_s + time.perf_counter() - start)
 
     how = property(lambda self: f"{self.mode} ({self.step.fn.ran})" if self.mode.startswith("aot") else self.mode)
 
@@ -220,18 +250,6 @@ class Runner:
             if any(r.params.top_logprobs for r in rows) else [[None] * self.steps] * len(rows)  # (read if asked)
         return list(zip(rows, out, logp, tops))
 
-    @contextlib.contextmanager
-    def rows_from(self, first: int):
-        """Within: the model's batch row i is cache row first + i (each layer's cache seen as a view)."""
-        caches = [layer.attention.kv_cache for layer in self.model.layers]
-        for layer, c in zip(self.model.layers, caches):
-            layer.attention.kv_cache = c.rows_from(first)
-        try:
-            yield
-        finally:
-            for layer, c in zip(self.model.layers, caches):
-                layer.attention.kv_cache = c
-
     @torch.no_grad()
     def prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple]:
         """(request, stop): prompt[request.prefilled:stop] into its row (new ones: the first free rows), in one
@@ -243,14 +261,15 @@ class Runner:
         complete = [stop == len(r.prompt) for r, stop in chunks]
         assert first == self.decoding and self.rows[first:first + len(chunks)] == [r for r, _ in chunks] and \
             complete == sorted(complete, reverse=True), "chunks: the prefilling rows in order, the complete ones first"
-        S, last = max(stop - r.prefilled for r, stop in chunks), self.length - 1
+        S, last = max(self.least, *(stop - r.prefilled for r, stop in chunks)), self.length - 1
         idx, pos = [], []
         for r, stop in chunks:  # padding past the chunk: positions it does not hold yet
             n = stop - r.prefilled
             idx.append(r.prompt[r.prefilled:stop] + [0] * (S - n))
             pos.append([min(p, last) for p in range(r.prefilled, r.prefilled + S)])
-        with self.rows_from(first), prefill_attention():
-            logits = self.model(torch.tensor(idx, device=self.device), torch.tensor(pos, device=self.device))
+        with prefill_attention():
+            logits = self.forward(self.model, torch.tensor(idx, device=self.device),
+                                  torch.tensor(pos, device=self.device), first + 2)
         ends = torch.tensor([stop - r.prefilled - 1 for r, stop in chunks], device=self.device)
         final = logits[torch.arange(len(chunks), device=self.device), ends].float()  # [m, V]
         settings = torch.tensor(row_settings([r.params for r, _ in chunks], self.vocab), device=self.device)
@@ -530,7 +549,7 @@ def run_file(checkpoint: Path, prompts_file: Path, output: Path | None, params: 
               tokenizer=tokenizer)
     reqs = llm.requests(encoded, params)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    llm.warm_up(lambda b, sec: log(f"engine: bucket {b} warm ({sec:.1f} s)"))
+    llm.warm_up(lambda what, sec: log(f"engine: {what} warm ({sec:.1f} s)"))
     r = llm.runner
     log(f"engine: {r.how}, buckets {r.buckets}, {r.steps} decode steps a round, {r.length} positions a row, "
         f"warm-up {r.step.compile_s:.1f} s")

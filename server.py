@@ -111,7 +111,7 @@ class Server:
 
     def run_engine(self) -> None:
         start, r = time.perf_counter(), self.llm.runner
-        self.llm.warm_up(lambda b, s: log(f"engine: bucket {b} warm ({s:.1f} s)"))
+        self.llm.warm_up(lambda what, s: log(f"engine: {what} warm ({s:.1f} s)"))
         log(f"engine: {r.how}, buckets {r.buckets}, {r.steps} decode steps a round, {r.length} positions a row; "
             f"ready in {time.perf_counter() - start:.1f} s")
         self.ready.set()

@@ -68,9 +68,9 @@ def test_padding_rows_and_stale_cache_rows_change_no_real_row(tiny):
 
 
 def test_compiled_buckets_equal_eager_mix_settings_and_never_recompile(tiny, monkeypatch):
-    """Compiled buckets give each request's output alone; greedy and sampled rows then share one batch: greedy
-    rows equal their output alone, sampled rows are reproducible with a seed; a second run and a new mix of
-    settings compile nothing new. (Dynamo's limit on entries a function, 8 by default, at 1: the engine's warm-up
+    """Compiled buckets and prefill give each request's output alone; greedy and sampled rows then share one batch:
+    greedy rows equal their output alone, sampled rows are reproducible with a seed; a second run, a new mix of
+    settings and prefill in chunks compile nothing new. (Dynamo's limit on entries a function, 8 by default, at 1: the engine's warm-up
     must allow one a bucket, or --max-batch 256's 9 buckets fail.)"""
     from torch._dynamo.utils import counters
 
@@ -98,9 +98,10 @@ def test_compiled_buckets_equal_eager_mix_settings_and_never_recompile(tiny, mon
         assert first[i] == alone(tiny, prompts[i], budgets[i], stop=())
     assert all(len(o) == n for o, n in zip(first, budgets))
     assert counters["stats"]["unique_graphs"] == frames  # nothing compiled for the new mix
-    reqs = [llm.make_request(p, params(n)) for p, n in zip(prompts, budgets)]
+    llm.scheduler.budget = 7  # prompts in chunks over rounds (some of one token), into any cache row: the compiled
+    reqs = [llm.make_request(p, params(n)) for p, n in zip(prompts, budgets)]  # prefill's shapes, all warm already
     llm.run(reqs)  # (no_recompiles would raise on a recompile)
-    assert [r.out for r in reqs] == ref
+    assert [r.out for r in reqs] == ref and counters["stats"]["unique_graphs"] == frames
 
 
 @pytest.mark.slow
