@@ -12,16 +12,16 @@ In reading order:
   LLM             add_request / step / abort, generate(), and submit / receive / loop for another thread
   run_file()      generate.py --prompts-file: JSONL in, JSONL out, progress on stderr
 
-Cache rows. The model reads and writes the first B rows of its KV cache, so the runner keeps the decoding requests in
-rows 0..n-1, then those prefilling. A finished request's row takes the last decoding row's keys and values (the
-prefilling rows move down one). Joining prompts are prefilled together, padded to the longest chunk, into the rows
-after the decoding ones (prefill_forward); a round decodes rows 0..n-1 padded to the smallest bucket b >= n. A
-padding row writes past what its row holds, where nobody reads (masked; each position is written before it is read).
+Cache rows. The model reads and writes B rows of its KV cache from row 0 (prefill: from a given row), so the runner
+keeps the decoding requests in rows 0..n-1, then those prefilling. A finished request's row takes the last decoding
+row's keys and values (the prefilling rows move down one). Joining prompts are prefilled at once, padded to the longest
+chunk, into the rows after the decoding ones (prefill_forward); a round decodes rows 0..n-1 padded to the smallest
+bucket b >= n. A padding row writes past what its row holds, where nobody reads (masked; written before it is read).
 
 Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, into CUDAGraph
 Trees' one memory pool (the CPU: built ahead of time once). Temperature, top-k, top-p and the seed are per-row tensors
-in the static buffers: one graph a bucket serves every mix of settings. Prefill is compiled once with dynamic shapes
-(no graph), its cache row an argument. A recompile after warm-up is an error.
+in the static buffers: one graph a bucket serves every mix of settings. Prefill: compiled for any shape (no graph). A
+recompile after warm-up is an error.
 """
 import json
 import queue
@@ -44,6 +44,7 @@ from quantize import load
 from tokenizer import load_tokenizer
 
 TOP_LOGPROBS = 5  # alternatives a decode step keeps a row (OpenAI's legacy maximum): one width, one graph a bucket
+PREFILL_LEAST = 32  # tokens a prefill pads to at least: fewer take gdkernels' decode paths (a compilation each)
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,7 @@ def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_
 
 
 def prefill_forward(model: Transformer, idx, pos, first: int) -> torch.Tensor:
-    """model(idx, pos) with the batch's row i in cache row first - 2 + i. (Dynamo specialises the ints 0 and 1: as
-    first + 2, the first cache row is one dynamic int to the compiled prefill.)"""
+    """model(idx, pos), the batch's row i in cache row first - 2 + i (first + 2: Dynamo specialises ints 0 and 1)."""
     caches = [layer.attention.kv_cache for layer in model.layers]
     for c in caches:
         c.first = first - 2
@@ -192,34 +192,28 @@ class Runner:
         self.step = Step(fn, mode, self.device, dynamic=False)
         for views in self.views.values():
             self.step.static(*views)
-        compiled = mode in ("compile", "graphs")  # prefill too: the same code for every shape of chunks (Dynamo's dynamic)
-        self.forward = torch.compile(prefill_forward, dynamic=True) if compiled else prefill_forward
-        self.prefill_warm = not compiled
-        # A prefill's least tokens: one would take gdkernels' decode attention (reading the cache from row 0); compiled,
-        # up to 16 rows of x gdkernels' few-row GEMV, each a compilation of its own
-        self.least = 32 if compiled else 2
+        self.forward = torch.compile(prefill_forward, dynamic=True) if mode in ("compile", "graphs") else prefill_forward
+        self.prefill_warm = self.forward is prefill_forward
         self.rows: list[Request] = []
         self.decoding = 0
 
     def warm_up(self, progress=None) -> None:
-        """Compile (CUDA: record) each bucket's step, largest first (the others' graphs reuse its pool), then prefill;
-        progress(what, seconds so far) after each."""
+        """Compile (CUDA: record) each bucket's step, largest first (one pool), then prefill; progress(what, seconds)."""
         for b in reversed(self.buckets):
             while not self.step.warm(b):
                 self.write([], b)
                 self.step(self.model, *self.views[b], key=b)
             if progress is not None and self.mode != "eager":
                 progress(f"bucket {b}", self.step.compile_s)
-        if not self.prefill_warm:  # compiled for one prompt and for several (Dynamo specialises a size of 1), no
-            start = time.perf_counter()  # size assumed equal to another that happens to have its value (duck shapes)
-            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=8), prefill_attention(), \
-                    torch.fx.experimental._config.patch(use_duck_shape=False):
-                for m in sorted({1, min(2, self.buckets[-1])}):
-                    self.forward(self.model, self.token.new_zeros(m, self.least),
-                                 torch.arange(self.least, device=self.device).clamp(max=self.length - 1).repeat(m, 1), 2)
-            self.prefill_warm = True
+        if not self.prefill_warm:  # one prompt, then several (Dynamo specialises a size of 1); duck shapes off: no size
+            start = time.perf_counter()  # is taken to equal another because their values happen to be equal
+            with torch.no_grad(), prefill_attention(), torch.fx.experimental._config.patch(use_duck_shape=False):
+                for m in (1, 2)[:self.buckets[-1]]:
+                    pos = torch.arange(PREFILL_LEAST, device=self.device).clamp(max=self.length - 1).repeat(m, 1)
+                    self.forward(self.model, torch.zeros_like(pos), pos, 2)
+            self.prefill_warm, self.step.compile_s = True, self.step.compile_s + time.perf_counter() - start
             if progress is not None:
-                progress("prefill", self.step.compile_s + time.perf_counter() - start)
+                progress("prefill", self.step.compile_s)
 
     how = property(lambda self: f"{self.mode} ({self.step.fn.ran})" if self.mode.startswith("aot") else self.mode)
 
@@ -261,7 +255,7 @@ class Runner:
         complete = [stop == len(r.prompt) for r, stop in chunks]
         assert first == self.decoding and self.rows[first:first + len(chunks)] == [r for r, _ in chunks] and \
             complete == sorted(complete, reverse=True), "chunks: the prefilling rows in order, the complete ones first"
-        S, last = max(self.least, *(stop - r.prefilled for r, stop in chunks)), self.length - 1
+        S, last = max(PREFILL_LEAST, *(stop - r.prefilled for r, stop in chunks)), self.length - 1
         idx, pos = [], []
         for r, stop in chunks:  # padding past the chunk: positions it does not hold yet
             n = stop - r.prefilled
@@ -480,9 +474,8 @@ class LLM:
         return r.outbox.get(timeout=timeout)
 
     def loop(self, stop: threading.Event, idle: float = 0.01) -> None:
-        """The engine loop, for one background thread, until `stop` is set: steps while there is work, else waits for
-        submit()'s. At its end (stopped, or a step raised) every live request ends "abort" with a last (no tokens,
-        finished): no receive() waits for ever."""
+        """The engine loop for one background thread until `stop` is set: steps while there is work, else waits for
+        submit()'s. At its end (stopped, or a step raised) each live request ends "abort" with ([], True)."""
         try:
             while not stop.is_set():
                 if not self.scheduler.live():
