@@ -20,8 +20,8 @@ bucket b >= n. A padding row writes past what its row holds, where nobody reads 
 
 Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, into CUDAGraph
 Trees' one memory pool (the CPU: built ahead of time once). Temperature, top-k, top-p and the seed are per-row tensors
-in the static buffers: one graph a bucket serves every mix of settings. Prefill: compiled for any shape (no graph). A
-recompile after warm-up is an error.
+in the static buffers: one graph a bucket serves every mix of settings. Compiled, prefill is one compilation for any
+shape (no graph). A recompile after warm-up is an error.
 """
 import json
 import queue
