@@ -90,13 +90,8 @@ class Request:
     aborted: bool = False  # abort() asked; the next step frees the row
     outbox: object = None  # submit()'s queue of (new_ids, finished), or its own: put() called on the loop's thread
 
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def pos(self) -> int:  # the position of the last token, the next step's input
-        return len(self.prompt) + len(self.out) - 1
+    done = property(lambda self: self.finish_reason is not None)
+    pos = property(lambda self: len(self.prompt) + len(self.out) - 1)  # the last token's position: the next step's input
 
     def accept(self, tokens: list[int], logprobs: list[float], tops: list) -> list[int]:
         """Append tokens (and log-probabilities, alternatives) until a stop or the budget -> those taken; checked token
@@ -248,19 +243,15 @@ class Runner:
     def prefill(self, chunks: list[tuple[Request, int]]) -> list[tuple]:
         """(request, stop): prompt[request.prefilled:stop] into its row (new ones: the first free rows), in one
         forward -> per chunk (first token or None, its logprob and top ones, the prompt's or None). Complete: decode."""
-        for r, _ in chunks:
-            if r not in self.rows:
-                self.rows.append(r)
+        self.rows += [r for r, _ in chunks if r not in self.rows]
         first = self.rows.index(chunks[0][0])
         complete = [stop == len(r.prompt) for r, stop in chunks]
         assert first == self.decoding and self.rows[first:first + len(chunks)] == [r for r, _ in chunks] and \
             complete == sorted(complete, reverse=True), "chunks: the prefilling rows in order, the complete ones first"
         S, last = max(PREFILL_LEAST, *(stop - r.prefilled for r, stop in chunks)), self.length - 1
-        idx, pos = [], []
-        for r, stop in chunks:  # padding past the chunk: positions it does not hold yet
-            n = stop - r.prefilled
-            idx.append(r.prompt[r.prefilled:stop] + [0] * (S - n))
-            pos.append([min(p, last) for p in range(r.prefilled, r.prefilled + S)])
+        # Padding past a chunk: token 0, at positions its row does not hold yet
+        idx = [r.prompt[r.prefilled:stop] + [0] * (S - stop + r.prefilled) for r, stop in chunks]
+        pos = [[min(p, last) for p in range(r.prefilled, r.prefilled + S)] for r, _ in chunks]
         with prefill_attention():
             logits = self.forward(self.model, torch.tensor(idx, device=self.device),
                                   torch.tensor(pos, device=self.device), first + 2)
@@ -335,8 +326,7 @@ class Scheduler:
             width = max(width, n)
             if r.prefilled + n < len(r.prompt):  # a partial prompt goes on next round, first
                 break
-        for r, _ in out[len(self.prefilling):]:
-            self.prefilling.append(self.waiting.popleft())
+        self.prefilling += [self.waiting.popleft() for _ in out[len(self.prefilling):]]
         return out
 
     def prefilled(self, r: Request) -> None:  # its prompt is in the cache: it decodes from now on
