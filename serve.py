@@ -202,7 +202,8 @@ class Runner:
                 progress(f"bucket {b}", self.step.compile_s)
         if not self.prefill_warm:  # one prompt, then several (Dynamo specialises a size of 1); duck shapes off: no size
             start = time.perf_counter()  # is taken to equal another because their values happen to be equal
-            with torch.no_grad(), prefill_attention(), torch.fx.experimental._config.patch(use_duck_shape=False):
+            with torch.no_grad(), prefill_attention(), torch.fx.experimental._config.patch(use_duck_shape=False), \
+                    torch._dynamo.config.patch(recompile_limit=8):  # (its two entries, whatever the limit)
                 for m in (1, 2)[:self.buckets[-1]]:
                     pos = torch.arange(PREFILL_LEAST, device=self.device).clamp(max=self.length - 1).repeat(m, 1)
                     self.forward(self.model, torch.zeros_like(pos), pos, 2)

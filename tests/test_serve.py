@@ -70,8 +70,8 @@ def test_padding_rows_and_stale_cache_rows_change_no_real_row(tiny):
 def test_compiled_buckets_equal_eager_mix_settings_and_never_recompile(tiny, monkeypatch):
     """Compiled buckets and prefill give each request's output alone; greedy and sampled rows then share one batch:
     greedy rows equal their output alone, sampled rows are reproducible with a seed; a second run, a new mix of
-    settings and prefill in chunks compile nothing new. (Dynamo's limit on entries a function, 8 by default, at 1: the engine's warm-up
-    must allow one a bucket, or --max-batch 256's 9 buckets fail.)"""
+    settings and prefill in chunks compile nothing new. (Dynamo's limit on entries a function, 8 by default, at 1:
+    the engine's warm-up must allow one a bucket, or --max-batch 256's 9 buckets fail, and prefill's two.)"""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
