@@ -113,15 +113,16 @@ class Transformer(nn.Module):
         self.register_buffer("kv_pos", torch.arange(max_seq_length, device=weight.device), persistent=False)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
 
-    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """idx [B, S] token ids at positions input_pos [S] (or per row, [B, S]) -> logits [B, S, vocab].
-        Writes the new keys and values into the cache at input_pos; each query sees positions <= its own."""
+    def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """idx [B, S] token ids at positions input_pos [S] (or per row, [B, S]) -> logits [B, S, vocab]. Writes the
+        new keys and values into the cache at input_pos; each query sees positions <= its own. Or packed (prompts
+        without their padding): idx [1, N], the tokens at places keep [N] of input_pos [B, S] flattened -> [1, N, vocab]."""
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches() before forward()")
         x = self.tok_embeddings(idx)
         mask = self.kv_pos <= input_pos.unsqueeze(-1)  # [S, L] or [B, S, L]: True where a query may look
         for layer in self.layers:
-            x = layer(x, input_pos, self.rope_cos, self.rope_sin, mask)
+            x = layer(x, input_pos, self.rope_cos, self.rope_sin, mask, keep)
         return self.output(self.norm(x))
 
     @classmethod
@@ -181,8 +182,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = MoEFeedForward(args) if args.n_experts else FeedForward(args)
 
-    def forward(self, x, input_pos, rope_cos, rope_sin, mask):
-        h = x + self.attention(self.attention_norm(x), input_pos, rope_cos, rope_sin, mask)
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask, keep=None):
+        h = x + self.attention(self.attention_norm(x), input_pos, rope_cos, rope_sin, mask, keep)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -199,13 +200,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x, input_pos, rope_cos, rope_sin, mask):
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask, keep=None):
         """x [B, S, dim] -> [B, S, dim]. rope_cos, rope_sin: the RoPE tables [L, D]."""
-        return self.wo(self.attend(self.wqkv(x), input_pos, rope_cos, rope_sin, mask))
+        return self.wo(self.attend(self.wqkv(x), input_pos, rope_cos, rope_sin, mask, keep))
 
-    def attend(self, qkv, input_pos, rope_cos, rope_sin, mask):
+    def attend(self, qkv, input_pos, rope_cos, rope_sin, mask, keep=None):
         """qkv [B, S, (H + 2 Hkv) D], the new tokens' q, k, v -> [B, S, H D]: RoPE, the cache
         write, and attention over the cache (gdkernels/ replaces this step for decode)."""
+        if keep is not None:  # packed [1, N, ...]: into input_pos's grid (zeros between), attended, gathered back
+            grid = qkv.new_zeros(input_pos.numel(), qkv.shape[-1]).index_copy(0, keep, qkv[0])
+            y = self.attend(grid.view(*input_pos.shape, -1), input_pos, rope_cos, rope_sin, mask)  # [B, S, H D]
+            return y.flatten(0, 1)[keep][None]
         B, S, _ = qkv.shape
         q, k, v = self.rope_and_cache(qkv, input_pos, rope_cos, rope_sin)
         mask = mask.unsqueeze(-3)  # [1 or B, 1, S, L]

@@ -136,13 +136,13 @@ def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_
     pos.add_(1).clamp_(max=model.max_seq_length - 1)  # a row done mid-round never leaves the cache
 
 
-def prefill_forward(model: Transformer, idx, pos, first: int) -> torch.Tensor:
-    """model(idx, pos), the batch's row i in cache row first - 2 + i (first + 2: Dynamo specialises ints 0 and 1)."""
+def prefill_forward(model: Transformer, idx, pos, first: int, keep) -> torch.Tensor:
+    """model(idx, pos, keep), the grid's row i in cache row first - 2 + i (+ 2: Dynamo specialises ints 0 and 1)."""
     caches = [layer.attention.kv_cache for layer in model.layers]
     for c in caches:
         c.first = first - 2
     try:
-        return model(idx, pos)
+        return model(idx, pos, keep)
     finally:
         for c in caches:
             c.first = 0
@@ -205,8 +205,8 @@ class Runner:
             with torch.no_grad(), prefill_attention(), torch.fx.experimental._config.patch(use_duck_shape=False), \
                     torch._dynamo.config.patch(recompile_limit=8):  # (its two entries, whatever the limit)
                 for m in (1, 2)[:self.buckets[-1]]:
-                    pos = torch.arange(PREFILL_LEAST, device=self.device).clamp(max=self.length - 1).repeat(m, 1)
-                    self.forward(self.model, torch.zeros_like(pos), pos, 2)
+                    keep = torch.arange(PREFILL_LEAST, device=self.device)  # (packed: PREFILL_LEAST of m rows)
+                    self.forward(self.model, keep[None] * 0, keep.clamp(max=self.length - 1).repeat(m, 1), 2, keep)
             self.prefill_warm, self.step.compile_s = True, self.step.compile_s + time.perf_counter() - start
             if progress is not None:
                 progress("prefill", self.step.compile_s)
@@ -250,14 +250,16 @@ class Runner:
         assert first == self.decoding and self.rows[first:first + len(chunks)] == [r for r, _ in chunks] and \
             complete == sorted(complete, reverse=True), "chunks: the prefilling rows in order, the complete ones first"
         S, last = max(PREFILL_LEAST, *(stop - r.prefilled for r, stop in chunks)), self.length - 1
-        # Padding past a chunk: token 0, at positions its row does not hold yet
-        idx = [r.prompt[r.prefilled:stop] + [0] * (S - stop + r.prefilled) for r, stop in chunks]
+        # Packed: the chunks' tokens in turn, at places in a grid of rows x S positions (past a chunk: not held yet)
         pos = [[min(p, last) for p in range(r.prefilled, r.prefilled + S)] for r, _ in chunks]
+        keep = [i * S + j for i, (r, stop) in enumerate(chunks) for j in range(stop - r.prefilled)]
+        keep += range(n := chunks[0][1] - chunks[0][0].prefilled, n + PREFILL_LEAST - len(keep))  # (few: + row 0's padding)
+        idx = [t for r, stop in chunks for t in r.prompt[r.prefilled:stop]]
+        idx, pos, keep = (torch.tensor(x, device=self.device) for x in ([idx + [0] * (len(keep) - len(idx))], pos, keep))
         with prefill_attention():
-            logits = self.forward(self.model, torch.tensor(idx, device=self.device),
-                                  torch.tensor(pos, device=self.device), first + 2)
-        ends = torch.tensor([stop - r.prefilled - 1 for r, stop in chunks], device=self.device)
-        final = logits[torch.arange(len(chunks), device=self.device), ends].float()  # [m, V]
+            logits = self.forward(self.model, idx, pos, first + 2, keep)[0]  # [N, V]
+        starts = [sum(stop - r.prefilled for r, stop in chunks[:i]) for i in range(len(chunks) + 1)]  # (in idx)
+        final = logits[[s - 1 for s in starts[1:]]].float()  # [m, V]: each chunk's last
         settings = torch.tensor(row_settings([r.params for r, _ in chunks], self.vocab), device=self.device)
         at, (t, k, p, seed) = torch.tensor([stop - 1 for _, stop in chunks], device=self.device), settings  # (last positions)
         tokens, logp = sample_rows(final, t, k.long(), p, seed.long(), at), final.log_softmax(-1)
@@ -267,7 +269,7 @@ class Runner:
             lps = tops = None
             if r.params.prompt_logprobs:  # logits at position j score the prompt's token j + 1
                 targets = torch.tensor(r.prompt[r.prefilled + 1:stop + 1], device=self.device)
-                every = logits[i, :len(targets)].float().log_softmax(-1)  # [n, V]
+                every = logits[starts[i]:starts[i] + len(targets)].float().log_softmax(-1)  # [n, V]
                 lps = every.gather(-1, targets[:, None])[:, 0].tolist()
                 tops = pairs(*every.topk(r.params.top_logprobs, -1))
             results.append((t if complete[i] else None, lp, top, lps, tops))
@@ -276,10 +278,9 @@ class Runner:
 
     def move(self, src: int, dst: int, positions: int) -> None:
         """Cache row src's first `positions` keys and values to row dst, in every layer."""
-        for layer in self.model.layers:
-            c = layer.attention.kv_cache
-            c.k_cache[dst, :, :positions].copy_(c.k_cache[src, :, :positions])
-            c.v_cache[dst, :, :positions].copy_(c.v_cache[src, :, :positions])
+        for c in (layer.attention.kv_cache for layer in self.model.layers):
+            for t in (c.k_cache, c.v_cache):
+                t[dst, :, :positions].copy_(t[src, :, :positions])
 
     def release(self, r: Request) -> None:
         """Free r's row: the last decoding row fills it, and the prefilling rows after move down one."""

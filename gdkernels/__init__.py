@@ -93,9 +93,9 @@ def apply(model: Transformer, fuse: bool = True, attend: bool = True, compiled: 
 class FusedBlock(TransformerBlock):
     """TransformerBlock.forward with the norms, SwiGLU and residual adds inside the matmuls."""
 
-    def forward(self, x, input_pos, rope_cos, rope_sin, mask):
+    def forward(self, x, input_pos, rope_cos, rope_sin, mask, keep=None):
         a, f = self.attention, self.feed_forward
-        h = a.wo(a.attend(a.wqkv(x, norm=self.attention_norm), input_pos, rope_cos, rope_sin, mask), residual=x)
+        h = a.wo(a.attend(a.wqkv(x, norm=self.attention_norm), input_pos, rope_cos, rope_sin, mask, keep), residual=x)
         return f.w2(f.w13(h, norm=self.ffn_norm, swiglu=True), residual=h)
 
 
@@ -177,9 +177,10 @@ class KernelAttention(Attention):
         self.register_buffer("counts", torch.zeros(ATTENTION_MAX_BATCH * self.n_kv_heads, dtype=torch.int32,
                                                    device=device), persistent=False)
 
-    def attend(self, qkv, input_pos, rope_cos, rope_sin, mask):
-        if qkv.shape[1] != 1 or qkv.shape[0] > ATTENTION_MAX_BATCH or not attention.usable(qkv, input_pos):
-            return super().attend(qkv, input_pos, rope_cos, rope_sin, mask)
+    def attend(self, qkv, input_pos, rope_cos, rope_sin, mask, keep=None):
+        if keep is not None or qkv.shape[1] != 1 or qkv.shape[0] > ATTENTION_MAX_BATCH or \
+                not attention.usable(qkv, input_pos):
+            return super().attend(qkv, input_pos, rope_cos, rope_sin, mask, keep)
         c = self.kv_cache
         return attention.attention(qkv, input_pos, rope_cos, rope_sin, c.k_cache, c.v_cache, self.counts,
                                    self.n_heads, self.n_kv_heads)
@@ -195,7 +196,9 @@ class CpuAttention(Attention):
     """Attention.attend reading each query's keys up to its position (the reference reads the whole cache,
     masked): the ahead-of-time step, built for one cache length, costs what its position costs."""
 
-    def attend(self, qkv, input_pos, rope_cos, rope_sin, mask):
+    def attend(self, qkv, input_pos, rope_cos, rope_sin, mask, keep=None):
+        if keep is not None:  # packed: Attention.attend unpacks, then calls this again
+            return super().attend(qkv, input_pos, rope_cos, rope_sin, mask, keep)
         B, S, _ = qkv.shape
         q, k, v = self.rope_and_cache(qkv, input_pos, rope_cos, rope_sin)
         y = cpu.attention(q.float().contiguous(), k, v, input_pos.contiguous())

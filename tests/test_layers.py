@@ -252,6 +252,27 @@ def test_cpu_prefill_of_a_chat_sized_prompt_runs_the_kernel_not_a_dequantized_we
             assert bool(calls) == dequantized, n
 
 
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_packed_forward_equals_the_padded_one_at_its_tokens(float_model, kernels):
+    """Transformer.forward(idx, input_pos, keep), the engine's prefill: 3 rows' chunks of 5, 1 and 7 tokens after
+    3, 9 and 0 cached positions, packed without their padding, give the padded grid's logits at those places; with
+    gdkernels' attention too (CpuAttention where cpu.cpp runs). Two grid places past them ride along (the engine's
+    least prefill; what they see differs: their padding is zeros when packed)."""
+    model = copy.deepcopy(float_model)
+    if kernels:
+        gdkernels.apply(model)
+    model.setup_caches(3, 64)
+    starts, lengths, S = [3, 9, 0], [5, 1, 7], 8
+    pos = torch.tensor([[s + j for j in range(S)] for s in starts])
+    idx = (torch.arange(3 * S).view(3, S) * 7 + 1) % ARGS.vocab_size
+    keep = torch.tensor([i * S + j for i, n in enumerate(lengths) for j in range(n)] + [S - 1, 2 * S - 1])
+    with torch.no_grad():
+        model(torch.arange(48).view(3, 16) % 5 + 9, torch.arange(16).repeat(3, 1))  # a history before the chunks
+        padded = model(idx, pos).flatten(0, 1)[keep]
+        packed = model(idx.flatten()[keep][None], pos, keep)
+    assert packed.shape == (1, len(keep), ARGS.vocab_size) and rel(packed[0, :13], padded[:13]) < 1e-6
+
+
 def test_apply_on_the_cpu_swaps_a_float_models_attention_only_and_a_cpu_without_the_kernel_nothing(float_model,
                                                                                                   monkeypatch):
     model = copy.deepcopy(float_model)
