@@ -115,8 +115,8 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """idx [B, S] token ids at positions input_pos [S] (or per row, [B, S]) -> logits [B, S, vocab]. Writes the
-        new keys and values into the cache at input_pos; each query sees positions <= its own. Or packed (prompts
-        without their padding): idx [1, N], the tokens at the flat places keep [N] of input_pos [B, S] -> [1, N, vocab]."""
+        new keys and values into the cache at input_pos; each query sees positions <= its own. Packed (prompts without
+        padding): idx [1, N], the tokens at the flat places keep [N] of input_pos [B, S] -> [1, N, vocab]."""
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches() before forward()")
         x = self.tok_embeddings(idx)
