@@ -14,9 +14,9 @@ In reading order:
 
 Cache rows. The model reads and writes B rows of its KV cache from row 0 (prefill: from a given row), so the runner
 keeps the decoding requests in rows 0..n-1, then those prefilling. A finished request's row takes the last decoding
-row's keys and values (the prefilling rows move down one). Joining prompts are prefilled at once, padded to the longest
-chunk, into the rows after the decoding ones (prefill_forward); a round decodes rows 0..n-1 padded to the smallest
-bucket b >= n. A padding row writes past what its row holds, where nobody reads (masked; written before it is read).
+row's keys and values (the prefilling rows move down one). Joining prompts are prefilled at once, packed (attention
+alone sees them padded to the longest chunk), into the rows after the decoding ones (prefill_forward); a round decodes
+rows 0..n-1 padded to the smallest bucket b >= n. A padding row writes past what its row holds, where nobody reads.
 
 Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, into CUDAGraph
 Trees' one memory pool (the CPU: built ahead of time once). Temperature, top-k, top-p and the seed are per-row tensors
@@ -253,7 +253,7 @@ class Runner:
         # Packed: the chunks' tokens in turn, at places in a grid of rows x S positions (past a chunk: not held yet)
         pos = [[min(p, last) for p in range(r.prefilled, r.prefilled + S)] for r, _ in chunks]
         keep = [i * S + j for i, (r, stop) in enumerate(chunks) for j in range(stop - r.prefilled)]
-        keep += range(n := chunks[0][1] - chunks[0][0].prefilled, n + PREFILL_LEAST - len(keep))  # (few: + row 0's padding)
+        keep += range(n := chunks[0][1] - chunks[0][0].prefilled, n + PREFILL_LEAST - len(keep))  # (too few: row 0's pads)
         idx = [t for r, stop in chunks for t in r.prompt[r.prefilled:stop]]
         idx, pos, keep = (torch.tensor(x, device=self.device) for x in ([idx + [0] * (len(keep) - len(idx))], pos, keep))
         with prefill_attention():
