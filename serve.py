@@ -253,7 +253,7 @@ class Runner:
         # Packed: the chunks' tokens in turn, at places in a grid of rows x S positions (past a chunk: not held yet)
         pos = [[min(p, last) for p in range(r.prefilled, r.prefilled + S)] for r, _ in chunks]
         keep = [i * S + j for i, (r, stop) in enumerate(chunks) for j in range(stop - r.prefilled)]
-        keep += range(n := chunks[0][1] - chunks[0][0].prefilled, n + PREFILL_LEAST - len(keep))  # (too few: row 0's pads)
+        keep += range(keep[-1] + 1, keep[-1] + 1 + PREFILL_LEAST - len(keep))  # (too few: the last row's next places)
         idx = [t for r, stop in chunks for t in r.prompt[r.prefilled:stop]]
         idx, pos, keep = (torch.tensor(x, device=self.device) for x in ([idx + [0] * (len(keep) - len(idx))], pos, keep))
         with prefill_attention():

@@ -256,8 +256,8 @@ def test_cpu_prefill_of_a_chat_sized_prompt_runs_the_kernel_not_a_dequantized_we
 def test_a_packed_forward_equals_the_padded_one_at_its_tokens(float_model, kernels):
     """Transformer.forward(idx, input_pos, keep), the engine's prefill: 3 rows' chunks of 5, 1 and 7 tokens after
     3, 9 and 0 cached positions, packed without their padding, give the padded grid's logits at those places; with
-    gdkernels' attention too (CpuAttention where cpu.cpp runs). Two grid places past them ride along (the engine's
-    least prefill; what they see differs: their padding is zeros when packed)."""
+    gdkernels' attention too (CpuAttention where cpu.cpp runs). The last row's next place rides along (the engine's
+    least prefill; what it sees differs: its padding is zeros when packed)."""
     model = copy.deepcopy(float_model)
     if kernels:
         gdkernels.apply(model)
@@ -265,7 +265,7 @@ def test_a_packed_forward_equals_the_padded_one_at_its_tokens(float_model, kerne
     starts, lengths, S = [3, 9, 0], [5, 1, 7], 8
     pos = torch.tensor([[s + j for j in range(S)] for s in starts])
     idx = (torch.arange(3 * S).view(3, S) * 7 + 1) % ARGS.vocab_size
-    keep = torch.tensor([i * S + j for i, n in enumerate(lengths) for j in range(n)] + [S - 1, 2 * S - 1])
+    keep = torch.tensor([i * S + j for i, n in enumerate(lengths) for j in range(n)] + [3 * S - 1])
     with torch.no_grad():
         model(torch.arange(48).view(3, 16) % 5 + 9, torch.arange(16).repeat(3, 1))  # a history before the chunks
         padded = model(idx, pos).flatten(0, 1)[keep]
