@@ -12,16 +12,15 @@ In reading order:
   LLM             add_request / step / abort, generate(), and submit / receive / loop for another thread
   run_file()      generate.py --prompts-file: JSONL in, JSONL out, progress on stderr
 
-Cache rows. The model reads and writes B rows of its KV cache from row 0 (prefill: from a given row), so the runner
-keeps the decoding requests in rows 0..n-1, then those prefilling. A finished request's row takes the last decoding
-row's keys and values (the prefilling rows move down one). Joining prompts are prefilled at once, packed (attention
-alone sees them padded to the longest chunk), into the rows after the decoding ones (prefill_forward); a round decodes
-rows 0..n-1 padded to the smallest bucket b >= n. A padding row writes past what its row holds, where nobody reads.
+Cache rows. The decoding requests hold rows 0..n-1, those prefilling the next; a finished request's row takes the last
+decoding row's keys and values (the prefilling rows move down one). Joining prompts are prefilled at once, packed, in
+the rows after the decoding ones (prefill_forward; on CUDA each chunk's attention reads its own keys, elsewhere a grid
+of rows x longest chunk); a round decodes rows 0..n-1 padded to the least bucket b >= n (padding writes go unread).
 
 Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, into CUDAGraph
-Trees' one memory pool (the CPU: built ahead of time once). Temperature, top-k, top-p and the seed are per-row tensors
-in the static buffers: one graph a bucket serves every mix of settings. Compiled, prefill is one compilation for any
-shape (no graph). A recompile after warm-up is an error.
+Trees' one memory pool (the CPU: built ahead of time once). Temperature, top-k, top-p and the seed are per-row tensors:
+one graph a bucket serves every mix of settings (bucket 1 also has a plain one, the argmax alone, for a lone greedy
+row). Compiled, prefill is one compilation for any shape (no graph). A recompile after warm-up is an error.
 """
 import json
 import queue
@@ -37,7 +36,7 @@ from tqdm import tqdm
 
 import gdkernels
 from common import (Sampling, Step, UsageError, cache_length, check_memory, decode_mode, default_device,
-                    default_dtype, no_recompiles, prefill_attention, sample_rows)
+                    default_dtype, no_recompiles, prefill_attention, sample_rows, argmax)
 from gdkernels import aot
 from model import Transformer, read_config
 from quantize import load
@@ -121,17 +120,21 @@ class Request:
         return self.out[first:]
 
 
-def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_k, top_p, seed, top, top_ids) -> None:
+def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_k, top_p, seed, top, top_ids,
+               plain: bool = False) -> None:
     """One decode step of a bucket, on static buffers: token [b, 1] the last tokens, pos [b, 1] their positions, out,
     logp [b, K] a round's tokens and logprobs, top, top_ids [b, K, TOP_LOGPROBS] the likeliest, col [1] the step, and
-    temperature, top_k, top_p, seed [b] each row's sampling. Next tokens: `token`, out[:, col] (no host between)."""
+    temperature, top_k, top_p, seed [b] each row's sampling (plain: the argmax alone, as Generator's step). Next tokens:
+    `token`, out[:, col] (no host between)."""
     logits = model(token, pos)[:, -1].float()  # [b, V]
-    nxt = sample_rows(logits, temperature, top_k, top_p, seed, pos)[:, None]  # [b, 1]
+    nxt = (argmax(logits) if plain else sample_rows(logits, temperature, top_k, top_p, seed, pos))[:, None]  # [b, 1]
     token.copy_(nxt)
-    lp = logits.log_softmax(-1)
-    values, ids = lp.topk(TOP_LOGPROBS, -1)  # [b, TOP_LOGPROBS]
-    for buffer, x in [(out, nxt), (logp, lp.gather(-1, nxt)), (top, values[:, None]), (top_ids, ids[:, None])]:
-        buffer.index_copy_(1, col, x)  # (column col of the round)
+    out.index_copy_(1, col, nxt)  # (column col of the round)
+    if not plain:
+        lp = logits.log_softmax(-1)
+        values, ids = lp.topk(TOP_LOGPROBS, -1)  # [b, TOP_LOGPROBS]
+        for buffer, x in [(logp, lp.gather(-1, nxt)), (top, values[:, None]), (top_ids, ids[:, None])]:
+            buffer.index_copy_(1, col, x)
     col.add_(1)
     pos.add_(1).clamp_(max=model.max_seq_length - 1)  # a row done mid-round never leaves the cache
 
@@ -189,15 +192,15 @@ class Runner:
             self.step.static(*views)
         self.forward = torch.compile(prefill_forward, dynamic=True) if mode in ("compile", "graphs") else prefill_forward
         self.prefill_warm = self.forward is prefill_forward
-        self.rows: list[Request] = []
-        self.decoding = 0
+        self.plain = 1 if self.device.type == "cuda" else None  # the bucket with a plain step too (aot keys on shapes)
+        self.rows, self.decoding = [], 0  # (rows: list[Request])
 
     def warm_up(self, progress=None) -> None:
         """Compile (CUDA: record) each bucket's step, largest first (one pool), then prefill; progress(what, seconds)."""
-        for b in reversed(self.buckets):
-            while not self.step.warm(b):
+        for b, plain in [(b, plain) for b in reversed(self.buckets) for plain in (False, True)[:1 + (b == self.plain)]]:
+            while not self.step.warm((b, plain)):
                 self.write([], b)
-                self.step(self.model, *self.views[b], key=b)
+                self.step(self.model, *self.views[b], plain, key=(b, plain))
             if progress is not None and self.mode != "eager":
                 progress(f"bucket {b}", self.step.compile_s)
         if not self.prefill_warm:  # one prompt, then several (Dynamo specialises a size of 1); duck shapes off: no size
@@ -218,8 +221,7 @@ class Runner:
 
     def write(self, rows: list[Request], b: int) -> None:
         """A round's inputs for bucket b; padding rows (greedy) write where their row holds nothing yet (or at 0)."""
-        pad = [r.prefilled if r.prefilled < len(r.prompt) else 0 for r in self.rows[len(rows):b]]
-        pad += [0] * (b - len(rows) - len(pad))
+        pad = [r.prefilled if r.prefilled < len(r.prompt) else 0 for r in self.rows[len(rows):b]] + [0] * (b - len(self.rows))
         settings = row_settings([r.params for r in rows] + [SamplingParams(temperature=0)] * len(pad), self.vocab)
         host = torch.tensor([[r.out[-1] for r in rows] + [0] * len(pad), [r.pos for r in rows] + pad, *settings],
                             dtype=torch.float64).to(self.device)  # (one copy; token ids and positions exact in it)
@@ -230,11 +232,10 @@ class Runner:
     @torch.no_grad()
     def decode(self) -> list[tuple[Request, list[int], list[float], list]]:
         """A round: K steps of the least bucket holding the decoding rows -> their tokens, logprobs, alternatives."""
-        rows = self.rows[:self.decoding]
-        b = self.bucket(len(rows))
-        self.write(rows, b)
+        self.write(rows := self.rows[:self.decoding], b := self.bucket(self.decoding))
+        plain = b == self.plain and not any(r.params.temperature or r.params.logprobs for r in rows)
         for _ in range(self.steps):
-            self.step(self.model, *self.views[b], key=b)
+            self.step(self.model, *self.views[b], plain, key=(b, plain))
         out, logp = self.out[:len(rows)].tolist(), self.logp[:len(rows)].tolist()
         tops = [pairs(*t) for t in zip(self.top[:len(rows)].cpu(), self.top_ids[:len(rows)].cpu())] \
             if any(r.params.top_logprobs for r in rows) else [[None] * self.steps] * len(rows)  # (read if asked)
@@ -479,8 +480,7 @@ class LLM:
                     if r.outbox is not None:
                         r.outbox.put((new, finished))
         finally:
-            live = self.scheduler.live() + [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]
-            for r in live:
+            for r in (live := self.scheduler.live() + [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]):
                 r.finish_reason = "abort"
                 if r.outbox is not None:
                     r.outbox.put(([], True))

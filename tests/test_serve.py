@@ -506,3 +506,4 @@ def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps, kernels, mo
         # temperature, top-k, top-p, seed) and col's reset; no RNG seeding (the noise is hashed from each row's seed)
         runner.rows, runner.decoding = [Request([1], params(5), out=[3]) for _ in range(b)], b
         check_graphs(runner.decode, runner.device, 3, f"bucket {b}'s round", graphs=steps, outside=7)
+    assert set(runner.step.calls) == {(b, False) for b in runner.buckets} | {(1, True)}  # (bucket 1's plain step)
