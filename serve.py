@@ -35,8 +35,8 @@ import torch
 from tqdm import tqdm
 
 import gdkernels
-from common import (Sampling, Step, UsageError, cache_length, check_memory, decode_mode, default_device,
-                    default_dtype, no_recompiles, prefill_attention, sample_rows, argmax)
+from common import (Sampling, Step, UsageError, argmax, cache_length, check_memory, decode_mode, default_device,
+                    default_dtype, no_recompiles, prefill_attention, sample_rows)
 from gdkernels import aot
 from model import Transformer, read_config
 from quantize import load

@@ -37,7 +37,8 @@ from . import attention, cpu, gemv, int4
 CPU_MAX_ROWS = 160  # up to this many rows the CPU kernels beat dequantizing + F.linear (BENCHMARKS.md); beyond,
 # F.linear's blocked matmul reuses each dequantized weight across the rows
 INT4_MAX_ROWS = 8  # up to this many rows of x, the one-row int4 GEMV once a row
-VARLEN_GQA = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}  # (torch 2.13)
+# varlen_attn's keyword for fewer KV heads than query heads: torch 2.13 asks for it, 2.11 has none (and needs none)
+VARLEN_GQA = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
 ATTENTION_MAX_BATCH = 256  # KernelAttention's counts cover this many rows
 
 
