@@ -507,3 +507,32 @@ def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps, kernels, mo
         runner.rows, runner.decoding = [Request([1], params(5), out=[3]) for _ in range(b)], b
         check_graphs(runner.decode, runner.device, 3, f"bucket {b}'s round", graphs=steps, outside=7)
     assert set(runner.step.calls) == {(b, False) for b in runner.buckets} | {(1, True)}  # (bucket 1's plain step)
+
+
+@pytest.mark.cuda
+def test_compiled_bf16_prefill_with_kernels_equals_the_float32_forward():
+    """On CUDA in bf16 with the kernels the packed prefill is flash attention over variable lengths, compiled once
+    for any shape: chunks within a budget of 12 (a prompt continued after its cached part beside prompts that start,
+    the least prefill's padding in the last row) give prompt log-probabilities equal to the float32 model's one-shot
+    forward's within bf16 rounding, and no recompile (LLM.step raises on one)."""
+    import gdkernels
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    args = ModelArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=512, intermediate_size=512,
+                     max_seq_len=1024)
+    ref = Transformer(args).cuda().eval().requires_grad_(False)
+    for p in ref.parameters():
+        p.normal_(0, 0.3)  # peaky: attention decides the log-probabilities
+    fast = Transformer(args).cuda().to(torch.bfloat16).eval().requires_grad_(False)
+    fast.load_state_dict(ref.state_dict())
+    assert any("attention" in line for line in gdkernels.apply(fast))
+    prompts = [[(7 * i + 3 * j) % 512 for i in range(n)] for j, n in enumerate([17, 3, 9, 2])]
+    llm = LLM(model=fast, max_batch=4, max_length=64, steps=2, prefill_budget=12, compile=True)
+    reqs = [llm.make_request(p, params(2, (), prompt_logprobs=True)) for p in prompts]
+    llm.run(reqs)
+    ref.setup_caches(1, 64)
+    want = torch.cat([ref(torch.tensor([p], device="cuda"), torch.arange(len(p), device="cuda"))[0].log_softmax(-1)[
+        range(len(p) - 1), p[1:]] for p in prompts])  # (position j scores token j + 1)
+    got = torch.tensor([lp for r in reqs for lp in r.prompt_logprobs[1:]], device="cuda")
+    assert ((got - want).norm() / (want - want.mean()).norm()).item() < 5e-2, (got, want)
