@@ -183,6 +183,22 @@ def test_chunked_prefill_and_logprobs_equal_the_reference_forward(tiny):
         assert torch.allclose(values, top.values, atol=1e-5, rtol=0)
 
 
+def test_bucket_1s_plain_step_only_for_a_lone_greedy_row_and_with_the_same_tokens(tiny):
+    """Bucket 1's plain step (the argmax alone; CUDA's, set here by hand) runs for a lone greedy row that asks no
+    log-probabilities, and gives the general step's tokens; a row that asks them, or samples, gets the general step."""
+    llm = LLM(model=tiny, max_batch=2, max_length=64, steps=3)
+    llm.runner.plain, step, used = 1, llm.runner.step.fn, []
+    llm.runner.step.fn = lambda *a: used.append((len(a[1]), a[-1])) or step(*a)  # (bucket, plain)
+    prompt = [5, 9, 2, 40]
+    greedy, asks, samples = (llm.make_request(prompt, params(7, (), **kw)) for kw in
+                             ({}, {"logprobs": True}, {"temperature": 1.0, "seed": 3}))
+    for r, plain in [(greedy, True), (asks, False), (samples, False)]:
+        used.clear()
+        llm.run([r])
+        assert used and set(used) == {(1, plain)}, used
+    assert greedy.out == asks.out == alone(tiny, prompt, 7, stop=()) and len(asks.logprobs) == 7
+
+
 def test_a_seeded_request_draws_the_same_tokens_whatever_its_batch(tiny):
     """SamplingParams.seed: the same request alone, among others and in another round's rows draws the same tokens;
     another seed others. The noise hashed from (seed, position, token) is Exponential(1): draws follow p."""
