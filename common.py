@@ -341,7 +341,6 @@ def check_memory(config: dict, checkpoint: Path, batch: int, length: int, dtype:
 
     a = config["args"]
     kv = 2 * a.n_layers * batch * a.n_kv_heads * length * a.head_dim * dtype.itemsize
-    workspace += kv // a.n_layers  # (on CUDA the packed prefill copies a layer's rows at a time: gdkernels)
     weights = 0
     try:
         with safe_open(checkpoint / "model.safetensors", framework="pt") as f:
