@@ -116,8 +116,7 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor, input_pos: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """idx [B, S] token ids at positions input_pos [S] (or per row, [B, S]) -> logits [B, S, vocab]. Writes the
         new keys and values into the cache at input_pos; each query sees positions <= its own. Packed (prompts without
-        padding): idx [1, N], the tokens at the flat places keep [N] of input_pos [B, S], in order, each row's first
-        ones (gdkernels' attention relies on it) -> [1, N, vocab]."""
+        padding): idx [1, N], the tokens at the flat places keep [N] of input_pos [B, S] -> [1, N, vocab]."""
         if self.max_seq_length < 0:
             raise RuntimeError("call setup_caches() before forward()")
         x = self.tok_embeddings(idx)
@@ -221,16 +220,14 @@ class Attention(nn.Module):
 
     def rope_and_cache(self, qkv, input_pos, rope_cos, rope_sin):
         """qkv -> q [B, H, S, D] with RoPE, and the cache's k, v [B, Hkv, L, D] with the new tokens written in."""
-        q, k, v = (t.transpose(1, 2) for t in self.rope(qkv, input_pos, rope_cos, rope_sin))  # [B, H or Hkv, S, D]
-        return q, *self.kv_cache.update(input_pos, k, v)  # k, v [B, Hkv, L, D]: the whole cache
-
-    def rope(self, qkv, input_pos, rope_cos, rope_sin):
-        """qkv [B, S, ...] -> q, k, v [B, S, H or Hkv, D], q and k normed (where the model does) and rotated."""
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.split(self.split, dim=-1))
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.split(self.split, dim=-1))  # [B, S, H, D]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos[input_pos], rope_sin[input_pos]  # [S, D] or [B, S, D]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H or Hkv, S, D]
+        k, v = self.kv_cache.update(input_pos, k, v)  # [B, Hkv, L, D]: the whole cache
+        return q, k, v
 
 
 class KVCache(nn.Module):

@@ -355,9 +355,9 @@ class LLM:
                              f"{steps}, {prefill_budget}, {max_length})")
         if model is None:  # (refused before loading where the cache, the weights and the sampling's buffers do not fit)
             device, config = default_device(device), read_config(checkpoint)
-            dtype, a, n = default_dtype(dtype, device), config["args"], min(max_length, config["args"].max_seq_len)
-            check_memory(config, checkpoint, max_batch, n, dtype, device, workspace=max_batch * (a.vocab_size * 64 + 2 *
-                         a.n_kv_heads * n * a.head_dim * dtype.itemsize))  # (sampling's rows; prefill's copy of a layer)
+            dtype = default_dtype(dtype, device)
+            check_memory(config, checkpoint, max_batch, min(max_length, config["args"].max_seq_len), dtype, device,
+                         workspace=max_batch * config["args"].vocab_size * 64)  # (sampling's [rows, vocab] buffers)
             model = load(checkpoint, device=device, dtype=dtype)
             if kernels and gdkernels.enabled():
                 gdkernels.apply(model, compiled=compile)

@@ -21,7 +21,6 @@ each query's keys up to its position only; and aot.py's decode step compiled ahe
 Names: a kernel's file has a function named for the kernel, which checks and launches it (gemv.gemv, int4.gemv,
 attention.decode_attention), and the custom op the modules call, named for the operation (.matmul, .attention).
 """
-import inspect
 import os
 
 import torch
@@ -36,13 +35,6 @@ from . import attention, cpu, gemv, int4
 CPU_MAX_ROWS = 160  # up to this many rows the CPU kernels beat dequantizing + F.linear (BENCHMARKS.md); beyond,
 # F.linear's blocked matmul reuses each dequantized weight across the rows
 INT4_MAX_ROWS = 8  # up to this many rows of x, the one-row int4 GEMV once a row
-try:  # flash attention over variable lengths, for the packed prefill (KernelAttention.packed)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # (torch < 2.9: PyTorch's attention on the grid)
-    varlen_attn = None
-VARLEN = varlen_attn is not None and "window_size" in inspect.signature(varlen_attn).parameters  # (causal: 2.10+)
-# its keyword for fewer KV heads than query heads: torch 2.13 asks for it, 2.11 has none (and needs none)
-VARLEN_GQA = {"enable_gqa": True} if VARLEN and "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
 ATTENTION_MAX_BATCH = 256  # KernelAttention's counts cover this many rows
 
 
@@ -184,36 +176,14 @@ class KernelAttention(Attention):
     def convert(self, device):  # the cache slices' finishing counts (the kernel leaves them at zero)
         self.register_buffer("counts", torch.zeros(ATTENTION_MAX_BATCH * self.n_kv_heads, dtype=torch.int32,
                                                    device=device), persistent=False)
-        self.flash = VARLEN and self.head_dim % 8 == 0 and self.head_dim <= 256 and \
-            torch.cuda.get_device_capability(device)[0] >= 8  # (flash's heads and GPUs: Ampere on)
 
     def attend(self, qkv, input_pos, rope_cos, rope_sin, mask, keep=None):
-        if keep is not None and self.flash and qkv.dtype in (torch.bfloat16, torch.float16):
-            return self.packed(qkv, input_pos, rope_cos, rope_sin, keep)
         if keep is not None or qkv.shape[1] != 1 or qkv.shape[0] > ATTENTION_MAX_BATCH or \
                 not attention.usable(qkv, input_pos):
             return super().attend(qkv, input_pos, rope_cos, rope_sin, mask, keep)
         c = self.kv_cache
         return attention.attention(qkv, input_pos, rope_cos, rope_sin, c.k_cache, c.v_cache, self.counts,
                                    self.n_heads, self.n_kv_heads)
-
-    def packed(self, qkv, input_pos, rope_cos, rope_sin, keep):
-        """The packed prefill (the grid's rows' first places, keep ascending) as flash attention over variable
-        lengths: no grid, each chunk attended against its own keys only (the grid: every cache position, masked).
-        Each grid row's cache row, copied token-major with S spare places (B (L + S) positions a layer), holds its
-        keys: the prefix cached before and the chunk written now. Sequences in turn: a row's chunk against its first
-        p + n keys (causal, bottom-right: query j sees up to position p + j), then the rest of its keys, no queries."""
-        c, (B, S), L = self.kv_cache, input_pos.shape, self.kv_cache.k_cache.shape[2]
-        row, pos = keep // S, input_pos.flatten()[keep]  # [N]
-        q, k, v = (t[0] for t in self.rope(qkv, pos[None], rope_cos, rope_sin))  # [N, H or Hkv, D]
-        c.k_cache[row + c.first, :, pos], c.v_cache[row + c.first, :, pos] = k, v
-        n = torch.zeros_like(input_pos[:, 0]).index_add_(0, row, torch.ones_like(row))  # [B]: each chunk's length
-        at = torch.arange(B, device=qkv.device) * (L + S)  # where each row's keys start
-        cu_q = F.pad(n.cumsum(0).repeat_interleave(2), (1, 0)).int()
-        cu_k = F.pad(torch.stack([at + input_pos[:, 0] + n, at + L + S], 1).flatten(), (1, 0)).int()
-        k, v = (F.pad(t[c.first:c.first + B].transpose(1, 2), (0, 0, 0, 0, 0, S)).flatten(0, 1)
-                for t in (c.k_cache, c.v_cache))  # [B (L + S), Hkv, D]
-        return varlen_attn(q, k, v, cu_q, cu_k, S, L + S, window_size=(-1, 0), **VARLEN_GQA).flatten(1)[None]
 
 
 # -- the CPU -------------------------------------------------------------------------------------

@@ -128,33 +128,6 @@ def test_compiled_logits_within_bf16_tolerance(model):
     assert rel(got, ref) < 2e-2, rel(got, ref)
 
 
-@pytest.mark.parametrize("n_kv_heads", [2, 8])
-def test_packed_prefill_as_flash_attention_equals_the_grid(n_kv_heads):
-    """KernelAttention.packed (flash attention over each chunk's own keys) against PyTorch's attention on the grid
-    (apply's attend=False: the same matmul kernels), GQA and not: 3 rows' chunks of 5, 1 and 7 tokens after 3, 9
-    and 0 cached positions, the last row's next place riding along (the engine's least prefill), in bf16: the
-    chunks' logits within rounding, their keys and values in the cache as the grid writes them."""
-    torch.manual_seed(0)
-    plain = random_model(ModelArgs(**{**vars(ARGS), "n_kv_heads": n_kv_heads}), torch.device("cuda"), torch.bfloat16)
-    models = [copy.deepcopy(plain) for _ in range(2)]
-    gdkernels.apply(models[0], attend=False), gdkernels.apply(models[1])
-    starts, lengths, S = [3, 9, 0], [5, 1, 7], 8
-    pos = torch.tensor([[s + j for j in range(S)] for s in starts], device="cuda")
-    keep = torch.tensor([i * S + j for i, n in enumerate(lengths) for j in range(n)] + [3 * S - 1], device="cuda")
-    idx = torch.randint(0, ARGS.vocab_size, (1, len(keep)), device="cuda")
-    out = []
-    for m in models:
-        m.setup_caches(3, 64)
-        with torch.no_grad():
-            m(torch.randint(0, ARGS.vocab_size, (3, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(1)),
-              torch.arange(16, device="cuda").repeat(3, 1))  # a history before the chunks
-            out.append(m(idx, pos, keep)[0, :13].float())
-    assert type(models[1].layers[0].attention) is gdkernels.KernelAttention
-    assert rel(out[1], out[0]) < 2e-2, rel(out[1], out[0])
-    for a, b, end in zip(*(m.layers[-1].attention.kv_cache.v_cache for m in models), [8, 10, 8]):
-        assert rel(a[:, :end], b[:, :end]) < 2e-2  # (up to each chunk's end: past it the grid wrote its padding)
-
-
 # -- the kernels against the plain model ------------------------------------------------------------------
 
 def quantized(model, mode):
