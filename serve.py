@@ -14,8 +14,8 @@ In reading order:
 
 Cache rows. The decoding requests hold rows 0..n-1, those prefilling the next; a finished request's row takes the last
 decoding row's keys and values (the prefilling rows move down one). Joining prompts are prefilled at once, packed, in
-the rows after the decoding ones (prefill_forward; on CUDA each chunk's attention reads its own keys, elsewhere a grid
-of rows x longest chunk); a round decodes rows 0..n-1 padded to the least bucket b >= n (padding writes go unread).
+the rows after the decoding ones (prefill_forward: the layers on the chunks' tokens only, attention on a grid of rows x
+longest chunk); a round decodes rows 0..n-1 padded to the least bucket b >= n (padding writes go unread).
 
 Graphs. Each bucket's step is compiled with static shapes and warmed up at start-up, largest first, into CUDAGraph
 Trees' one memory pool (the CPU: built ahead of time once). Temperature, top-k, top-p and the seed are per-row tensors:
