@@ -529,8 +529,8 @@ def test_graphed_buckets_equal_alone_and_replay_once_per_step(steps, kernels, mo
 def test_compiled_bf16_prefill_with_kernels_equals_the_float32_forward():
     """On CUDA in bf16 with the kernels the packed prefill, compiled once for any shape: chunks within a budget of 12
     (a prompt continued after its cached part beside prompts that start, the least prefill's padding in the last row)
-    give prompt log-probabilities equal to the float32 model's one-shot
-    forward's within bf16 rounding, and no recompile (LLM.step raises on one)."""
+    give prompt log-probabilities equal to the float32 model's one-shot forward's within bf16 rounding, and no
+    recompile (LLM.step raises on one)."""
     import gdkernels
 
     torch._dynamo.reset()
