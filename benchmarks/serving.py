@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gdkernels  # noqa: E402
 import tp  # noqa: E402
-from bench import (PRESETS, QUANTIZE_CHOICES, capture, percentile, prepare, print_table, random_model,  # noqa: E402
-                   seconds_per_call, timed_decode, warmed)
+from bench import (PRESETS, QUANTIZE_CHOICES, call_times, capture, percentile, prepare, print_table,  # noqa: E402
+                   random_model, seconds_per_call, timed_decode, warmed)
 from common import (DTYPES, Sampling, UsageError, default_device, launches_per_call, peak_memory,  # noqa: E402
                     weight_bytes_per_step)
 from serve import TOP_LOGPROBS, LLM, Request, Runner, SamplingParams, default_buckets, serve_step  # noqa: E402
@@ -149,16 +149,20 @@ def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, l
     at = min(256, longest)
     n = max(1, min(64, 2 * longest - at - 16))  # (Generator's steps: room in the cache)
 
-    def bucket1(plain):  # a round of bucket 1 at position `at` (plain: a lone greedy row's step, as decode() picks)
+    def round_of(plain):  # a round of bucket 1 at position `at` (plain: a lone greedy row's step, as decode() picks)
         runner.write([], 1)
         runner.pos[:1].fill_(at)
-        for _ in range(steps):
-            runner.step(model, *runner.views[1], plain, key=(1, plain))
-    engine_step = seconds_per_call(lambda: bucket1(runner.plain == 1 and not sampling.temperature), device, 10) / steps
+        return call_times(lambda: runner.step(model, *runner.views[1], plain, key=(1, plain)), device, steps)
+
+    def bucket1(plain):  # ms: the median step (CUDA events between steps, as Generator's); a round's time over K
+        median = statistics.median([t for _ in range(10) for t in round_of(plain)])
+        return 1e3 * median, 1e3 * seconds_per_call(lambda: round_of(plain), device, 10) / steps
+    (engine_step, engine_round), (full_step, _) = bucket1(runner.plain == 1 and not sampling.temperature), \
+        bucket1(False)
     gen = warmed(model, mode, 1, at, n, sampling)
     gen_step = statistics.median(timed_decode(gen, at, n))
-    extra = {"bucket1_step_ms": engine_step * 1e3, "generator_step_ms": gen_step * 1e3,
-             "bucket1_full_step_ms": seconds_per_call(lambda: bucket1(False), device, 10) / steps * 1e3}
+    extra = {"bucket1_step_ms": engine_step, "bucket1_round_ms_per_step": engine_round,
+             "generator_step_ms": gen_step * 1e3, "bucket1_full_step_ms": full_step}
     if alone:
         gen.reserve(1, 2 * longest)
         t0 = time.perf_counter()
@@ -179,7 +183,8 @@ def measure_serving(a, model, modes, budgets, sampling, ceiling, keep) -> None:
                    f"p50/p99 {r['itl_ms_p50']:.2f}/{r['itl_ms_p99']:.2f} ms (step {r['step_ms_median']:.2f}); first "
                    f"token p50/p99 {r['ttft_s_p50']:.2f}/{r['ttft_s_p99']:.2f} s; padding {r['padded_row_share']:.1%}; "
                    + (f"GPU time in prefill {r['prefill_gpu_share']:.0%}; " if "prefill_gpu_share" in r else "") +
-                   f"bucket-1 step {r['bucket1_step_ms']:.2f} ms (full {r['bucket1_full_step_ms']:.2f}), "
+                   f"bucket-1 step {r['bucket1_step_ms']:.2f} ms (full {r['bucket1_full_step_ms']:.2f}; a round over K "
+                   f"{r['bucket1_round_ms_per_step']:.2f}), "
                    f"Generator's {r['generator_step_ms']:.2f}; "
                    f"warm-up {r['compile_s']:.1f} s", file=sys.stderr)
             keep(r)

@@ -478,7 +478,8 @@ def test_bench_serving_record(tmp_path, capsys):
         assert r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"])
         assert r["share_of_bound"] == pytest.approx(r["tok_s"] / r["bound_tok_s"])
         assert 0 < r["itl_ms_p50"] <= r["itl_ms_p99"] and 0 < r["ttft_s_p50"] <= r["ttft_s_p99"] <= r["seconds"]
-        assert r["alone"] == 3 and r["alone_tok_s"] > 0 and r["bucket1_step_ms"] > 0 and r["generator_step_ms"] > 0
+        assert r["alone"] == 3 and r["alone_tok_s"] > 0 and r["generator_step_ms"] > 0
+        assert 0 < r["bucket1_step_ms"] and 0 < r["bucket1_round_ms_per_step"] and 0 < r["bucket1_full_step_ms"]
     assert "serve-eager 6 requests, 4 rows, prefill budget 8" in capsys.readouterr().err
     for bad in (["--requests", "0"], ["--max-batch", "0"], ["--length", "200"], ["--prefill-budget", "x"]):
         assert serving.main(["--device", "cpu", "--checkpoint", str(tmp_path / "tiny"), *bad]) == 1  # (200 + 200 > 256)
