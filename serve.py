@@ -106,18 +106,21 @@ class Request:
             if t in self.stop_ids:
                 self.finish_reason = "stop"
             elif self.decoder is not None:
-                start = max(0, len(self.text) - longest + 1)
-                self.text += self.decoder.push(t)
-                hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
-                if hits:  # cut there; what the decoder holds back lies past the cut
-                    self.text, self.finish_reason, self.decoder = self.text[:min(hits)], "stop", None
+                self.append(self.decoder.push(t), longest)
             if not self.done and len(self.out) >= self.params.max_new_tokens:
                 self.finish_reason = "length"
-        if self.done and self.decoder is not None:
-            self.text += self.decoder.flush()
+        if self.done and self.decoder is not None:  # what the decoder held back (a stop string may end in it)
+            self.append(self.decoder.flush(), longest)
             self.decoder = None
         self.final = len(self.text) if self.done else max(self.final, len(self.text) - max(longest - 1, 0))
         return self.out[first:]
+
+    def append(self, text: str, longest: int) -> None:  # to self.text, cut before a stop string that ends in it
+        start = max(0, len(self.text) - longest + 1)  # (where one could begin)
+        self.text += text
+        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        if hits:  # cut there; what the decoder holds back lies past the cut
+            self.text, self.finish_reason, self.decoder = self.text[:min(hits)], "stop", None
 
 
 def serve_step(model: Transformer, token, pos, out, logp, col, temperature, top_k, top_p, seed, top, top_ids,
@@ -261,9 +264,9 @@ class Runner:
             logits = self.forward(self.model, idx, pos, first + 2, keep)[0]  # [N, V]
         starts = [sum(stop - r.prefilled for r, stop in chunks[:i]) for i in range(len(chunks) + 1)]  # (in idx)
         final = logits[[s - 1 for s in starts[1:]]].float()  # [m, V]: each chunk's last
-        settings = torch.tensor(row_settings([r.params for r, _ in chunks], self.vocab), device=self.device)
+        settings = torch.tensor(row_settings([r.params for r, _ in chunks], self.vocab), dtype=torch.double).to(self.device)
         at, (t, k, p, seed) = torch.tensor([stop - 1 for _, stop in chunks], device=self.device), settings  # (last positions)
-        tokens, logp = sample_rows(final, t, k.long(), p, seed.long(), at), final.log_softmax(-1)
+        tokens, logp = sample_rows(final, t.float(), k.long(), p.float(), seed.long(), at), final.log_softmax(-1)
         firsts = zip(tokens.tolist(), logp.gather(-1, tokens[:, None])[:, 0].tolist(), pairs(*logp.topk(TOP_LOGPROBS)))
         results = []
         for i, ((r, stop), (t, lp, top)) in enumerate(zip(chunks, firsts)):
@@ -308,9 +311,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # (in row order; at most one holds a partial prompt)
         self.running: list[Request] = []
-
-    def add(self, r: Request) -> None:
-        self.waiting.append(r)
 
     def live(self) -> list[Request]:
         return [*self.waiting, *self.prefilling, *self.running]
@@ -374,7 +374,7 @@ class LLM:
 
     def add_request(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> Request:
         """A request for the next step (checked here: errors are UsageErrors, nothing is queued)."""
-        self.scheduler.add(r := self.make_request(prompt, params))
+        self.scheduler.waiting.append(r := self.make_request(prompt, params))
         return r
 
     def make_request(self, prompt, params: SamplingParams) -> Request:
@@ -400,7 +400,7 @@ class LLM:
         """One round: aborts, the prefill chunks that fit, K decode steps -> (request, new tokens, finished)."""
         self.warm_up()
         while not self.inbox.empty():  # (the loop's thread is the only reader)
-            self.scheduler.add(self.inbox.get_nowait())
+            self.scheduler.waiting.append(self.inbox.get_nowait())
         s, events = self.scheduler, {}
         for r in [r for r in s.live() if r.aborted]:
             r.finish_reason, events[r] = "abort", []
@@ -473,7 +473,7 @@ class LLM:
             while not stop.is_set():
                 if not self.scheduler.live():
                     try:
-                        self.scheduler.add(self.inbox.get(timeout=idle))
+                        self.scheduler.waiting.append(self.inbox.get(timeout=idle))
                     except queue.Empty:
                         continue
                 for r, new, finished in self.step():

@@ -119,7 +119,7 @@ def bench_serving(model, mode: str, requests: int, max_batch: int, steps: int, l
         torch.manual_seed(0)
         itl, quiet, first, t0 = [], [], {}, time.perf_counter()
         for r in reqs:
-            llm.scheduler.add(r)
+            llm.scheduler.waiting.append(r)
         while llm.scheduler.live():
             t, n, prefills = time.perf_counter(), len(timed.rounds), timed.prefills
             events = llm.step()

@@ -201,8 +201,9 @@ def test_bucket_1s_plain_step_only_for_a_lone_greedy_row_and_with_the_same_token
 
 def test_a_seeded_request_draws_the_same_tokens_whatever_its_batch(tiny):
     """SamplingParams.seed: the same request alone, among others and in another round's rows draws the same tokens;
-    another seed others. The noise hashed from (seed, position, token) is Exponential(1): draws follow p."""
-    from common import draw, seeded_noise
+    another seed others; the first token, drawn at prefill, from the exact seed (one float32 cannot hold too). The noise
+    hashed from (seed, position, token) is Exponential(1): draws follow p."""
+    from common import draw, sample_rows, seeded_noise
 
     llm = LLM(model=tiny, max_batch=4, max_length=64, steps=3)
     mine = params(20, (), temperature=1.0, top_k=None, seed=1234)
@@ -216,6 +217,12 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_its_batch(tiny):
     alone_ = run([[5, 6, 7]], mine)
     assert run([[5, 6, 7], [1, 2], [9] * 10, [3]], mine) == alone_ == run([[5, 6, 7], [4, 4, 4]], mine)
     assert run([[5, 6, 7]], replace(mine, seed=99)) != alone_
+    seeds = range(2 ** 30 + 1, 2 ** 30 + 9)  # (float32 rounds each to 2 ** 30)
+    firsts = [run([[5, 6, 7]], replace(mine, seed=seed))[0] for seed in seeds]
+    tiny.setup_caches(1, 64)
+    logits, V = tiny(torch.tensor([[5, 6, 7]]), torch.arange(3))[0, -1:], tiny.args.vocab_size
+    assert firsts == [sample_rows(logits, torch.ones(1), torch.tensor([V]), torch.tensor([float("inf")]),
+                                  torch.tensor([seed]), torch.tensor([2])).item() for seed in seeds]
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     for seed, pos in ((torch.arange(20000), torch.full((20000,), 7)), (torch.full((20000,), 3), torch.arange(20000))):
         counts = torch.bincount(draw(p.expand(20000, 4), seeded_noise(seed, pos, 4)), minlength=4)
@@ -402,6 +409,21 @@ def test_stop_strings_cut_the_text_even_across_rounds(default_ckpt):
                                  SamplingParams(temperature=0, max_new_tokens=24, stop=(stop, "never!")))]
         llm.run(reqs)
         assert reqs[0].text == want and reqs[0].finish_reason == "stop", (steps, stop, reqs[0].text)
+
+
+def test_a_stop_string_the_decoder_held_back_to_the_end_still_cuts(default_ckpt):
+    """A token ending in part of a character waits in the stream decoder; if the request ends there (its budget, or a
+    stop token next), the flushed text is searched too: a stop string it completes cuts the text, finish "stop"."""
+    from tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_ckpt)
+    ids = tok.encode("Done \u2122")  # "Done", " " with the first byte of the trade mark sign, ...
+    k = next(i for i, t in enumerate(ids) if tok.decode([t]) == " \ufffd") + 1
+    for out in (ids[:k], ids[:k] + [min(tok.eos_ids)]):
+        r = Request([1], SamplingParams(max_new_tokens=len(out), stop=("Done ",)), stop_ids=frozenset(tok.eos_ids),
+                    decoder=tok.stream_decoder())
+        r.accept(out, [0.0] * len(out), [None] * len(out))
+        assert (r.text, r.final, r.finish_reason) == ("", 0, "stop"), out
 
 
 def test_cli_prompts_file_writes_jsonl_in_order(default_ckpt, tmp_path, run_main):
