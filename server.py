@@ -136,7 +136,7 @@ class Server:
 
     def health(self) -> dict:  # (and before a request is taken)
         if not self.engine.is_alive() or not self.ready.is_set():
-            raise APIError(503, "the engine stopped" if self.ready.is_set() else "warming up", kind="unavailable")
+            raise APIError(503, "warming up" if self.engine.is_alive() else "the engine stopped", kind="unavailable")
         return {"status": "ok"}
 
     def models(self) -> dict:
@@ -150,8 +150,9 @@ class Server:
         if body.model not in (None, self.name):
             raise APIError(404, f"the model {body.model!r} does not exist (this server has {self.name!r})", "model",
                            "model_not_found")
-        if body.n > self.rows:
-            raise APIError(400, f"n ({body.n}) is more than the server's rows ({self.rows})", "n")
+        if body.n > self.rows or len(prompts) * body.n > self.rows + self.max_waiting:  # (never taken: not a 429)
+            raise APIError(400, f"{len(prompts)} prompt(s) x n ({body.n}) is more than the server takes (n up to its "
+                           f"{self.rows} rows, {self.rows + self.max_waiting} requests at once)", "n")
         if not prompts or not all(prompts):
             raise APIError(400, "the prompt is empty", "prompt")
         if self.live + len(prompts) * body.n > self.rows + self.max_waiting:

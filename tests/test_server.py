@@ -210,6 +210,8 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": [1, 49152]}, 400, None),
     ("completions", {"prompt": [-1]}, 400, None),
     ("completions", {"prompt": "x", "n": ROWS + 1}, 400, "n"),
+    ("completions", {"prompt": ["x"] * (ROWS + WAITING + 1), "max_tokens": 1}, 400, "n"),  # (never fits: not 429)
+    ("completions", {"prompt": ["x", "y", "z"], "n": ROWS}, 400, "n"),
     ("completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, None),
 ]
@@ -233,6 +235,16 @@ def test_bad_input_through_the_openai_client(served, client):
         client.chat.completions.create(model=served[0].name, messages=[{"role": "user", "content": "x"}],
                                        temperature=-1)
     assert httpx.get(f"{served[1]}/v1/nothing").json()["error"]["message"] == "Not Found"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (the warm-up's error)
+def test_health_after_a_failed_warm_up_says_the_engine_stopped(served, monkeypatch):
+    srv = server.Server(served[0].llm, "x", 1)  # (its own engine thread; the served one's loop is untouched)
+    monkeypatch.setattr(srv.llm, "warm_up", lambda progress=None: 1 / 0)
+    srv.engine.start()
+    srv.engine.join(30)
+    with pytest.raises(server.APIError, match="the engine stopped"):
+        srv.health()
 
 
 def test_beyond_the_rows_and_max_waiting_a_request_gets_429(served):
