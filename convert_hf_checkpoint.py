@@ -122,11 +122,10 @@ LAYER_WEIGHTS = {  # Hugging Face name after "model.layers.N." -> ours after "la
 # An expert's weights (Mixtral's, Qwen3-MoE's), stacked per layer into feed_forward.w1, w3 and w2 (parts 0, 1, 2).
 EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
 EXPERT_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}
-# Hugging Face name -> ours, {} the layer index; with its inverse, a round trip is one line.
+# Hugging Face name -> ours, {} the layer index.
 WEIGHT_MAP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
               "lm_head.weight": "output.weight",
               **{f"model.layers.{{}}.{hf}": f"layers.{{}}.{ours}" for hf, ours in LAYER_WEIGHTS.items()}}
-INVERSE_WEIGHT_MAP = {ours: hf for hf, ours in WEIGHT_MAP.items()}
 
 
 def rename(name: str, mapping: dict) -> str | None:

@@ -63,10 +63,6 @@ def unpack_int4(weight: torch.Tensor) -> torch.Tensor:
     return torch.stack([weight & 15, weight >> 4], dim=-1).view(weight.shape[0], -1).int()
 
 
-def dequantize_int8(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return weight.to(scales.dtype) * scales[:, None]
-
-
 def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, groupsize: int) -> torch.Tensor:
     q = unpack_int4(weight).to(scales.dtype)
     group = torch.arange(q.shape[1], device=q.device) // groupsize  # column -> its group
