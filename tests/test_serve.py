@@ -12,7 +12,7 @@ import generate
 from common import Sampling
 from generate import Generator
 from model import ModelArgs, Transformer
-from serve import LLM, Request, SamplingParams, default_buckets, read_prompts
+from serve import LLM, Request, SamplingParams, default_buckets, read_prompts, row_settings
 
 GREEDY = Sampling(temperature=0)
 STOP = {25}  # with the tiny model below, 4 of workload()'s 13 requests stop on it, 9 run out of budget
@@ -234,17 +234,18 @@ def test_row_probs_equal_logits_to_probs_for_each_rows_setting():
 
     torch.manual_seed(0)
     V = 300
-    logits = torch.randn(6, V) * 3
+    logits = torch.randn(8, V) * 3
     logits[3, :10] = logits[3, 0]  # ties at the top-k boundary: kept, as logits_to_probs keeps them
-    settings = [Sampling(1.0, None, None), Sampling(0.7, 20, None), Sampling(1.3, None, 0.8), Sampling(1.0, 5, None),
-                Sampling(0.5, 50, 0.3), Sampling(2.0, V, 1.0)]
-    t = torch.tensor([s.temperature for s in settings])
-    k = torch.tensor([s.top_k or V for s in settings])
-    p = torch.tensor([s.top_p if s.top_p is not None and s.top_p < 1 else float("inf") for s in settings])
+    settings = [SamplingParams(1.0, None, None), SamplingParams(0.7, 20, None), SamplingParams(1.3, None, 0.8),
+                SamplingParams(1.0, 5, None), SamplingParams(0.5, 50, 0.3), SamplingParams(2.0, V, 1.0),
+                SamplingParams(1e-45, None, None), SamplingParams(1.0, 2 ** 63, 1e-300)]  # (the last two: argmax's)
+    t, k, p, _ = torch.tensor(row_settings(settings, V), dtype=torch.double)
+    t, k, p = t.float(), k.long(), p.float()  # (as the engine's buffers hold them)
     got = row_probs(logits, t, k, p)
     for i, s in enumerate(settings):
         assert torch.allclose(got[i], logits_to_probs(logits[i:i + 1], s)[0], atol=1e-6, rtol=1e-5), s
-    greedy = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    assert got[6:].equal(torch.nn.functional.one_hot(logits[6:].argmax(-1), V).float())
+    greedy = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
     drawn = sample_rows(logits, greedy, k, p)
     assert drawn[greedy == 0].equal(logits.argmax(-1)[greedy == 0])
 
