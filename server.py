@@ -7,7 +7,7 @@ evaluation harnesses (lm-evaluation-harness's local-completions and local-chat-c
 The engine loop runs in one background thread after its warm-up (until then /health and requests get 503). Handlers
 never touch tensors: they check a request (strict pydantic models; errors in OpenAI's body) and submit() its prompts;
 the engine's thread hands each read-back to the event loop. Beyond the rows and --max-waiting: 429. A client gone
-mid-stream has its requests aborted. Streamed text stops at Request.final (a stop string is never half sent). `n` > 1
+has its requests aborted. Streamed text stops at Request.final (a stop string is never half sent). `n` > 1
 is n requests (with a `seed`, choice i draws with seed + i: the same request, the same choices, whatever the batch).
 """
 import argparse
@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2.exceptions import TemplateError
@@ -55,8 +55,9 @@ class Strict(BaseModel):  # strict types ("0.5" is not a number, true not an int
 
     @model_validator(mode="before")
     @classmethod
-    def nulls_to_defaults(cls, data):
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+    def nulls_to_defaults(cls, data):  # (a lone surrogate, which no tokenizer takes: UnicodeEncodeError, a 400)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) and \
+            json.dumps(data, ensure_ascii=False).encode() else data
 
 
 class Message(Strict):
@@ -195,7 +196,7 @@ class Server:
             for r in reqs if left else []:
                 self.llm.abort(r)
 
-    async def respond(self, body: Body, kind: str, prompts: list, max_tokens: int | None, choice, **logprobs):
+    async def respond(self, body: Body, kind: str, prompts: list, max_tokens: int | None, choice, client, **logprobs):
         """A JSON object, or with `stream` server-sent events: a chunk a read-back, the usage if asked, [DONE].
         choice(index, request, text, lo, hi, first, finish reason) -> a choice (its text, of tokens out[lo:hi])."""
         reqs, inbox = self.submit(body, prompts, max_tokens, **logprobs)
@@ -205,9 +206,14 @@ class Server:
         def usage() -> dict:  # (a prompt counted once, however many choices it has)
             prompt, out = sum(map(len, prompts)), sum(len(r.out) for r in reqs)
             return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
-        if not body.stream:
-            async for _ in self.events(reqs, inbox):
-                pass
+        if not body.stream:  # (the read-backs drained, unless the client goes first: then events' finally aborts)
+            async def drain():
+                async for _ in self.events(reqs, inbox):
+                    pass
+            tasks = [asyncio.ensure_future(x) for x in (drain(), client.receive())]  # (receive: the disconnect)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                task.cancel()
             if any(r.finish_reason not in ("stop", "length") for r in reqs):
                 raise APIError(503, "the engine stopped", kind="unavailable")
             choices = [choice(i, r, r.text, 0, len(r.out), True, r.finish_reason) for i, r in enumerate(reqs)]
@@ -223,7 +229,7 @@ class Server:
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    async def chat(self, body: Chat):
+    async def chat(self, body: Chat, client: Request):
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
                      "\n".join(part.get("text", "") for part in m.content)} for m in body.messages]
         try:
@@ -235,24 +241,25 @@ class Server:
             role = {"role": "assistant"} if first or not body.stream else {}
             return {"index": i, "delta" if body.stream else "message": {**role, "content": text}, "logprobs": None,
                     "finish_reason": finish}
-        return await self.respond(body, "chat.completion", [ids], body.max_completion_tokens or body.max_tokens, choice)
+        return await self.respond(body, "chat.completion", [ids], body.max_completion_tokens or body.max_tokens, choice,
+                                  client)
 
-    async def completions(self, body: Completion):
+    async def completions(self, body: Completion, client: Request):
         p = body.prompt  # a text, texts, token ids, or lists of token ids
         if isinstance(p, str) or p and isinstance(p[0], str):
             prompts = [self.tok.encode(text) for text in ([p] if isinstance(p, str) else p)]
         else:
             prompts = [p] if p and isinstance(p[0], int) else p
         echo = [self.tok.decode(ids) if body.echo else "" for ids in prompts]
-        sent = [0] * len(prompts) * body.n  # characters of each choice's text so far (text_offset counts from there)
+        sent = [0] * len(prompts) * body.n  # each choice's tokens' text so far (text_offset counts from there)
 
         def choice(i, r, text, lo, hi, first, finish):
             text = (echo[i // body.n] if first else "") + text
             logprobs = self.logprobs(r, lo, hi, first and body.echo, body.logprobs, sent[i])
-            sent[i] += len(text)
+            sent[i] += sum(map(len, logprobs["tokens"])) if logprobs else 0
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
         lp = body.logprobs is not None
-        return await self.respond(body, "text_completion", prompts, body.max_tokens, choice, logprobs=lp,
+        return await self.respond(body, "text_completion", prompts, body.max_tokens, choice, client, logprobs=lp,
                                   prompt_logprobs=lp and body.echo, top_logprobs=body.logprobs or 0)
 
     def logprobs(self, r, lo: int, hi: int, echo: bool, n: int | None, offset: int) -> dict | None:

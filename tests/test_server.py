@@ -2,6 +2,7 @@
 for the module, the default model on the CPU (eager, 8 rows of 256 positions), started on 127.0.0.1 on a free port
 in a thread (uvicorn.Server; should_exit stops it). Every wait is bounded."""
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -157,6 +158,31 @@ def test_a_client_gone_mid_stream_frees_its_row(served, client):
     assert again.choices[0].text and again.usage.completion_tokens <= 3
 
 
+def test_a_client_gone_before_its_json_answer_frees_its_row(served):
+    """Not streamed: the client closes its connection while its request runs; the request is aborted."""
+    srv, url = served[:2]
+    body = json.dumps({"model": srv.name, "prompt": "Count from one to one hundred: one, two, three,",
+                       "max_tokens": 200, "temperature": 0})
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        victim = wait_until(lambda: srv.llm.scheduler.running, what="the request to run")[0]
+    wait_until(lambda: not srv.llm.scheduler.live() and not srv.llm.runner.rows and srv.live == 0, 30,
+               "the row to be freed")
+    assert victim.finish_reason == "abort" and len(victim.out) < 200
+
+
+def test_streamed_logprobs_equal_the_answer_in_one_piece(served, client):
+    """A stop string's first characters hold text back between chunks: the chunks' logprobs (text_offset too) still
+    join to the unstreamed answer's."""
+    kw = dict(model=served[0].name, prompt="1, 2, 3, 4,", max_tokens=24, temperature=0, logprobs=2, stop=[", 99"])
+    one = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    joined = {k: sum((getattr(c.logprobs, k) for c in chunks if c.logprobs), []) for k in ("tokens", "text_offset")}
+    assert len(chunks) > 2 and "".join(c.text for c in chunks) == one.text
+    assert joined == {"tokens": one.logprobs.tokens, "text_offset": one.logprobs.text_offset}
+
+
 def test_echo_logprobs_of_token_ids_equal_the_models_log_softmax(served, client, alone):
     """lm-evaluation-harness's loglikelihood request: a token-id prompt, echo, logprobs; then without echo, more
     tokens. Log-probabilities and the top alternatives equal log_softmax of the model's own forward."""
@@ -214,6 +240,8 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": ["x", "y", "z"], "n": ROWS}, 400, "n"),
     ("completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, None),
+    ("completions", '{"prompt": "x\\ud800"}', 400, None),  # (a lone surrogate: no tokenizer takes it)
+    ("chat/completions", '{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, None),
 ]
 
 
