@@ -237,7 +237,7 @@ def _(x):
 
 def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """logits [B, V] -> sampling distribution [B, V] in float32."""
-    logits = (logits.float() - logits.amax(-1, keepdim=True).float()) / s.temperature  # (the largest 0: no inf)
+    logits = (logits.float() - logits.amax(-1, keepdim=True).float()) / max(s.temperature, 1e-30)  # (no inf, no 0)
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, -float("inf"))

@@ -57,7 +57,7 @@ class Strict(BaseModel):  # strict types ("0.5" is not a number, true not an int
     @classmethod
     def nulls_to_defaults(cls, data):  # (a lone surrogate, which no tokenizer takes: UnicodeEncodeError, a 400)
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) and \
-            json.dumps(data, ensure_ascii=False).encode() else data
+            json.dumps([data.get(k) for k in cls.model_fields], ensure_ascii=False).encode() else data
 
 
 class Message(Strict):
@@ -185,8 +185,8 @@ class Server:
         come; the requests are aborted if the consumer stops early (a client gone)."""
         sent, got, left = [0] * len(reqs), [0] * len(reqs), len(reqs)
         try:
-            while left:
-                i, n, finished = await inbox.get()
+            while left and (message := await inbox.get()):  # (None: the client is gone)
+                i, n, finished = message
                 r = reqs[i]
                 final = r.final  # (read before the text: text[:final] no longer changes)
                 text = r.text[sent[i]:None if finished else final]
@@ -206,14 +206,14 @@ class Server:
         def usage() -> dict:  # (a prompt counted once, however many choices it has)
             prompt, out = sum(map(len, prompts)), sum(len(r.out) for r in reqs)
             return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
-        if not body.stream:  # (the read-backs drained, unless the client goes first: then events' finally aborts)
-            async def drain():
+        if not body.stream:  # (every read-back, unless the client goes first: receive() returns, a None comes)
+            gone = asyncio.ensure_future(client.receive())
+            gone.add_done_callback(lambda _: inbox.put_nowait(None))
+            try:
                 async for _ in self.events(reqs, inbox):
                     pass
-            tasks = [asyncio.ensure_future(x) for x in (drain(), client.receive())]  # (receive: the disconnect)
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in tasks:
-                task.cancel()
+            finally:
+                gone.cancel()
             if any(r.finish_reason not in ("stop", "length") for r in reqs):
                 raise APIError(503, "the engine stopped", kind="unavailable")
             choices = [choice(i, r, r.text, 0, len(r.out), True, r.finish_reason) for i, r in enumerate(reqs)]

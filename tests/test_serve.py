@@ -244,7 +244,8 @@ def test_row_probs_equal_logits_to_probs_for_each_rows_setting():
     got = row_probs(logits, t, k, p)
     for i, s in enumerate(settings):
         assert torch.allclose(got[i], logits_to_probs(logits[i:i + 1], s)[0], atol=1e-6, rtol=1e-5), s
-    assert got[6:].equal(torch.nn.functional.one_hot(logits[6:].argmax(-1), V).float())
+    argmax = torch.nn.functional.one_hot(logits[6:].argmax(-1), V).float()
+    assert got[6:].equal(argmax) and logits_to_probs(logits[6:], Sampling(1e-46, None, None)).equal(argmax)
     greedy = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
     drawn = sample_rows(logits, greedy, k, p)
     assert drawn[greedy == 0].equal(logits.argmax(-1)[greedy == 0])

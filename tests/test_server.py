@@ -1,11 +1,13 @@
 """server.py, the OpenAI-compatible server: the official `openai` client (and httpx for raw bodies) against one server
 for the module, the default model on the CPU (eager, 8 rows of 256 positions), started on 127.0.0.1 on a free port
 in a thread (uvicorn.Server; should_exit stops it). Every wait is bounded."""
+import asyncio
 import json
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,6 +172,36 @@ def test_a_client_gone_before_its_json_answer_frees_its_row(served):
     wait_until(lambda: not srv.llm.scheduler.live() and not srv.llm.runner.rows and srv.live == 0, 30,
                "the row to be freed")
     assert victim.finish_reason == "abort" and len(victim.out) < 200
+
+
+def test_a_cancelled_handler_aborts_its_requests(served):
+    """A handler cancelled from outside (a timeout middleware, a server's shutdown) aborts its requests too. (On a
+    loop of its own, kept running until the engine's read-backs have come.)"""
+    srv, stays = served[0], SimpleNamespace(receive=lambda: asyncio.Event().wait())  # (a client that never goes)
+    body = server.Completion(model=srv.name, prompt="Count from one to one hundred: one, two, three,", max_tokens=200,
+                             temperature=0)
+
+    async def cancel():
+        task = asyncio.ensure_future(srv.completions(body, stays))
+        for _ in range(1500):  # (30 s at most)
+            if srv.llm.scheduler.running:
+                break
+            await asyncio.sleep(0.02)
+        victim = srv.llm.scheduler.running[0]
+        task.cancel()
+        for _ in range(1500):
+            if srv.live == 0 and not srv.llm.scheduler.live():
+                break
+            await asyncio.sleep(0.02)
+        return victim
+    victim = asyncio.run(cancel())
+    assert victim.finish_reason == "abort" and len(victim.out) < 200 and srv.live == 0
+
+
+def test_a_field_the_server_ignores_is_not_checked(served):
+    response = httpx.post(f"{served[1]}/v1/completions", content='{"prompt": "x", "max_tokens": 1, "user": "\\ud800"}',
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 200, response.text
 
 
 def test_streamed_logprobs_equal_the_answer_in_one_piece(served, client):
