@@ -219,8 +219,8 @@ class Sampling:
             raise UsageError(f"temperature must be a number >= 0 (got {self.temperature!r})")
         if self.top_k is not None and not (type(self.top_k) is int and 1 <= self.top_k):
             raise UsageError(f"top_k must be an integer >= 1 (got {self.top_k!r})")
-        if self.top_p is not None and not (type(self.top_p) in (int, float) and 0 < self.top_p <= 1):
-            raise UsageError(f"top_p must be a number in (0, 1] (got {self.top_p!r})")
+        if self.top_p is not None and not (type(self.top_p) in (int, float) and 0 <= self.top_p <= 1):
+            raise UsageError(f"top_p must be a number in [0, 1] (got {self.top_p!r})")
 
 
 @torch.library.custom_op("graphdecode::cumsum", mutates_args=())

@@ -69,7 +69,7 @@ class Body(Strict):  # both endpoints' fields, OpenAI's defaults (top_k: an exte
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(1.0, ge=0, le=1)  # (0: the likeliest token alone, as OpenAI)
     top_k: int | None = Field(None, ge=1)
     stop: str | Annotated[list[str], Field(max_length=4)] = []
     n: int = Field(1, ge=1)

@@ -117,6 +117,7 @@ def test_greedy_text_equals_generate_py_and_streams_join_to_it(served, client, a
     text, made = alone(ids, n)
     texts, one = ask(client, chat, prompt, model=served[0].name, max_tokens=n, temperature=0)
     assert texts == [text] and one.choices[0].finish_reason == ("length" if made == n else "stop")
+    assert ask(client, chat, prompt, model=served[0].name, max_tokens=n, top_p=0)[0] == [text]  # (top_p 0: greedy)
     assert (one.usage.prompt_tokens, one.usage.completion_tokens) == (len(ids), made)
     texts, chunks = ask(client, chat, prompt, True, model=served[0].name, max_tokens=n, temperature=0,
                         stream_options={"include_usage": True})
@@ -254,7 +255,7 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
     ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
-    ("completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "x", "top_p": -0.1}, 400, "top_p"),
     ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
