@@ -61,7 +61,7 @@ class Strict(BaseModel):  # strict types ("0.5" is not a number, true not an int
 
 
 class Message(Strict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # (developer: OpenAI's newer system)
     content: str | list[dict[str, str]]  # a text, or parts {"type": "text", "text": ...}
 
 
@@ -230,8 +230,8 @@ class Server:
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     async def chat(self, body: Chat, client: Request):
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                     "\n".join(part.get("text", "") for part in m.content)} for m in body.messages]
+        messages = [{"role": m.role.replace("developer", "system"), "content": m.content if isinstance(m.content, str)
+                     else "\n".join(part.get("text", "") for part in m.content)} for m in body.messages]
         try:
             ids = self.tok.encode_chat(messages)
         except TemplateError as e:

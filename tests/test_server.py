@@ -199,6 +199,14 @@ def test_a_cancelled_handler_aborts_its_requests(served):
     assert victim.finish_reason == "abort" and len(victim.out) < 200 and srv.live == 0
 
 
+def test_a_developer_message_is_a_system_message(served, client):
+    def answer(role):
+        messages = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "Hello"}]
+        out = client.chat.completions.create(model=served[0].name, messages=messages, max_tokens=6, temperature=0)
+        return out.choices[0].message.content
+    assert answer("developer") == answer("system")
+
+
 def test_a_field_the_server_ignores_is_not_checked(served):
     response = httpx.post(f"{served[1]}/v1/completions", content='{"prompt": "x", "max_tokens": 1, "user": "\\ud800"}',
                           headers={"Content-Type": "application/json"}, timeout=30)
