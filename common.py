@@ -237,7 +237,7 @@ def _(x):
 
 def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """logits [B, V] -> sampling distribution [B, V] in float32."""
-    logits = (logits.float() - logits.amax(-1, keepdim=True).float()) / max(s.temperature, 1e-30)  # (no inf, no 0)
+    logits = logits.float() / max(s.temperature, 1e-30)  # (smaller: inf logits, or 0 in float32)
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, -float("inf"))
@@ -295,14 +295,14 @@ def row_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tens
     temperature [B] (> 0), top_k [B] (V: off), top_p [B] (inf: off) -> [B, V] float32. One full-vocabulary
     sort (a fixed shape) serves both filters: top-k keeps logits >= the k-th (ties kept, as topk's rule
     there), top-p the smallest prefix of the sorted distribution whose mass reaches top_p."""
-    ranked, order = logits.float().sort(-1, descending=True)  # [B, V]
-    ranked = (ranked - ranked[:, :1]) / temperature[:, None]  # (the largest 0: no overflow)
+    logits = logits.float() / temperature[:, None]
+    ranked, order = logits.sort(-1, descending=True)  # [B, V]
     # The k-th largest as the least of the first k (a reduction: Inductor's Triton code for a gather fused
     # into the softmax's split reduction fails to build in torch 2.11).
     first_k = torch.arange(logits.shape[-1], device=logits.device) < top_k[:, None]
     kth = ranked.masked_fill(~first_k, float("inf")).amin(-1, keepdim=True)
     p = ranked.masked_fill(ranked < kth, -float("inf")).softmax(-1)
-    p = p.masked_fill((cumsum(p) - p) >= top_p[:, None].clamp(min=1e-30), 0.0)  # (0 drops all)
+    p = p.masked_fill((cumsum(p) - p) >= top_p[:, None], 0.0)
     return torch.zeros_like(p).scatter_(-1, order, p / p.sum(-1, keepdim=True))
 
 

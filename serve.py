@@ -163,8 +163,8 @@ def default_buckets(max_batch: int) -> list[int]:  # 1, 2, 4, 8, ... and max_bat
 
 
 def row_settings(s: list[SamplingParams], vocab: int) -> list[list[float]]:  # temperature, top_k, top_p (off: V, inf), seed
-    return [[p.temperature for p in s], [min(p.top_k or vocab, vocab) for p in s],
-            [p.top_p if p.top_p is not None and p.top_p < 1 else float("inf") for p in s], [p.seed or 0 for p in s]]
+    return [[p.temperature and max(p.temperature, 1e-30) for p in s], [min(p.top_k or vocab, vocab) for p in s],
+            [float("inf") if p.top_p in (None, 1) else max(p.top_p, 1e-30) for p in s], [p.seed or 0 for p in s]]
 
 
 class Runner:
