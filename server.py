@@ -55,9 +55,9 @@ class Strict(BaseModel):  # strict types ("0.5" is not a number, true not an int
 
     @model_validator(mode="before")
     @classmethod
-    def nulls_to_defaults(cls, data):  # (a lone surrogate, which no tokenizer takes: UnicodeEncodeError, a 400)
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) and \
-            json.dumps([data.get(k) for k in cls.model_fields], ensure_ascii=False).encode() else data
+    def nulls_to_defaults(cls, data):  # (a lone surrogate in a field read: UnicodeEncodeError, a 400; Message: its own)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) and json.dumps(
+            [data.get(k) for k in cls.model_fields if k != "messages"], ensure_ascii=False).encode() else data
 
 
 class Message(Strict):

@@ -208,9 +208,12 @@ def test_a_developer_message_is_a_system_message(served, client):
 
 
 def test_a_field_the_server_ignores_is_not_checked(served):
-    response = httpx.post(f"{served[1]}/v1/completions", content='{"prompt": "x", "max_tokens": 1, "user": "\\ud800"}',
-                          headers={"Content-Type": "application/json"}, timeout=30)
-    assert response.status_code == 200, response.text
+    for endpoint, body in [("completions", '{"prompt": "x", "max_tokens": 1, "user": "\\ud800"}'),
+                           ("chat/completions", '{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}], '
+                                                '"max_tokens": 1}')]:
+        response = httpx.post(f"{served[1]}/v1/{endpoint}", content=body, headers={"Content-Type": "application/json"},
+                              timeout=30)
+        assert response.status_code == 200, response.text
 
 
 def test_streamed_logprobs_equal_the_answer_in_one_piece(served, client):
@@ -282,7 +285,7 @@ BAD = [  # (endpoint, body, status, param)
     ("completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, None),
     ("completions", '{"prompt": "x\\ud800"}', 400, None),  # (a lone surrogate: no tokenizer takes it)
-    ("chat/completions", '{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, None),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages"),
 ]
 
 
