@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_OPTIONS = {"cpp.min_chunk_size": 65536}  # Inductor on the CPU: decode's small loops not handed to OpenMP threads
+LEAST = 1e-30  # the least temperature (above 0) and top_p the samplers use: smaller, logits overflow or round to 0
 
 
 def cache_dir() -> Path:
@@ -237,7 +238,7 @@ def _(x):
 
 def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """logits [B, V] -> sampling distribution [B, V] in float32."""
-    logits = logits.float() / max(s.temperature, 1e-30)  # (smaller: inf logits, or 0 in float32)
+    logits = logits.float() / max(s.temperature, LEAST)
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, -float("inf"))
@@ -246,7 +247,7 @@ def logits_to_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         # Keep the smallest prefix of the sorted distribution whose mass reaches top_p: a token is
         # dropped when the mass before it already does. Full-vocabulary sort: a fixed shape.
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        drop_sorted = (cumsum(sorted_probs) - sorted_probs) >= max(s.top_p, 1e-30)
+        drop_sorted = (cumsum(sorted_probs) - sorted_probs) >= max(s.top_p, LEAST)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 import gdkernels
-from common import (Sampling, Step, UsageError, argmax, cache_length, check_memory, decode_mode, default_device,
+from common import (LEAST, Sampling, Step, UsageError, argmax, cache_length, check_memory, decode_mode, default_device,
                     default_dtype, no_recompiles, prefill_attention, sample_rows)
 from gdkernels import aot
 from model import Transformer, read_config
@@ -163,8 +163,8 @@ def default_buckets(max_batch: int) -> list[int]:  # 1, 2, 4, 8, ... and max_bat
 
 
 def row_settings(s: list[SamplingParams], vocab: int) -> list[list[float]]:  # temperature, top_k, top_p (off: V, inf), seed
-    return [[p.temperature and max(p.temperature, 1e-30) for p in s], [min(p.top_k or vocab, vocab) for p in s],
-            [float("inf") if p.top_p in (None, 1) else max(p.top_p, 1e-30) for p in s], [p.seed or 0 for p in s]]
+    return [[p.temperature and max(p.temperature, LEAST) for p in s], [min(p.top_k or vocab, vocab) for p in s],
+            [float("inf") if p.top_p in (None, 1) else max(p.top_p, LEAST) for p in s], [p.seed or 0 for p in s]]
 
 
 class Runner:
