@@ -62,7 +62,7 @@ class Strict(BaseModel):  # strict types ("0.5" is not a number, true not an int
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]  # (developer: OpenAI's newer system)
-    content: str | list[dict[str, str]]  # a text, or parts {"type": "text", "text": ...}
+    content: str | list[dict[str, str]] = ""  # a text, or parts {"type": "text", "text": ...} (null: a tool call's)
 
 
 class Body(Strict):  # both endpoints' fields, OpenAI's defaults (top_k: an extension, as vLLM's and llama.cpp's)

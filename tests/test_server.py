@@ -207,6 +207,16 @@ def test_a_developer_message_is_a_system_message(served, client):
     assert answer("developer") == answer("system")
 
 
+def test_an_assistant_message_without_content_is_an_empty_one(served, client):
+    """A replayed assistant turn may carry "content": null (it made tool calls, which this server does not offer)."""
+    def answer(content):
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": content},
+                    {"role": "user", "content": "Hello"}]
+        out = client.chat.completions.create(model=served[0].name, messages=messages, max_tokens=6, temperature=0)
+        return out.choices[0].message.content
+    assert answer(None) == answer("")
+
+
 def test_a_field_the_server_ignores_is_not_checked(served):
     for endpoint, body in [("completions", '{"prompt": "x", "max_tokens": 1, "user": "\\ud800"}'),
                            ("chat/completions", '{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}], '
